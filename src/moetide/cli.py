@@ -1,0 +1,48 @@
+"""The one entry point: ``moetide <verb>``.
+
+Each verb lives in ``moetide.commands.<verb>`` and exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+Verbs are listed in one table (no if-chains) and imported only when chosen, so ``moetide specs`` never imports torch.
+A ``UserError`` anywhere becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from moetide.errors import UserError
+
+# verb -> (module under moetide.commands, one-line help)
+VERBS: dict[str, tuple[str, str]] = {
+    "specs": ("specs", "print model and hardware tables (presets, or your own config.json / hardware file)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moetide", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    for verb, (module_name, help_text) in VERBS.items():
+        module = importlib.import_module(f"moetide.commands.{module_name}")
+        verb_parser = sub.add_parser(verb, help=help_text, description=help_text)
+        module.add_arguments(verb_parser)
+        verb_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        print(f"moetide {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"moetide {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""KV block pool with prefix caching, in vLLM-v1 semantics, plus the books a memory policy needs.
+
+What it is: the set of KV block ids the accelerator currently gives to the KV cache, each with a reference count
+and, once full and registered, a chained hash (``core.hashing``). Blocks whose count drops to zero stay cached and
+can be hit again until they are evicted — vLLM v1's ``BlockPool``.
+
+How it differs from vLLM's pool, and why:
+
+* **Two free queues, not one.** vLLM keeps one LRU queue that mixes never-cached and cached-but-free blocks and
+  silently evicts whatever is at its head. Here *uncached* free blocks and *cached* free blocks are kept apart:
+  ``allocate`` only ever takes uncached blocks, and turning a cached prefix into free space is a separate, explicit
+  ``evict`` call. A memory policy (``core.pressure``) must weigh evicting a reusable prefix against its other ways
+  out *before* the prefix is lost, and it can only do that if eviction is never a side effect of allocation.
+* **Not a deque.** Hits take blocks out of the middle of the free queues, so each queue is an ``OrderedDict``
+  keyed by block id: O(1) append, O(1) pop of the oldest, O(1) removal from anywhere — what vLLM's hand-written
+  doubly linked ``FreeKVCacheBlockQueue`` gives, with the linking done in C.
+* **Eviction order.** The cached queue is in LRU order of release. Requests release their blocks tail first
+  (``KVCacheManager.free`` reverses the block table, as vLLM does), so the tail of a chain is evicted before its
+  head and a shared system prompt outlives the conversations built on it.
+* **Invalidation down the chain.** A chain's hashes cover their parents, so once block i is gone, blocks i+1…
+  can never be hit again. vLLM leaves them cached until they drift to the head of the queue; here evicting a
+  block unregisters every registered descendant at once (iteratively — agent chains run to tens of thousands of
+  blocks). Invariant: every registered block's parent hash is registered (or is the chain root).
+* **No duplicates.** A hash maps to one block. Registering a hash that is already held by another block is
+  refused (``cache_block`` returns False) and that block stays private; it is freed as an uncached block.
+* **Growth and shrink by given ids.** The arena (``core.arena``) decides which block ids exist; the pool adds and
+  removes exactly those. Removal is atomic: all free, or nothing changes.
+
+Atomicity: ``allocate`` either returns all the blocks asked for or returns ``None`` and changes nothing — there is
+no separate "can I?" call whose answer could be stale by the time of "do it".
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class BlockPool:
+    """Reference-counted KV blocks with an LRU prefix cache and separate uncached/cached free queues."""
+
+    def __init__(self, block_ids: Iterable[int], *, enable_caching: bool = True) -> None:
+        self.enable_caching = enable_caching
+        self._ref_cnt: dict[int, int] = {}
+        self._uncached_free: OrderedDict[int, None] = OrderedDict()
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        self._hash_of: dict[int, int] = {}  # registered block id -> its hash
+        self._parent_of: dict[int, int | None] = {}  # registered block id -> parent's hash (None: chain head)
+        self._block_of: dict[int, int] = {}  # hash -> the one registered block holding it
+        self._children: dict[int, set[int]] = {}  # hash -> registered block ids whose parent it is
+        self.num_evicted_blocks = 0  # lifetime counter, for metrics
+        self.add_blocks(block_ids)
+
+    # ---- counts -------------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self._ref_cnt)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._uncached_free) + len(self._cached_free)
+
+    @property
+    def num_uncached_free_blocks(self) -> int:
+        return len(self._uncached_free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._ref_cnt) - len(self._uncached_free) - len(self._cached_free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks, in use or free."""
+        return len(self._block_of)
+
+    def block_ids(self) -> list[int]:
+        return sorted(self._ref_cnt)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_cnt[block_id]
+
+    def is_free(self, block_id: int) -> bool:
+        return self._ref_cnt[block_id] == 0
+
+    def block_hash(self, block_id: int) -> int | None:
+        return self._hash_of.get(block_id)
+
+    def cached_free_block_ids(self) -> list[int]:
+        """Cached-but-free blocks in eviction order (next victim first)."""
+        return list(self._cached_free)
+
+    def uncached_free_block_ids(self) -> list[int]:
+        """Uncached free blocks in allocation order."""
+        return list(self._uncached_free)
+
+    # ---- allocation and references ------------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """Take ``num_blocks`` uncached free blocks (ref count 1 each), or return None and change nothing."""
+        if num_blocks > len(self._uncached_free):
+            return None
+        pop = self._uncached_free.popitem
+        ref_cnt = self._ref_cnt
+        out = []
+        for _ in range(num_blocks):
+            block_id = pop(last=False)[0]
+            ref_cnt[block_id] = 1
+            out.append(block_id)
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on each block (cache hits); a free block leaves its free queue."""
+        ref_cnt = self._ref_cnt
+        for block_id in block_ids:
+            count = ref_cnt[block_id]
+            if count == 0:
+                if block_id in self._hash_of:
+                    del self._cached_free[block_id]
+                else:
+                    del self._uncached_free[block_id]
+            ref_cnt[block_id] = count + 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block, in the order given; at zero a block joins the tail of its queue."""
+        ref_cnt = self._ref_cnt
+        for block_id in block_ids:
+            count = ref_cnt[block_id] - 1
+            if count < 0:
+                raise ValueError(f"block {block_id} freed more times than it was taken")
+            ref_cnt[block_id] = count
+            if count == 0:
+                if block_id in self._hash_of:
+                    self._cached_free[block_id] = None
+                else:
+                    self._uncached_free[block_id] = None
+
+    # ---- the prefix cache ---------------------------------------------------------------------------------
+    def cache_block(self, block_id: int, block_hash: int, parent_hash: int | None) -> bool:
+        """Register a full block under ``block_hash`` (``parent_hash`` None for a chain's first block).
+
+        Returns False and changes nothing if caching is off, the hash is already held by another block, or the
+        parent hash is not registered (an eviction broke the chain: the block could never be hit)."""
+        if not self.enable_caching or block_hash in self._block_of:
+            return False
+        if block_id in self._hash_of:
+            raise ValueError(f"block {block_id} is already cached under another hash")
+        if parent_hash is not None and parent_hash not in self._block_of:
+            return False
+        self._hash_of[block_id] = block_hash
+        self._parent_of[block_id] = parent_hash
+        self._block_of[block_hash] = block_id
+        if parent_hash is not None:
+            self._children.setdefault(parent_hash, set()).add(block_id)
+        if self._ref_cnt[block_id] == 0:  # caching a free block: it moves to the cached queue's tail
+            del self._uncached_free[block_id]
+            self._cached_free[block_id] = None
+        return True
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self._block_of.get(block_hash)
+
+    def lookup_chain(self, block_hashes: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached prefix of ``block_hashes`` (no references taken)."""
+        block_of = self._block_of
+        hits = []
+        for block_hash in block_hashes:
+            block_id = block_of.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Uncache at least ``num_blocks`` cached-free blocks (fewer only if there are not that many), head of the
+        LRU queue first, each with its registered descendants. Returns every block that became uncached-free."""
+        evicted: list[int] = []
+        while len(evicted) < num_blocks and self._cached_free:
+            self._uncache_chain(next(iter(self._cached_free)), evicted)
+        return evicted
+
+    def _uncache_chain(self, block_id: int, evicted: list[int]) -> None:
+        stack = [block_id]
+        while stack:
+            block_id = stack.pop()
+            block_hash = self._hash_of.pop(block_id)
+            parent_hash = self._parent_of.pop(block_id)
+            del self._block_of[block_hash]
+            siblings = self._children.get(parent_hash) if parent_hash is not None else None
+            if siblings is not None:  # None when the parent was uncached in this same cascade
+                siblings.discard(block_id)
+                if not siblings:
+                    del self._children[parent_hash]
+            stack.extend(self._children.pop(block_hash, ()))
+            if self._ref_cnt[block_id] == 0:
+                del self._cached_free[block_id]
+                self._uncached_free[block_id] = None
+                evicted.append(block_id)
+                self.num_evicted_blocks += 1
+
+    # ---- growth and shrink --------------------------------------------------------------------------------
+    def add_blocks(self, block_ids: Iterable[int]) -> None:
+        """New block ids join the tail of the uncached free queue."""
+        new_ids = list(block_ids)
+        clash = [b for b in new_ids if b in self._ref_cnt]
+        if clash or len(set(new_ids)) != len(new_ids):
+            raise ValueError(f"block ids already in the pool or repeated: {sorted(set(clash))[:8]}")
+        for block_id in new_ids:
+            self._ref_cnt[block_id] = 0
+            self._uncached_free[block_id] = None
+
+    def remove_blocks(self, block_ids: Iterable[int]) -> bool:
+        """Remove the given blocks if every one is free (cached ones are evicted first); else change nothing."""
+        ids = list(block_ids)
+        ref_cnt = self._ref_cnt
+        if any(ref_cnt.get(b, 1) != 0 for b in ids) or len(set(ids)) != len(ids):
+            return False
+        evicted: list[int] = []
+        for block_id in ids:
+            if block_id in self._hash_of:
+                self._uncache_chain(block_id, evicted)
+        for block_id in ids:
+            del self._uncached_free[block_id]
+            del ref_cnt[block_id]
+        return True
+
+    # ---- checks -------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the books disagree with each other."""
+        uncached, cached = set(self._uncached_free), set(self._cached_free)
+        assert not uncached & cached, f"blocks in both free queues: {sorted(uncached & cached)[:8]}"
+        for block_id, count in self._ref_cnt.items():
+            assert count >= 0, f"block {block_id} has ref count {count}"
+            free = block_id in uncached or block_id in cached
+            assert free == (count == 0), f"block {block_id}: ref count {count} but free={free}"
+            if block_id in cached:
+                assert block_id in self._hash_of, f"cached-free block {block_id} has no hash"
+            if block_id in uncached:
+                assert block_id not in self._hash_of, f"uncached-free block {block_id} has a hash"
+        assert uncached | cached <= set(self._ref_cnt), "free queue holds a block the pool does not own"
+        assert len(self._block_of) == len(self._hash_of) == len(self._parent_of), "hash maps differ in size"
+        for block_id, block_hash in self._hash_of.items():
+            assert self._block_of[block_hash] == block_id, f"hash of block {block_id} maps elsewhere"
+            parent_hash = self._parent_of[block_id]
+            if parent_hash is not None:
+                assert parent_hash in self._block_of, f"block {block_id}'s parent hash is not registered"
+                assert block_id in self._children[parent_hash], f"block {block_id} missing from its parent's children"
+        for parent_hash, children in self._children.items():
+            assert children, f"empty child set under {parent_hash}"
+            for child in children:
+                assert self._parent_of[child] == parent_hash, f"child {child} has another parent"

@@ -1,0 +1,129 @@
+"""Per-request block tables over a ``BlockPool``: vLLM v1's ``KVCacheManager`` (single KV cache group).
+
+The scheduler talks to this, never to the pool directly:
+
+* ``get_computed_blocks(block_hashes, num_tokens)`` finds the longest cached prefix of a new (or resumed)
+  request. At most ``num_tokens - 1`` tokens can hit — a fully cached prompt still computes its last token, whose
+  logits the first output token needs (vLLM's ``max_cache_hit_length``).
+* ``allocate_slots`` takes references on those hits, allocates the blocks the step's new tokens need, and
+  registers every block that will be full once the step has run. Registration happens at allocation, as in vLLM:
+  a request scheduled later in the *same* step then hits these blocks. This is sound because an engine writes
+  every token's KV for a layer before it runs that layer's attention for any of them. It also means a preemption
+  victim must never be a request already scheduled in the current step (the scheduler's rule, as in vLLM).
+  All or nothing: ``None`` means no reference was taken and no block was allocated.
+* ``free`` releases a request's blocks tail first, so the tail of its chain is evicted before its head.
+
+Block hashes are supplied by the caller (``core.hashing``): from token ids in the engine, from a trace's block
+keys in the simulator. ``block_hashes[i]`` is the hash of full block i; the list may be shorter than the request's
+blocks (the last, partial block has none yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from moetide.core.blocks import BlockPool
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables of running requests, over one pool with one block size."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self._blocks: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks of a request already offered to the cache
+
+    def get_computed_blocks(self, block_hashes: Sequence[int], num_tokens: int) -> tuple[list[int], int]:
+        """Cached prefix of a request with ``num_tokens`` known tokens: (block ids, computed tokens). No refs."""
+        max_hit_blocks = max(num_tokens - 1, 0) // self.block_size
+        hits = self.pool.lookup_chain(block_hashes[:max_hit_blocks])
+        return hits, len(hits) * self.block_size
+
+    def num_blocks_short(
+        self, request_id: str, num_new_tokens: int, num_computed_tokens: int, num_new_computed_blocks: int = 0
+    ) -> int:
+        """How many more uncached free blocks ``allocate_slots`` would need than the pool has now (0 = fits)."""
+        need = self._num_blocks_to_allocate(request_id, num_new_tokens, num_computed_tokens, num_new_computed_blocks)
+        return max(need - self.pool.num_uncached_free_blocks, 0)
+
+    def _num_blocks_to_allocate(
+        self, request_id: str, num_new_tokens: int, num_computed_tokens: int, num_new_computed_blocks: int
+    ) -> int:
+        num_required = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_held = len(self._blocks.get(request_id, ())) + num_new_computed_blocks
+        return max(num_required - num_held, 0)
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        block_hashes: Sequence[int],
+        *,
+        num_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[int] = (),
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` after ``num_computed_tokens`` (which include ``new_computed_blocks``,
+        the hits from ``get_computed_blocks``). Returns the newly allocated block ids, or None with no effect."""
+        num_new = self._num_blocks_to_allocate(
+            request_id, num_new_tokens, num_computed_tokens, len(new_computed_blocks)
+        )
+        new_blocks = self.pool.allocate(num_new)
+        if new_blocks is None:
+            return None
+        blocks = self._blocks.setdefault(request_id, [])
+        if new_computed_blocks:
+            if blocks:
+                raise ValueError(f"request {request_id!r} already holds blocks; prefix hits apply to new requests")
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self._num_registered[request_id] = len(new_computed_blocks)
+        blocks.extend(new_blocks)
+        self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens)
+        return new_blocks
+
+    def _register_full_blocks(
+        self, request_id: str, blocks: list[int], block_hashes: Sequence[int], num_tokens: int
+    ) -> None:
+        start = self._num_registered.get(request_id, 0)
+        end = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
+        cache_block = self.pool.cache_block
+        for i in range(start, end):
+            cache_block(blocks[i], block_hashes[i], block_hashes[i - 1] if i else None)
+        self._num_registered[request_id] = max(start, end)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first (so a chain's tail is evicted before its head)."""
+        blocks = self._blocks.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def get_blocks(self, request_id: str) -> list[int]:
+        """The request's block table (block i holds tokens [i·block_size, (i+1)·block_size))."""
+        return self._blocks.get(request_id, [])
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._blocks)
+
+    def check_invariants(self) -> None:
+        """Pool books plus: every held block is referenced at least as often as requests hold it."""
+        self.pool.check_invariants()
+        holders: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for block_id in blocks:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        for block_id, count in holders.items():
+            assert self.pool.ref_count(block_id) == count, (
+                f"block {block_id} held by {count} requests but ref count {self.pool.ref_count(block_id)}"
+            )

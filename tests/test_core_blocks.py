@@ -1,0 +1,194 @@
+"""Scenario tests for the block pool and KV cache manager: exact block ids and eviction order (vLLM-v1 style)."""
+
+import pytest
+
+from moetide.core.blocks import BlockPool
+from moetide.core.hashing import hash_token_blocks
+from moetide.core.kv_manager import KVCacheManager
+
+BS = 4  # block size in tokens
+
+
+def make(num_blocks=10):
+    pool = BlockPool(range(num_blocks))
+    return pool, KVCacheManager(pool, BS)
+
+
+def admit(manager, request_id, tokens):
+    """Schedule a whole prompt the way the scheduler does: hits first, then the rest."""
+    hashes = hash_token_blocks(tokens, BS)
+    hits, num_computed = manager.get_computed_blocks(hashes, len(tokens))
+    new = manager.allocate_slots(
+        request_id, len(tokens) - num_computed, hashes, num_computed_tokens=num_computed, new_computed_blocks=hits
+    )
+    manager.check_invariants()
+    return hits, num_computed, new
+
+
+def test_allocate_takes_oldest_uncached_and_is_atomic():
+    pool = BlockPool([5, 3, 9])
+    assert pool.allocate(2) == [5, 3]
+    assert pool.allocate(2) is None  # only one left: nothing taken
+    assert pool.num_uncached_free_blocks == 1 and pool.uncached_free_block_ids() == [9]
+    pool.check_invariants()
+
+
+def test_two_requests_sharing_a_prefix_in_the_same_step():
+    pool, manager = make()
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert admit(manager, "a", shared + [10, 11]) == ([], 0, [0, 1, 2])
+    # b is scheduled in the same step, after a: a's full blocks are registered at allocation, so b hits them
+    assert admit(manager, "b", shared + [20, 21]) == ([0, 1], 8, [3])
+    assert [pool.ref_count(b) for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert manager.get_blocks("b") == [0, 1, 3]
+
+
+def test_fully_cached_prompt_still_computes_one_token():
+    pool, manager = make()
+    prompt = list(range(8))  # exactly two full blocks
+    admit(manager, "a", prompt)
+    manager.free("a")
+    # the last block cannot be a hit: its last token must be computed for the first output's logits
+    hits, num_computed, new = admit(manager, "b", prompt)
+    assert (hits, num_computed) == ([0], 4)
+    assert len(new) == 1
+    # one more token and both full blocks hit; the ninth token is computed
+    manager.free("b")
+    hits, num_computed, _ = admit(manager, "c", prompt + [99])
+    assert (hits, num_computed) == ([0, 1], 8)
+
+
+def test_free_is_tail_first_and_eviction_takes_chain_tail_first():
+    pool, manager = make()
+    admit(manager, "a", list(range(12)))  # blocks 0,1,2, all full
+    manager.free("a")
+    assert pool.cached_free_block_ids() == [2, 1, 0]
+    assert pool.evict(1) == [2]
+    hashes = hash_token_blocks(list(range(12)), BS)
+    assert pool.lookup_chain(hashes) == [0, 1]
+    assert pool.num_uncached_free_blocks == 8 and pool.num_cached_free_blocks == 2
+    pool.check_invariants()
+
+
+def test_shared_system_prompt_outlives_the_conversations_on_it():
+    pool, manager = make(12)
+    system = list(range(8))
+    admit(manager, "a", system + [100, 101, 102, 103])
+    admit(manager, "b", system + [200, 201, 202, 203])
+    manager.free("a")
+    manager.free("b")
+    # a's tail, then b's tail, then the shared head (released last, by b)
+    assert pool.cached_free_block_ids() == [2, 3, 1, 0]
+    assert pool.evict(2) == [2, 3]
+    assert pool.lookup_chain(hash_token_blocks(system, BS)) == [0, 1]
+
+
+def test_evicting_a_head_invalidates_down_the_chain():
+    pool = BlockPool(range(6))
+    blocks = pool.allocate(3)
+    hashes = hash_token_blocks(list(range(12)), BS)
+    for i, block_id in enumerate(blocks):
+        assert pool.cache_block(block_id, hashes[i], hashes[i - 1] if i else None)
+    pool.free(blocks)  # head first (not what a request does): the head is now the LRU victim
+    assert pool.cached_free_block_ids() == [0, 1, 2]
+    # asking for one block loses the whole chain: 1 and 2 could never be hit without 0
+    assert pool.evict(1) == [0, 1, 2]
+    assert pool.num_cached_blocks == 0 and pool.lookup_chain(hashes) == []
+    pool.check_invariants()
+
+
+def test_invalidation_reaches_referenced_descendants_without_freeing_them():
+    pool = BlockPool(range(4))
+    hashes = hash_token_blocks(list(range(8)), BS)
+    a = pool.allocate(2)
+    pool.cache_block(a[0], hashes[0], None)
+    pool.cache_block(a[1], hashes[1], hashes[0])
+    pool.free([a[0]])  # head free, tail still held (only reachable through the pool API, never via a request)
+    assert pool.evict(1) == [a[0]]
+    assert pool.block_hash(a[1]) is None and pool.ref_count(a[1]) == 1
+    pool.free([a[1]])
+    assert a[1] in pool.uncached_free_block_ids()
+    pool.check_invariants()
+
+
+def test_cache_block_refuses_duplicates_and_broken_chains():
+    pool = BlockPool(range(4))
+    hashes = hash_token_blocks(list(range(8)), BS)
+    a, b, c = pool.allocate(3)
+    assert pool.cache_block(a, hashes[0], None)
+    assert not pool.cache_block(b, hashes[0], None)  # already held by a
+    assert not pool.cache_block(c, 12345, 999)  # parent never registered
+    pool.free([b, c])
+    assert pool.uncached_free_block_ids() == [3, b, c]
+    pool.check_invariants()
+
+
+def test_cached_free_blocks_are_reusable_until_evicted():
+    pool, manager = make(4)
+    admit(manager, "a", list(range(9)))  # blocks 0,1 full and cached, 2 partial
+    manager.free("a")
+    assert pool.num_uncached_free_blocks == 2 and pool.num_cached_free_blocks == 2
+    hits, num_computed, new = admit(manager, "b", list(range(9)))
+    assert (hits, num_computed, new) == ([0, 1], 8, [3])
+    assert pool.num_cached_free_blocks == 0
+
+
+def test_allocate_slots_returns_none_without_side_effects():
+    pool, manager = make(4)
+    admit(manager, "a", list(range(8)))
+    manager.free("a")  # 0,1 cached-free; 2,3 uncached-free
+    tokens = list(range(4)) + [50] * 16  # hits block 0, needs 4 more blocks; only 2 uncached
+    hashes = hash_token_blocks(tokens, BS)
+    hits, num_computed = manager.get_computed_blocks(hashes, len(tokens))
+    assert hits == [0]
+    assert manager.num_blocks_short("b", len(tokens) - num_computed, num_computed, len(hits)) == 2
+    before = (pool.cached_free_block_ids(), pool.uncached_free_block_ids())
+    assert manager.allocate_slots("b", 16, hashes, num_computed_tokens=4, new_computed_blocks=hits) is None
+    assert (pool.cached_free_block_ids(), pool.uncached_free_block_ids()) == before
+    assert pool.ref_count(0) == 0 and manager.get_blocks("b") == []
+    manager.check_invariants()
+
+
+def test_decode_growth_registers_blocks_as_they_fill():
+    pool, manager = make()
+    tokens = list(range(6))
+    admit(manager, "a", tokens)  # blocks 0,1; block 0 registered
+    assert pool.num_cached_blocks == 1
+    tokens += [6, 7]  # two decode steps fill block 1
+    hashes = hash_token_blocks(tokens, BS)
+    assert manager.allocate_slots("a", 1, hashes, num_computed_tokens=7) == []
+    assert pool.num_cached_blocks == 2 and pool.block_hash(1) == hashes[1]
+    tokens.append(8)
+    assert manager.allocate_slots("a", 1, hash_token_blocks(tokens, BS), num_computed_tokens=8) == [2]
+
+
+def test_grow_and_shrink_by_given_ids():
+    pool, manager = make(3)
+    pool.add_blocks([10, 11])
+    assert pool.num_blocks == 5 and pool.uncached_free_block_ids() == [0, 1, 2, 10, 11]
+    with pytest.raises(ValueError):
+        pool.add_blocks([11])
+    admit(manager, "a", list(range(5)))  # takes 0 and 1; 0 cached
+    assert not pool.remove_blocks([1, 2])  # 1 is in use: nothing removed
+    assert pool.num_blocks == 5
+    manager.free("a")
+    assert pool.remove_blocks([0, 2])  # 0 is cached-free: dropped from the cache
+    assert pool.block_ids() == [1, 10, 11] and pool.num_cached_blocks == 0
+    pool.check_invariants()
+
+
+def test_double_free_is_an_error():
+    pool = BlockPool(range(2))
+    (a,) = pool.allocate(1)
+    pool.free([a])
+    with pytest.raises(ValueError, match="freed more times"):
+        pool.free([a])
+
+
+def test_caching_disabled_never_hits():
+    pool = BlockPool(range(8), enable_caching=False)
+    manager = KVCacheManager(pool, BS)
+    admit(manager, "a", list(range(9)))
+    manager.free("a")
+    assert admit(manager, "b", list(range(9)))[:2] == ([], 0)
+    assert pool.num_cached_blocks == 0

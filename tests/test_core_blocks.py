@@ -192,3 +192,28 @@ def test_caching_disabled_never_hits():
     manager.free("a")
     assert admit(manager, "b", list(range(9)))[:2] == ([], 0)
     assert pool.num_cached_blocks == 0
+
+
+def test_evict_spares_protected_prefix_hits():
+    pool, manager = make(6)
+    admit(manager, "a", list(range(8)) + [1])  # 0,1 cached, 2 partial
+    manager.free("a")
+    admit(manager, "b", [5] * 9)  # 3,4 cached, 5 partial
+    manager.free("b")
+    assert pool.cached_free_block_ids() == [1, 0, 4, 3]
+    assert pool.evict(2, protect={0, 1}) == [4, 3]
+    assert pool.evict(1, protect={0, 1}) == []
+
+
+def test_hybrid_state_blocks_come_with_the_first_allocation():
+    pool = BlockPool(range(6))
+    manager = KVCacheManager(pool, BS, num_state_blocks_per_request=2)
+    hashes = hash_token_blocks(list(range(5)), BS)
+    assert manager.num_blocks_short("a", 5, 0) == 0
+    assert manager.allocate_slots("a", 5, hashes) == [2, 3]
+    assert manager.get_state_blocks("a") == [0, 1] and manager.get_blocks("a") == [2, 3]
+    assert manager.allocate_slots("a", 1, hashes, num_computed_tokens=5) == []  # state is taken once
+    assert manager.num_blocks_short("b", 9, 0) == 3  # 3 KV + 2 state blocks wanted, 2 free
+    manager.free("a")
+    assert pool.num_free_blocks == 6
+    manager.check_invariants()

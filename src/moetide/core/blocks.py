@@ -33,7 +33,7 @@ no separate "can I?" call whose answer could be stale by the time of "do it".
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 
 class BlockPool:
@@ -173,12 +173,23 @@ class BlockPool:
             hits.append(block_id)
         return hits
 
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int, protect: Collection[int] = ()) -> list[int]:
         """Uncache at least ``num_blocks`` cached-free blocks (fewer only if there are not that many), head of the
-        LRU queue first, each with its registered descendants. Returns every block that became uncached-free."""
+        LRU queue first, each with its registered descendants. Returns every block that became uncached-free.
+
+        ``protect`` holds blocks that must survive (a request's own prefix hits, looked up but not yet taken). It
+        must be closed under ancestors — a prefix chain is — so no cascade can reach a protected block.
+        """
         evicted: list[int] = []
-        while len(evicted) < num_blocks and self._cached_free:
-            self._uncache_chain(next(iter(self._cached_free)), evicted)
+        if not protect:
+            while len(evicted) < num_blocks and self._cached_free:
+                self._uncache_chain(next(iter(self._cached_free)), evicted)
+            return evicted
+        while len(evicted) < num_blocks:
+            victim = next((b for b in self._cached_free if b not in protect), None)
+            if victim is None:
+                break
+            self._uncache_chain(victim, evicted)
         return evicted
 
     def _uncache_chain(self, block_id: int, evicted: list[int]) -> None:

@@ -32,12 +32,18 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Block tables of running requests, over one pool with one block size."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, *, num_state_blocks_per_request: int = 0) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_state_blocks_per_request < 0:
+            raise ValueError(f"num_state_blocks_per_request must be >= 0, got {num_state_blocks_per_request}")
         self.pool = pool
         self.block_size = block_size
+        # Hybrid models (linear-attention layers) keep a fixed-size state per running sequence; like vLLM's hybrid
+        # allocator, it is carved from the same pool: these blocks are taken with the request's first allocation.
+        self.num_state_blocks_per_request = num_state_blocks_per_request
         self._blocks: dict[str, list[int]] = {}
+        self._state_blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a request already offered to the cache
 
     def get_computed_blocks(self, block_hashes: Sequence[int], num_tokens: int) -> tuple[list[int], int]:
@@ -57,8 +63,10 @@ class KVCacheManager:
         self, request_id: str, num_new_tokens: int, num_computed_tokens: int, num_new_computed_blocks: int
     ) -> int:
         num_required = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
-        num_held = len(self._blocks.get(request_id, ())) + num_new_computed_blocks
-        return max(num_required - num_held, 0)
+        held = self._blocks.get(request_id)
+        if held is None:
+            return max(num_required - num_new_computed_blocks, 0) + self.num_state_blocks_per_request
+        return max(num_required - len(held) - num_new_computed_blocks, 0)
 
     def allocate_slots(
         self,
@@ -77,7 +85,12 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(num_new)
         if new_blocks is None:
             return None
-        blocks = self._blocks.setdefault(request_id, [])
+        blocks = self._blocks.get(request_id)
+        if blocks is None:
+            blocks = self._blocks[request_id] = []
+            if self.num_state_blocks_per_request:
+                self._state_blocks[request_id] = new_blocks[: self.num_state_blocks_per_request]
+                new_blocks = new_blocks[self.num_state_blocks_per_request :]
         if new_computed_blocks:
             if blocks:
                 raise ValueError(f"request {request_id!r} already holds blocks; prefix hits apply to new requests")
@@ -104,6 +117,13 @@ class KVCacheManager:
         self._num_registered.pop(request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))
+        state_blocks = self._state_blocks.pop(request_id, None)
+        if state_blocks:
+            self.pool.free(state_blocks)
+
+    def get_state_blocks(self, request_id: str) -> list[int]:
+        """Blocks holding the request's fixed-size (linear-attention) state; [] for pure-attention models."""
+        return self._state_blocks.get(request_id, [])
 
     def get_blocks(self, request_id: str) -> list[int]:
         """The request's block table (block i holds tokens [i·block_size, (i+1)·block_size))."""
@@ -120,7 +140,7 @@ class KVCacheManager:
         """Pool books plus: every held block is referenced at least as often as requests hold it."""
         self.pool.check_invariants()
         holders: dict[int, int] = {}
-        for blocks in self._blocks.values():
+        for blocks in [*self._blocks.values(), *self._state_blocks.values()]:
             for block_id in blocks:
                 holders[block_id] = holders.get(block_id, 0) + 1
         for block_id, count in holders.items():

@@ -1,0 +1,286 @@
+"""Continuous batching in vLLM v1's step model, shared by the simulator and the engine.
+
+There are no prefill and decode phases: each step, every running request's computed tokens catch up with its
+known tokens as far as ``max_num_batched_tokens`` allows (chunked prefill), then waiting requests are admitted in
+FCFS order while budget, ``max_num_seqs`` and memory allow. ``schedule()`` returns a plan, the backend executes it
+(the simulator charges time, the engine runs tensors), and ``update()`` consumes the result.
+
+Memory: a request's blocks come from ``KVCacheManager.allocate_slots``, which never evicts implicitly. When it
+returns ``None`` the scheduler asks the pressure policy (``core.pressure``) for a plan — evict cached prefixes,
+preempt, offload experts — carries it out and retries. Rules inherited from vLLM v1:
+* only running requests not yet scheduled in this step may be preempted (so a block registered this step is
+  always computed this step — see ``core.kv_manager``);
+* a preempted request frees its blocks, goes back to the *front* of the waiting queue, and later recomputes
+  whatever the prefix cache no longer holds;
+* if anything was preempted in a step, no waiting request is admitted in that step;
+* a waiting request that cannot get memory blocks the queue behind it (FCFS).
+Sessions (conversations, agent runs) are tracked by id: when each last spoke and how many requests it has in
+flight — what a policy needs to guess whether a cached prefix will be reused.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from moetide.core.kv_manager import KVCacheManager
+from moetide.core.pressure import EvictPrefix, OffloadExperts, Preempt, PressurePolicy, PressureView
+from moetide.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits (vLLM's names and defaults for online serving)."""
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole token budget
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. ``scheduled`` pairs each request with its new tokens, in batch order;
+    ``num_computed_before`` is where each request's chunk starts (its context length before the step)."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    num_computed_before: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # can never fit: the pool is smaller than the request
+    offloaded: list[tuple[int, int]] = field(default_factory=list)
+    num_evicted_blocks: int = 0
+    total_num_scheduled_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SessionState:
+    last_active_s: float
+    num_in_flight: int = 0
+    num_finished: int = 0
+
+
+class ExpertLine:
+    """What carries out ``OffloadExperts`` (issue: arena + residency); absent when the line never moves."""
+
+    def offload(self, region: tuple[tuple[int, int], ...]) -> list[int]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        policy: PressurePolicy,
+        expert_line: ExpertLine | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self.expert_line = expert_line
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.sessions: dict[str, SessionState] = {}
+        self.now_s = 0.0
+        self.num_preemptions = 0
+        self.num_evicted_blocks = 0
+
+    # ---- requests in and out ------------------------------------------------------------------------------
+    def add_request(self, request: Request, now_s: float | None = None) -> None:
+        if now_s is not None:
+            self.now_s = now_s
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        if request.session_id is not None:
+            state = self.sessions.get(request.session_id)
+            if state is None:
+                state = self.sessions[request.session_id] = SessionState(self.now_s)
+            state.num_in_flight += 1
+            state.last_active_s = self.now_s
+
+    def close_session(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def schedule(self, now_s: float | None = None) -> SchedulerOutput:
+        if now_s is not None:
+            self.now_s = now_s
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = sum(n for _, n in out.scheduled)
+        return out
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        n = min(request.num_tokens_to_compute, budget)
+        threshold = self.config.long_prefill_token_threshold
+        return min(n, threshold) if threshold else n
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk(request, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if self._allocate(request, n, (), True, i, out):
+                out.scheduled.append((request, n))
+                out.num_computed_before.append(request.num_computed_tokens)
+                budget -= n
+                i += 1
+            elif request.status is not RequestStatus.PREEMPTED:
+                i += 1  # no way out this step and not preempted: skip it (cannot happen under `vllm`)
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        caching = self.config.enable_prefix_caching
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits: list[int] = []
+            num_computed = 0
+            if caching:
+                hits, num_computed = self.kv.get_computed_blocks(request.block_hashes, request.num_tokens)
+            request.num_computed_tokens = num_computed
+            n = self._chunk(request, budget)
+            if not self._allocate(request, n, hits, False, len(self.running), out):
+                request.num_computed_tokens = 0
+                if self.running or out.scheduled:
+                    break  # FCFS: wait for running requests to release memory
+                self._fail(request, out)  # nothing holds memory and it still does not fit: it never will
+                continue
+            self.waiting.popleft()
+            if request.num_cached_prompt_tokens is None:
+                request.num_cached_prompt_tokens = min(num_computed, request.num_prompt_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, n))
+            out.num_computed_before.append(num_computed)
+            budget -= n
+
+    def _allocate(
+        self, request: Request, n: int, hits: list[int], is_running: bool, index: int, out: SchedulerOutput
+    ) -> bool:
+        """Allocate for ``n`` new tokens, asking the policy until it succeeds or the policy gives up."""
+        kv = self.kv
+        while True:
+            new = kv.allocate_slots(
+                request.request_id, n, request.block_hashes,
+                num_computed_tokens=request.num_computed_tokens, new_computed_blocks=hits,
+            )
+            if new is not None:
+                return True
+            shortfall = kv.num_blocks_short(request.request_id, n, request.num_computed_tokens, len(hits))
+            scheduled_ids = {r.request_id for r, _ in out.scheduled}
+            preemptible = [r for r in self.running[index + 1 if is_running else 0 :]
+                           if r.request_id not in scheduled_ids and r is not request]
+            view = PressureView(shortfall, request, is_running, preemptible, kv.pool, frozenset(hits), self.now_s)
+            actions = self.policy.relieve(view)
+            if not actions or not self._apply(actions, hits, out):
+                return False
+            if is_running and request.status is RequestStatus.PREEMPTED:
+                return False  # the policy preempted the requester itself
+
+    def _apply(self, actions: list, hits: list[int], out: SchedulerOutput) -> bool:
+        """Carry out a plan; False if it freed nothing (so the caller stops asking)."""
+        free_before = self.kv.pool.num_uncached_free_blocks
+        preempted_any = False
+        for action in actions:
+            if isinstance(action, EvictPrefix):
+                evicted = self.kv.pool.evict(action.num_blocks, protect=frozenset(hits))
+                out.num_evicted_blocks += len(evicted)
+                self.num_evicted_blocks += len(evicted)
+            elif isinstance(action, Preempt):
+                self._preempt(self._running_by_id(action.request_id), out)
+                preempted_any = True
+            elif isinstance(action, OffloadExperts):
+                if self.expert_line is None:
+                    raise RuntimeError(f"policy {self.policy.name!r} offloaded experts but no expert line is set")
+                self.expert_line.offload(action.region)
+                out.offloaded.extend(action.region)
+            else:
+                raise TypeError(f"unknown pressure action {action!r}")
+        return preempted_any or self.kv.pool.num_uncached_free_blocks > free_before
+
+    def _running_by_id(self, request_id: str) -> Request:
+        for request in self.running:
+            if request.request_id == request_id:
+                return request
+        raise KeyError(f"policy asked to preempt {request_id!r}, which is not running")
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    # ---- consume a step's result --------------------------------------------------------------------------
+    def update(
+        self, out: SchedulerOutput, sampled: Mapping[str, int] | None = None, now_s: float | None = None
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance computed tokens; requests that caught up emit a token (``sampled`` gives its id in the engine;
+        replay passes None). Returns (requests that emitted a token, requests that finished)."""
+        if now_s is not None:
+            self.now_s = now_s
+        sampled = sampled or {}
+        emitted: list[Request] = []
+        finished: list[Request] = []
+        for (request, n), start in zip(out.scheduled, out.num_computed_before):
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            end = start + n
+            if start < request.max_computed_tokens:
+                request.num_recomputed_tokens += min(end, request.max_computed_tokens) - start
+            request.num_computed_tokens = end
+            if end > request.max_computed_tokens:
+                request.max_computed_tokens = end
+            if end == request.num_tokens:
+                request.append_output(sampled.get(request.request_id))
+                emitted.append(request)
+                if request.is_done:
+                    self._finish(request)
+                    finished.append(request)
+        return emitted, finished
+
+    def _finish(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        if request.session_id is not None:
+            state = self.sessions.get(request.session_id)
+            if state is not None:
+                state.num_in_flight -= 1
+                state.num_finished += 1
+                state.last_active_s = self.now_s
+
+    def _fail(self, request: Request, out: SchedulerOutput) -> None:
+        """Drop the head waiting request: with nothing running and every cached block evictable, it still did
+        not fit, so the KV budget is smaller than the request. Counted as a failed request in the metrics."""
+        self.waiting.popleft()
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        out.failed.append(request)
+        if request.session_id is not None and request.session_id in self.sessions:
+            self.sessions[request.session_id].num_in_flight -= 1

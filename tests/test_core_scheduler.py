@@ -1,0 +1,140 @@
+"""Scheduler scenarios under the `vllm` policy: chunked prefill, prefix reuse across turns, eviction, preemption."""
+
+import pytest
+
+from moetide.core.blocks import BlockPool
+from moetide.core.kv_manager import KVCacheManager
+from moetide.core.pressure import get_policy
+from moetide.core.request import Request, RequestStatus
+from moetide.core.scheduler import Scheduler, SchedulerConfig
+
+BS = 4
+
+
+def make(num_blocks, max_tokens=64, max_seqs=8):
+    pool = BlockPool(range(num_blocks))
+    kv = KVCacheManager(pool, BS)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs), kv, get_policy("vllm"))
+
+
+def req(request_id, tokens, out=2, session=None):
+    return Request.from_tokens(request_id, tokens, out, BS, session_id=session)
+
+
+def step(sched, sampled_token=7):
+    out = sched.schedule()
+    sampled = {r.request_id: sampled_token for r, _ in out.scheduled}
+    emitted, finished = sched.update(out, sampled)
+    sched.kv.check_invariants()
+    return out, emitted, finished
+
+
+def plan(out):
+    return [(r.request_id, n) for r, n in out.scheduled]
+
+
+def test_chunked_prefill_then_decode():
+    sched = make(16, max_tokens=8)
+    sched.add_request(req("a", list(range(20)), out=2))
+    assert plan(step(sched)[0]) == [("a", 8)]
+    assert plan(step(sched)[0]) == [("a", 8)]
+    out, emitted, _ = step(sched)
+    assert plan(out) == [("a", 4)] and [r.request_id for r in emitted] == ["a"]
+    out, emitted, finished = step(sched)
+    assert plan(out) == [("a", 1)] and [r.request_id for r in finished] == ["a"]
+    assert not sched.has_work and sched.kv.pool.num_used_blocks == 0
+
+
+def test_budget_is_shared_running_first_then_waiting_fcfs():
+    sched = make(32, max_tokens=10)
+    sched.add_request(req("a", list(range(6))))
+    sched.add_request(req("b", list(range(100, 112))))
+    assert plan(step(sched)[0]) == [("a", 6), ("b", 4)]
+    assert plan(step(sched)[0]) == [("a", 1), ("b", 8)]
+
+
+def test_next_turn_hits_the_previous_turns_blocks():
+    sched = make(32)
+    turn1 = list(range(10))
+    first = req("t1", turn1, out=3, session="s")
+    sched.add_request(first)
+    while sched.has_work:
+        step(sched)
+    turn2 = first.token_ids + [50, 51, 52, 53, 54]  # previous prompt + its outputs + new user tokens
+    second = req("t2", turn2, out=1, session="s")
+    sched.add_request(second)
+    out, _, _ = step(sched)
+    # 13 tokens were computed in turn 1 (10 prompt + 3 outputs, the last output never computed): 3 full blocks
+    assert second.num_cached_prompt_tokens == 12 and plan(out) == [("t2", len(turn2) - 12)]
+    assert sched.sessions["s"].num_finished == 2
+
+
+def test_waiting_request_evicts_lru_cached_blocks():
+    sched = make(6)
+    sched.add_request(req("a", list(range(16)), out=1))
+    step(sched)  # a: 16 tokens -> blocks 0-3 (all full, cached), finishes after its one output
+    assert sched.kv.pool.num_cached_free_blocks == 4 and sched.kv.pool.num_uncached_free_blocks == 2
+    sched.add_request(req("b", list(range(100, 116)), out=2))
+    out, _, _ = step(sched)
+    assert plan(out) == [("b", 16)] and out.num_evicted_blocks == 2
+    assert sched.kv.get_blocks("b") == [4, 5, 3, 2]  # a's tail blocks went first
+
+
+def test_running_request_preempts_the_newest_and_it_recomputes():
+    sched = make(6, max_tokens=64)
+    sched.add_request(req("old", list(range(8)), out=8))
+    sched.add_request(req("new", list(range(100, 108)), out=8))
+    step(sched)  # both prefill: 2 blocks each, 2 free
+    preempted = []
+    while sched.has_work:
+        out, _, _ = step(sched)
+        preempted += [r.request_id for r in out.preempted]
+        if out.preempted:
+            assert all(r.request_id != "new" for r, _ in out.scheduled)  # no admission in a preemption step
+    assert preempted == ["new"]
+    new = next(r for r in [*sched.waiting, *sched.running] if r.request_id == "new") if sched.has_work else None
+    assert new is None
+    assert sched.num_preemptions == 1
+
+
+def test_preempted_request_resumes_from_its_cached_prefix():
+    sched = make(6, max_tokens=64)
+    old = req("old", list(range(8)), out=8)
+    new = req("new", list(range(100, 108)), out=8)
+    sched.add_request(old)
+    sched.add_request(new)
+    while new.num_preemptions == 0:
+        step(sched)
+    assert new.status is RequestStatus.PREEMPTED and sched.waiting[0] is new
+    while sched.has_work:
+        step(sched)
+    assert old.num_output_tokens == 8 and new.num_output_tokens == 8
+    # its full blocks stayed cached while it waited, unless old needed them: recompute is bounded by what was lost
+    assert 0 < new.num_recomputed_tokens <= new.max_computed_tokens
+
+
+def test_request_larger_than_the_pool_fails_cleanly():
+    sched = make(4)
+    big = req("big", list(range(40)), out=1)
+    sched.add_request(big)
+    sched.add_request(req("small", list(range(5)), out=1))
+    out, _, _ = step(sched)
+    assert [r.request_id for r in out.failed] == ["big"] and plan(out) == [("small", 5)]
+    assert big.status is RequestStatus.FINISHED
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = make(64, max_seqs=2)
+    for i in range(3):
+        sched.add_request(req(f"r{i}", list(range(i * 10, i * 10 + 4)), out=4))
+    assert plan(step(sched)[0]) == [("r0", 4), ("r1", 4)]
+
+
+def test_unknown_policy_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown policy 'lru'; choose one of: vllm"):
+        get_policy("lru")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="max_num_seqs must be positive"):
+        SchedulerConfig(max_num_seqs=0)

@@ -217,3 +217,14 @@ def test_hybrid_state_blocks_come_with_the_first_allocation():
     manager.free("a")
     assert pool.num_free_blocks == 6
     manager.check_invariants()
+
+
+def test_lookup_chain_finds_the_longest_registered_prefix():
+    pool = BlockPool(range(8))
+    hashes = hash_token_blocks(list(range(24)), BS)
+    blocks = pool.allocate(6)
+    for i in range(4):
+        assert pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None)
+    for n in range(7):
+        assert pool.lookup_chain(hashes[:n]) == blocks[: min(n, 4)]
+    assert pool.lookup_chain(hash_token_blocks([9] * 24, BS)) == []

@@ -70,3 +70,13 @@ def test_salted_extension_for_generated_blocks():
 def test_bad_block_sizes_are_rejected():
     with pytest.raises(ValueError, match="block sizes must be positive"):
         external_block_hashes([1], 0, 16, 64)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 96, 128])
+def test_reusing_a_previous_turns_hashes_changes_nothing(block_size):
+    turn1 = external_block_hashes([1, 2, 3], 64, block_size, 64 * 3 + 10, salt=1)
+    keys2 = [1, 2, 3, 4, 5]
+    shared = (3 * 64) // block_size
+    fresh = external_block_hashes(keys2, 64, block_size, 64 * 5 + 7, salt=2)
+    reused = external_block_hashes(keys2, 64, block_size, 64 * 5 + 7, salt=2, reuse=turn1[:shared])
+    assert reused == fresh and turn1[:shared] == fresh[:shared]

@@ -163,15 +163,20 @@ class BlockPool:
         return self._block_of.get(block_hash)
 
     def lookup_chain(self, block_hashes: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached prefix of ``block_hashes`` (no references taken)."""
+        """Block ids of the longest cached prefix of ``block_hashes`` (a chain; no references taken).
+
+        Binary search: every registered block's parent hash is registered, so along one chain the registered
+        hashes form a prefix. O(log n) lookups for agent contexts of tens of thousands of blocks.
+        """
         block_of = self._block_of
-        hits = []
-        for block_hash in block_hashes:
-            block_id = block_of.get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        lo, hi = 0, len(block_hashes)  # invariant: hashes[:lo] all registered, hashes[hi:] none
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if block_hashes[mid] in block_of:
+                lo = mid + 1
+            else:
+                hi = mid
+        return [block_of[h] for h in block_hashes[:lo]]
 
     def evict(self, num_blocks: int, protect: Collection[int] = ()) -> list[int]:
         """Uncache at least ``num_blocks`` cached-free blocks (fewer only if there are not that many), head of the

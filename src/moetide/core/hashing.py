@@ -63,27 +63,34 @@ def external_block_hashes(
     *,
     scope: int = 0,
     salt: int = 0,
+    reuse: Sequence[int] = (),
 ) -> list[int]:
     """Chained hashes of the ``num_tokens // block_size`` full pool blocks of a prompt described by trace keys.
 
     ``keys`` are the trace's ids of the prompt's full ``key_block_size``-token blocks (in order); ``scope``
     namespaces them (see ``scope_hash``); ``salt`` identifies the request for blocks the keys do not cover.
+    ``reuse`` is an earlier result for a prompt whose keys share a prefix with these, already cut to the pool blocks
+    that lie entirely inside the shared keys: they are copied rather than recomputed (a session's next turn).
     """
     if key_block_size <= 0 or block_size <= 0:
         raise ValueError(f"block sizes must be positive, got key_block_size={key_block_size}, block_size={block_size}")
-    hashes: list[int] = []
-    parent = hash((ROOT_HASH, scope))
+    num_blocks = num_tokens // block_size
+    hashes = list(reuse[:num_blocks])
+    parent = hashes[-1] if hashes else hash((ROOT_HASH, scope))
     keyed_tokens = len(keys) * key_block_size
-    for j in range(num_tokens // block_size):
-        start = j * block_size
-        end = start + block_size
-        if end <= keyed_tokens:
+    first = len(hashes)
+    num_keyed = min(num_blocks, keyed_tokens // block_size)
+    if first < num_keyed:
+        key_lo = (first * block_size) // key_block_size
+        window = tuple(keys[key_lo : (num_keyed * block_size - 1) // key_block_size + 1])  # one slice, not n
+        for j in range(first, num_keyed):
+            start = j * block_size
             lo = start // key_block_size
-            hi = (end - 1) // key_block_size
-            key = (_KEYED, start - lo * key_block_size, tuple(keys[lo : hi + 1]))
-        else:
-            key = (_TAIL, salt, j)
-        parent = hash((parent, key))
+            hi = (start + block_size - 1) // key_block_size
+            parent = hash((parent, (_KEYED, start - lo * key_block_size, window[lo - key_lo : hi - key_lo + 1])))
+            hashes.append(parent)
+    for j in range(max(first, num_keyed), num_blocks):
+        parent = hash((parent, (_TAIL, salt, j)))
         hashes.append(parent)
     return hashes
 

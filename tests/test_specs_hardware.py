@@ -1,0 +1,171 @@
+"""HardwareSpec / HostSpec: preset figures, their provenance, users' own files, and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import tomllib
+from importlib import resources
+
+import pytest
+
+from moetide.errors import UserError
+from moetide.specs import HardwareSpec, HostSpec, get_gpu, get_host, preset_names
+
+GiB = 2**30
+# theoretical x16 rates per direction; a measured pinned H2D figure must sit below them
+PCIE_THEORETICAL_BYTES_PER_S = {"Gen3": 15.75e9, "Gen4": 31.5e9, "Gen5": 63e9}
+
+
+def preset_text(file_name: str) -> str:
+    return resources.files("moetide.specs").joinpath("presets", file_name).read_text(encoding="utf-8")
+
+
+# ---- presets ------------------------------------------------------------------------------------------------
+
+
+def test_preset_names():
+    assert preset_names("gpu") == ["h200", "h100-sxm", "a100-40gb", "a100-80gb", "v100-32gb"]
+    assert preset_names("host") == ["ddr4-3200-8ch", "ddr5-4800-8ch", "ddr5-4800-12ch"]
+
+
+def test_h200_figures():
+    gpu = get_gpu("h200")
+    assert gpu.hbm_bytes == 141 * GiB
+    assert gpu.hbm_bandwidth_bytes_per_s == 4.8e12
+    assert gpu.matmul_flops_per_s == pytest.approx(1979e12 / 2, rel=1e-3)  # dense = sparse headline / 2
+    assert (gpu.matmul_dtype, gpu.host_link) == ("bf16", "PCIe Gen5 x16")
+    assert gpu.ridge_flops_per_byte == pytest.approx(206.1, abs=0.1)
+
+
+def test_aliases_and_case():
+    assert get_gpu("H100") == get_gpu("h100-sxm") == get_gpu("H100-SXM")
+    assert get_host("DDR5-4800-12CH").cpu_model == "AMD EPYC 9654 (Genoa)"
+
+
+def test_v100_uses_fp16_tensor_figure():
+    gpu = get_gpu("v100-32gb")
+    assert (gpu.matmul_dtype, gpu.matmul_flops_per_s) == ("fp16", 125e12)
+    assert all(get_gpu(n).matmul_dtype == "bf16" for n in preset_names("gpu") if n != "v100-32gb")
+
+
+@pytest.mark.parametrize("name", ["h200", "h100-sxm", "a100-40gb", "a100-80gb", "v100-32gb"])
+def test_host_link_is_measured_not_theoretical(name):
+    gpu = get_gpu(name)
+    generation = re.search(r"Gen(\d)", gpu.host_link).group(0)
+    theoretical = PCIE_THEORETICAL_BYTES_PER_S[generation]
+    assert 0.6 * theoretical < gpu.host_link_bandwidth_bytes_per_s < 0.9 * theoretical
+    assert gpu.gpu_link_bandwidth_bytes_per_s > gpu.host_link_bandwidth_bytes_per_s
+
+
+@pytest.mark.parametrize("name, peak, cores, ghz", [
+    ("ddr4-3200-8ch", 204.8e9, 40, 2.3), ("ddr5-4800-8ch", 307.2e9, 56, 2.0), ("ddr5-4800-12ch", 460.8e9, 96, 2.4)])
+def test_host_bandwidth_and_flops(name, peak, cores, ghz):
+    host = get_host(name)
+    assert host.peak_dram_bandwidth_bytes_per_s == peak  # channels x MT/s x 8 B
+    assert host.dram_bandwidth_bytes_per_s == pytest.approx(peak * host.dram_efficiency)
+    assert 0.6 <= host.dram_efficiency <= 0.9
+    assert host.num_cores == cores
+    assert host.fp32_flops_per_s == pytest.approx(cores * ghz * 1e9 * 32)
+
+
+@pytest.mark.parametrize("file_name", ["gpus.toml", "hosts.toml", "models.toml"])
+def test_every_preset_has_a_source(file_name):
+    for name, table in tomllib.loads(preset_text(file_name)).items():
+        assert table["source"].startswith("https://"), name
+
+
+@pytest.mark.parametrize("file_name", ["gpus.toml", "hosts.toml"])
+def test_every_hardware_number_has_a_comment(file_name):
+    numeric = re.compile(r"^\w+\s*=\s*[-+]?[\d.][\d_.e+]*\s*(#.*)?$")
+    numeric_lines = [line for line in preset_text(file_name).splitlines() if numeric.match(line)]
+    assert len(numeric_lines) >= 15  # the pattern does see the figures
+    for line in numeric_lines:
+        assert "#" in line, f"{file_name}: no source comment on {line!r}"
+
+
+# ---- users' own files ---------------------------------------------------------------------------------------
+
+GPU_FIELDS = dict(hbm_bytes=24 * GiB, hbm_bandwidth_bytes_per_s=1.0e12, matmul_flops_per_s=165e12,
+                  matmul_dtype="bf16", host_link_bandwidth_bytes_per_s=26e9, gpu_link_bandwidth_bytes_per_s=32e9)
+
+
+def test_gpu_from_toml_file(tmp_path):
+    path = tmp_path / "l4-ish.toml"
+    path.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in GPU_FIELDS.items()))
+    gpu = get_gpu(str(path))
+    assert gpu == HardwareSpec(name="l4-ish", source=str(path), **GPU_FIELDS)
+
+
+def test_host_from_json_file(tmp_path):
+    fields = dict(name="my-box", cpu_model="Xeon w9-3495X", num_cores=56, num_memory_channels=8,
+                  dram_mega_transfers_per_s=4800, dram_efficiency=0.7, fp32_flops_per_s=3.4e12, dram_bytes=256 * GiB)
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(fields))
+    host = get_host(str(path))
+    assert host.name == "my-box" and host.peak_dram_bandwidth_bytes_per_s == 307.2e9
+
+
+@pytest.mark.parametrize("change, pattern", [
+    (dict(hbm_gb=80), r"unknown field\(s\) \['hbm_gb'\]; valid fields"),
+    (dict(hbm_bytes=None), r"missing field\(s\) \['hbm_bytes'\]"),
+    (dict(hbm_bytes=1.5e9), "field 'hbm_bytes': expected an integer"),
+    (dict(matmul_dtype="tf32"), "matmul_dtype must be one of"),
+    (dict(host_link_bandwidth_bytes_per_s=-1), "host_link_bandwidth_bytes_per_s must be a positive number"),
+])
+def test_bad_gpu_file_is_a_user_error_naming_file(tmp_path, change, pattern):
+    fields = {k: v for k, v in {**GPU_FIELDS, **change}.items() if v is not None}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(fields))
+    with pytest.raises(UserError, match=pattern) as info:
+        get_gpu(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_malformed_hardware_files(tmp_path):
+    toml_path, json_path = tmp_path / "gpu.toml", tmp_path / "gpu.json"
+    toml_path.write_text("hbm_bytes = = 3")
+    json_path.write_text("[1, 2]")
+    with pytest.raises(UserError, match=f"{toml_path}: not valid TOML"):
+        get_gpu(str(toml_path))
+    with pytest.raises(UserError, match="expected a table of fields"):
+        get_gpu(str(json_path))
+    with pytest.raises(UserError, match="cannot read hardware file"):
+        get_host(str(tmp_path / "missing.toml"))
+
+
+def test_unknown_names_list_valid_ones():
+    with pytest.raises(UserError, match="unknown gpu 'b200'; valid names: h200, h100-sxm, a100-40gb"):
+        get_gpu("b200")
+    with pytest.raises(UserError, match="unknown host 'ddr3'; valid names: ddr4-3200-8ch"):
+        get_host("ddr3")
+
+
+# ---- dataclass validation -----------------------------------------------------------------------------------
+
+
+def test_hardware_spec_validation():
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        HardwareSpec(name="", **GPU_FIELDS)
+    with pytest.raises(ValueError, match="hbm_bandwidth_bytes_per_s must be a positive number"):
+        dataclasses.replace(get_gpu("h200"), hbm_bandwidth_bytes_per_s=float("nan"))
+    with pytest.raises(ValueError, match="hbm_bytes must be a positive integer"):
+        dataclasses.replace(get_gpu("h200"), hbm_bytes=True)
+
+
+@pytest.mark.parametrize("change, pattern", [
+    (dict(dram_efficiency=1.2), "dram_efficiency is sustained/peak and must be in \\(0, 1\\]"),
+    (dict(dram_efficiency=0), "dram_efficiency must be a positive number"),
+    (dict(num_memory_channels=0), "num_memory_channels must be a positive integer"),
+    (dict(cpu_model=""), "cpu_model must be a non-empty string"),
+])
+def test_host_spec_validation(change, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        dataclasses.replace(get_host("ddr5-4800-12ch"), **change)
+
+
+def test_specs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        get_host("ddr4-3200-8ch").num_cores = 1  # type: ignore[misc]
+    assert isinstance(get_host("ddr4-3200-8ch"), HostSpec)

@@ -16,6 +16,7 @@ from moetide.errors import UserError
 # verb -> (module under moetide.commands, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "specs": ("specs", "print model and hardware tables (presets, or your own config.json / hardware file)"),
+    "perf": ("perf", "modeled step time (roofline) and per-GPU memory budget for a model on a GPU"),
 }
 
 

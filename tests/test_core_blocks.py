@@ -228,3 +228,19 @@ def test_lookup_chain_finds_the_longest_registered_prefix():
     for n in range(7):
         assert pool.lookup_chain(hashes[:n]) == blocks[: min(n, 4)]
     assert pool.lookup_chain(hash_token_blocks([9] * 24, BS)) == []
+
+
+def test_stale_prefix_hits_are_refused():
+    """Regression: hits looked up, then evicted before allocate_slots, were handed out twice in one table."""
+    pool, manager = make(4)
+    admit(manager, "a", list(range(8)) + [1])
+    manager.free("a")
+    tokens = list(range(8)) + [2]
+    hashes = hash_token_blocks(tokens, BS)
+    hits, num_computed = manager.get_computed_blocks(hashes, len(tokens))
+    pool.evict(4)  # evicts the hits too
+    free_before = pool.num_uncached_free_blocks
+    with pytest.raises(ValueError, match="stale prefix hit"):
+        manager.allocate_slots("b", 1, hashes, num_computed_tokens=num_computed, new_computed_blocks=hits)
+    assert pool.num_uncached_free_blocks == free_before and manager.get_blocks("b") == []
+    manager.check_invariants()

@@ -33,6 +33,7 @@ no separate "can I?" call whose answer could be stale by the time of "do it".
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 from collections.abc import Collection, Iterable, Sequence
 
 
@@ -186,15 +187,18 @@ class BlockPool:
         must be closed under ancestors — a prefix chain is — so no cascade can reach a protected block.
         """
         evicted: list[int] = []
+        cached_free = self._cached_free
         if not protect:
-            while len(evicted) < num_blocks and self._cached_free:
-                self._uncache_chain(next(iter(self._cached_free)), evicted)
+            while len(evicted) < num_blocks and cached_free:
+                self._uncache_chain(next(iter(cached_free)), evicted)
             return evicted
-        while len(evicted) < num_blocks:
-            victim = next((b for b in self._cached_free if b not in protect), None)
-            if victim is None:
+        # One snapshot of the queue's head: it holds at most len(protect) protected blocks, and every other
+        # block evicts at least itself, so it always holds enough victims (no rescans from the head).
+        for block_id in list(islice(cached_free, num_blocks + len(protect))):
+            if len(evicted) >= num_blocks:
                 break
-            self._uncache_chain(victim, evicted)
+            if block_id in cached_free and block_id not in protect:
+                self._uncache_chain(block_id, evicted)
         return evicted
 
     def _uncache_chain(self, block_id: int, evicted: list[int]) -> None:

@@ -79,6 +79,10 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` after ``num_computed_tokens`` (which include ``new_computed_blocks``,
         the hits from ``get_computed_blocks``). Returns the newly allocated block ids, or None with no effect."""
+        if new_computed_blocks:  # checked before anything changes
+            if self._blocks.get(request_id):
+                raise ValueError(f"request {request_id!r} already holds blocks; prefix hits apply to new requests")
+            self._check_hits(new_computed_blocks, block_hashes)
         num_new = self._num_blocks_to_allocate(
             request_id, num_new_tokens, num_computed_tokens, len(new_computed_blocks)
         )
@@ -92,14 +96,19 @@ class KVCacheManager:
                 self._state_blocks[request_id] = new_blocks[: self.num_state_blocks_per_request]
                 new_blocks = new_blocks[self.num_state_blocks_per_request :]
         if new_computed_blocks:
-            if blocks:
-                raise ValueError(f"request {request_id!r} already holds blocks; prefix hits apply to new requests")
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             self._num_registered[request_id] = len(new_computed_blocks)
         blocks.extend(new_blocks)
         self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens)
         return new_blocks
+
+    def _check_hits(self, hits: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """Hits looked up earlier must still be cached under the same hashes (nothing evicted them since)."""
+        block_hash = self.pool.block_hash
+        for i, block_id in enumerate(hits):
+            if block_hash(block_id) != block_hashes[i]:
+                raise ValueError(f"stale prefix hit: block {block_id} no longer holds block {i} of the request")
 
     def _register_full_blocks(
         self, request_id: str, blocks: list[int], block_hashes: Sequence[int], num_tokens: int
@@ -140,6 +149,8 @@ class KVCacheManager:
         """Pool books plus: every held block is referenced at least as often as requests hold it."""
         self.pool.check_invariants()
         holders: dict[int, int] = {}
+        for request_id, blocks in self._blocks.items():
+            assert len(set(blocks)) == len(blocks), f"request {request_id!r} holds a block twice: {blocks}"
         for blocks in [*self._blocks.values(), *self._state_blocks.values()]:
             for block_id in blocks:
                 holders[block_id] = holders.get(block_id, 0) + 1

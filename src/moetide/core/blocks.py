@@ -160,6 +160,34 @@ class BlockPool:
             self._cached_free[block_id] = None
         return True
 
+    def cache_chain(self, block_ids: Sequence[int], block_hashes: Sequence[int], start: int, end: int) -> None:
+        """``cache_block`` for blocks ``start..end-1`` of one request's chain (block i under hash i, parent i-1):
+        the scheduler's hot path, with the same outcome block by block."""
+        if not self.enable_caching:
+            return
+        block_of, hash_of, parent_of, ref_cnt = self._block_of, self._hash_of, self._parent_of, self._ref_cnt
+        children = self._children
+        for i in range(start, end):
+            block_hash = block_hashes[i]
+            parent_hash = block_hashes[i - 1] if i else None
+            block_id = block_ids[i]
+            if block_hash in block_of or (parent_hash is not None and parent_hash not in block_of):
+                continue
+            if block_id in hash_of:
+                raise ValueError(f"block {block_id} is already cached under another hash")
+            hash_of[block_id] = block_hash
+            parent_of[block_id] = parent_hash
+            block_of[block_hash] = block_id
+            if parent_hash is not None:
+                kids = children.get(parent_hash)
+                if kids is None:
+                    children[parent_hash] = {block_id}
+                else:
+                    kids.add(block_id)
+            if ref_cnt[block_id] == 0:
+                del self._uncached_free[block_id]
+                self._cached_free[block_id] = None
+
     def lookup(self, block_hash: int) -> int | None:
         return self._block_of.get(block_hash)
 
@@ -189,8 +217,24 @@ class BlockPool:
         evicted: list[int] = []
         cached_free = self._cached_free
         if not protect:
+            children, hash_of, parent_of, block_of = self._children, self._hash_of, self._parent_of, self._block_of
+            uncached_free = self._uncached_free
             while len(evicted) < num_blocks and cached_free:
-                self._uncache_chain(next(iter(cached_free)), evicted)
+                block_id = next(iter(cached_free))
+                block_hash = hash_of[block_id]
+                if block_hash in children:  # has registered descendants: the general path
+                    self._uncache_chain(block_id, evicted)
+                    continue
+                del cached_free[block_id], hash_of[block_id], block_of[block_hash]  # a leaf: the common case
+                parent_hash = parent_of.pop(block_id)
+                if parent_hash is not None:
+                    siblings = children[parent_hash]
+                    siblings.discard(block_id)
+                    if not siblings:
+                        del children[parent_hash]
+                uncached_free[block_id] = None
+                evicted.append(block_id)
+                self.num_evicted_blocks += 1
             return evicted
         # One snapshot of the queue's head: it holds at most len(protect) protected blocks, and every other
         # block evicts at least itself, so it always holds enough victims (no rescans from the head).

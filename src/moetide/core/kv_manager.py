@@ -79,6 +79,11 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` after ``num_computed_tokens`` (which include ``new_computed_blocks``,
         the hits from ``get_computed_blocks``). Returns the newly allocated block ids, or None with no effect."""
+        blocks = self._blocks.get(request_id)
+        total = num_computed_tokens + num_new_tokens
+        if blocks is not None and not new_computed_blocks and total <= len(blocks) * self.block_size:
+            self._register_full_blocks(request_id, blocks, block_hashes, total)  # decode inside held blocks
+            return []
         if new_computed_blocks:  # checked before anything changes
             if self._blocks.get(request_id):
                 raise ValueError(f"request {request_id!r} already holds blocks; prefix hits apply to new requests")
@@ -115,10 +120,9 @@ class KVCacheManager:
     ) -> None:
         start = self._num_registered.get(request_id, 0)
         end = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
-        cache_block = self.pool.cache_block
-        for i in range(start, end):
-            cache_block(blocks[i], block_hashes[i], block_hashes[i - 1] if i else None)
-        self._num_registered[request_id] = max(start, end)
+        if end > start:
+            self.pool.cache_chain(blocks, block_hashes, start, end)
+            self._num_registered[request_id] = end
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first (so a chain's tail is evicted before its head)."""

@@ -50,6 +50,9 @@ class BlockPool:
         self._block_of: dict[int, int] = {}  # hash -> the one registered block holding it
         self._children: dict[int, set[int]] = {}  # hash -> registered block ids whose parent it is
         self.num_evicted_blocks = 0  # lifetime counter, for metrics
+        # Bumped whenever blocks become free or are added: a caller that failed to allocate can skip retrying
+        # until it changes (the scheduler's blocked queue head).
+        self.free_version = 0
         self.add_blocks(block_ids)
 
     # ---- counts -------------------------------------------------------------------------------------------
@@ -86,6 +89,11 @@ class BlockPool:
 
     def is_free(self, block_id: int) -> bool:
         return self._ref_cnt[block_id] == 0
+
+    def num_free_among(self, block_ids: Iterable[int]) -> int:
+        """How many of the given blocks are free (e.g. a request's protected prefix hits)."""
+        ref_cnt = self._ref_cnt
+        return sum(1 for b in block_ids if ref_cnt[b] == 0)
 
     def block_hash(self, block_id: int) -> int | None:
         return self._hash_of.get(block_id)
@@ -127,6 +135,7 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given; at zero a block joins the tail of its queue."""
         ref_cnt = self._ref_cnt
+        self.free_version += 1
         for block_id in block_ids:
             count = ref_cnt[block_id] - 1
             if count < 0:
@@ -274,6 +283,7 @@ class BlockPool:
         for block_id in new_ids:
             self._ref_cnt[block_id] = 0
             self._uncached_free[block_id] = None
+        self.free_version += 1
 
     def remove_blocks(self, block_ids: Iterable[int]) -> bool:
         """Remove the given blocks if every one is free (cached ones are evicted first); else change nothing."""

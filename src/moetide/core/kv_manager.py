@@ -109,11 +109,12 @@ class KVCacheManager:
         return new_blocks
 
     def _check_hits(self, hits: Sequence[int], block_hashes: Sequence[int]) -> None:
-        """Hits looked up earlier must still be cached under the same hashes (nothing evicted them since)."""
-        block_hash = self.pool.block_hash
-        for i, block_id in enumerate(hits):
-            if block_hash(block_id) != block_hashes[i]:
-                raise ValueError(f"stale prefix hit: block {block_id} no longer holds block {i} of the request")
+        """Hits looked up earlier must still be cached under the same hashes (nothing evicted them since).
+
+        Checking the last hit suffices: evicting any block of a chain unregisters every block after it."""
+        last = len(hits) - 1
+        if self.pool.block_hash(hits[last]) != block_hashes[last]:
+            raise ValueError(f"stale prefix hit: block {hits[last]} no longer holds block {last} of the request")
 
     def _register_full_blocks(
         self, request_id: str, blocks: list[int], block_hashes: Sequence[int], num_tokens: int

@@ -97,6 +97,9 @@ class Scheduler:
         self.now_s = 0.0
         self.num_preemptions = 0
         self.num_evicted_blocks = 0
+        # (request, pool free_version, token budget) of the last failed admission: until blocks are freed, the
+        # same head with no smaller budget fails again, so it is not retried (it would cost O(context) per step)
+        self._blocked: tuple[Request, int, int] | None = None
 
     # ---- requests in and out ------------------------------------------------------------------------------
     def add_request(self, request: Request, now_s: float | None = None) -> None:
@@ -155,6 +158,10 @@ class Scheduler:
         caching = self.config.enable_prefix_caching
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            blocked = self._blocked
+            if (blocked is not None and blocked[0] is request and blocked[1] == self.kv.pool.free_version
+                    and budget >= blocked[2] and (self.running or out.scheduled)):
+                break
             hits: list[int] = []
             num_computed = 0
             if caching:
@@ -164,6 +171,7 @@ class Scheduler:
             if not self._allocate(request, n, hits, False, len(self.running), out):
                 request.num_computed_tokens = 0
                 if self.running or out.scheduled:
+                    self._blocked = (request, self.kv.pool.free_version, budget)
                     break  # FCFS: wait for running requests to release memory
                 self._fail(request, out)  # nothing holds memory and it still does not fit: it never will
                 continue

@@ -1,10 +1,12 @@
 """``vllm``: what today's engines do. The weights/KV line never moves.
 
-1. Evict cached-but-free blocks in LRU order (chain tails first). vLLM does this implicitly inside
-   ``get_new_blocks``; here it is the policy's explicit first action.
-2. If that is not enough and the requester is running, preempt the newest running request (the last one in
-   FCFS order) by recompute — repeatedly, as vLLM's scheduler does, possibly the requester itself. A waiting
-   request never preempts anyone: it waits (vLLM v1 breaks out of its waiting loop when allocation fails).
+Mirrors vLLM v1, where eviction happens inside ``get_new_blocks`` only once ``allocate_slots`` has checked that
+free plus evictable blocks cover the request:
+1. If cached-but-free blocks (the requester's own prefix hits excepted) cover the shortfall, evict that many in
+   LRU order, chain tails first.
+2. Otherwise a running requester preempts the newest running request (the last in FCFS order) by recompute —
+   possibly itself — and the scheduler asks again; nothing is evicted in vain. A waiting requester waits:
+   vLLM v1 stops admitting when allocation fails and never preempts for a waiting request.
 """
 
 from __future__ import annotations
@@ -16,19 +18,10 @@ class VllmPolicy:
     name = "vllm"
 
     def relieve(self, view: PressureView) -> list[Action]:
-        actions: list[Action] = []
-        evictable = view.pool.num_cached_free_blocks - len(view.protected_blocks & _cached_free(view))
-        if evictable > 0:
-            actions.append(EvictPrefix(min(view.shortfall_blocks, evictable)))
-            if evictable >= view.shortfall_blocks:
-                return actions
+        evictable = view.pool.num_cached_free_blocks - view.pool.num_free_among(view.protected_blocks)
+        if evictable >= view.shortfall_blocks:
+            return [EvictPrefix(view.shortfall_blocks)]
         if view.requester_is_running:
             victim = view.preemptible[-1] if view.preemptible else view.requester
-            actions.append(Preempt(victim.request_id))
-        return actions
-
-
-def _cached_free(view: PressureView) -> set[int]:
-    if not view.protected_blocks:
-        return set()
-    return {b for b in view.protected_blocks if view.pool.is_free(b) and view.pool.block_hash(b) is not None}
+            return [Preempt(victim.request_id)]
+        return []

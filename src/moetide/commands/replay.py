@@ -1,0 +1,142 @@
+"""``moetide replay [TRACE]``: replay a recorded trace (or the built-in agent-session generator) on modeled
+hardware through the shared scheduler, and report vLLM-style serving metrics.
+
+Times are MODELED by the roofline step-time model (docs/perf.md); memory is accounted block by block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from moetide.errors import UserError
+from moetide.report.progress import ProgressBar
+from moetide.report.tables import format_table
+from moetide.sim.setup import ReplayConfig, run_replay
+from moetide.workloads import generate_agent_sessions, load_workload
+from moetide.workloads.base import Workload
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", nargs="?", help="trace file (Mooncake JSONL, WEKA sessions, Azure CSV; .gz ok); "
+                        "omitted: the built-in agent-session generator")
+    parser.add_argument("--format", choices=["mooncake", "weka", "azure"], help="trace format (default: sniffed)")
+    parser.add_argument("--session-rate", type=float, help="closed-loop traces: new sessions per second (Poisson)")
+    parser.add_argument("--max-requests", type=int, help="keep the first N requests (whole sessions)")
+    parser.add_argument("--time-window", help="keep START:END seconds of the trace, e.g. 0:600")
+    parser.add_argument("--sessions", type=int, help="keep the first N sessions")
+    parser.add_argument("--seed", type=int, default=0, help="one seed for everything random (default 0)")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = ReplayConfig()
+    parser.add_argument("--model", default=defaults.model, help="model preset or config.json (default %(default)s)")
+    parser.add_argument("--gpu", default=defaults.gpu, help="GPU preset or hardware file (default %(default)s)")
+    parser.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel GPUs (default %(default)s)")
+    parser.add_argument("--kv-budget-gib", type=float, help="KV cache per GPU in GiB (default: what is left of "
+                        "--gpu-memory-utilization x HBM after weights and activations)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    parser.add_argument("--state-checkpoints", action="store_true",
+                        help="hybrid models: charge a linear-attention state checkpoint per cached block")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    add_engine_arguments(parser)
+    parser.add_argument("--policy", default="vllm", help="memory-pressure policy (default %(default)s)")
+    parser.add_argument("--json", type=Path, help="write the result as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG (TTFT CDF, KV usage over time) here")
+
+
+def parse_window(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    try:
+        start, end = (float(part) for part in text.split(":"))
+    except ValueError:
+        raise UserError(f"--time-window must be START:END in seconds, got {text!r}") from None
+    if end <= start:
+        raise UserError(f"--time-window end must be after its start, got {text!r}")
+    return start, end
+
+
+def load(args: argparse.Namespace) -> Workload:
+    if args.trace is None:
+        if args.format or args.max_requests or args.time_window or args.sessions or args.session_rate:
+            raise UserError("--format/--max-requests/--time-window/--sessions/--session-rate need a TRACE")
+        return generate_agent_sessions(args.seed)
+    if not Path(args.trace).is_file():
+        raise UserError(f"{args.trace}: no such trace file")
+    return load_workload(args.trace, args.format, seed=args.seed, session_rate_per_s=args.session_rate,
+                         max_requests=args.max_requests, time_window=parse_window(args.time_window),
+                         sessions=args.sessions)
+
+
+def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
+    return ReplayConfig(
+        model=args.model, gpu=args.gpu, tp=args.tp, policy=policy, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_budget_gib=args.kv_budget_gib,
+        enable_prefix_caching=not args.no_prefix_caching, state_checkpoints=args.state_checkpoints, seed=args.seed,
+    )
+
+
+def summary_rows(metrics: dict) -> list[list[str]]:
+    def ms(block: dict, key: str) -> str:
+        value = block[key]
+        return "-" if value is None else f"{value * 1e3:,.1f}"
+
+    rows = [[name, ms(metrics[key], "mean"), ms(metrics[key], "p50"), ms(metrics[key], "p90"), ms(metrics[key], "p99")]
+            for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))]
+    return rows
+
+
+def print_summary(result: dict) -> None:
+    config, metrics = result["config"], result["metrics"]
+    print(f"{config['workload']['name']}: {config['workload']['requests']:,} requests in "
+          f"{config['workload']['sessions']:,} sessions ({config['workload']['mode']} loop) | {config['model']} on "
+          f"{config['tp']} x {config['gpu']} | policy {config['policy']} | "
+          f"{config['memory']['num_blocks']:,} KV blocks of {config['block_size']} tokens per GPU")
+    print("times are MODELED by the roofline step-time model, not measured\n")
+    print(format_table(["latency (ms)", "mean", "p50", "p90", "p99"], summary_rows(metrics), align="<>>>>"))
+    print()
+    print(format_table(["figure", "value"], [
+        ["completed / failed", f"{metrics['completed']:,} / {metrics['failed']:,}"],
+        ["request throughput", f"{metrics['request_throughput_per_s']:.3f} req/s"],
+        ["output throughput", f"{metrics['output_tokens_per_s']:,.1f} tok/s"],
+        ["prefix-hit rate", f"{metrics['prefix_hit_rate']:.3f}"],
+        ["recomputed tokens", f"{metrics['recomputed_tokens']:,}"],
+        ["preemptions", f"{metrics['preemptions']:,}"],
+        ["evicted blocks", f"{metrics['evicted_blocks']:,}"],
+        ["peak KV usage", f"{metrics['kv_usage_max']:.3f}"],
+        ["simulated duration", f"{metrics['duration_s']:,.1f} s"],
+    ], align="<>"))
+
+
+def write_json(path: Path, payload: dict) -> None:
+    try:
+        path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write JSON: {exc.strerror}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = load(args)
+    progress = ProgressBar("replay")
+    result, metrics = run_replay(workload, config_from(args, args.policy), progress)
+    progress.close()
+    print_summary(result)
+    if args.json:
+        write_json(args.json, result)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        from moetide.report.plots import plot_runs
+
+        plot_runs({args.policy: (result, metrics)}, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,416 @@
+"""WriteScope: the four KV regions, write-time block placement, and the per-step CPU/accelerator split of the
+host-resident KV. Stdlib only; the cost coefficients come in as plain numbers (``SplitCosts``) that the caller
+derives from ``moetide.perf`` — core never imports perf.
+
+Regions, {device, host} x {in-place, streamed}:
+  device/in-place   KV resident in HBM, attended where it lies.
+  device/streamed   a small staging ring in HBM that receives host KV during a step; no block lives there.
+  host/streamed     pinned host blocks the accelerator reads by DMA into the ring.
+  host/in-place     host blocks the CPU attends where they lie (partial output + log-sum-exp, merged on the GPU).
+
+Invariants.
+- A block's residency (device or host) is decided once, when it is written (``BlockPlacement.place``), and
+  never changes: no KV is ever copied to change residency.
+- Per sequence, residency switches at most once, device -> host. A sequence's first blocks are device-resident
+  while the device pool (and the per-sequence cap) lasts; once one block has gone to the host, every later block
+  does too, even if device blocks free up meanwhile. So a sequence's host blocks are one contiguous suffix, and
+  the split between host/in-place and host/streamed is ONE integer per sequence: the first ``num_cpu_blocks`` host
+  blocks are attended by the CPU, the rest are streamed. Device-first rather than host-first because a sequence
+  grows at its end and residency cannot be revised: "the last N blocks on the device" would need a migration for
+  every new block, while a device prefix never moves (and it keeps shared prompt prefixes, which prefix caching
+  hits, in HBM).
+- Host blocks use one layout that both consumers read, so moving the split point moves no data.
+
+The attention phase of one step, for X bytes of host KV attended by the CPU out of H (S = H - X streamed), with
+n_c sequences that have CPU work and n_s that have streamed work (``SplitCosts`` names the coefficients):
+
+    T(X) = max( k ([X>0] (c + n_c p_c) + a X),   g + n_c m + [S>0] (s + n_s p_s + b S) )
+
+k is the online correction (measured / predicted CPU time, EWMA-smoothed, bounded). WriteScope gives the CPU
+whole sequences' host parts, longest first, and splits at most one sequence (the fewest sequences pay a
+per-sequence cost on either side), and takes the X that minimises T; for each count of touched sequences T is
+convex in X and its minimum is the crossing of the two sides, solved in closed form (``optimal_cpu_blocks``).
+Endpoints X = 0 and X = H are candidates because their fixed costs vanish; the whole-sequence assignment that
+request-split would pick is a candidate too, so writescope never loses to a baseline on its own model. In a chunked-prefill step of Q queries
+the caller's a and p_c grow with Q (CPU FLOPs per byte, query/partial-output traffic) while b does not (each
+streamed byte serves all Q queries), so the CPU share falls, and is exactly 0 once the CPU's fixed costs exceed
+what it could take off the streaming side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field, fields
+from enum import Enum
+
+
+class Residency(Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+class Region(Enum):
+    DEVICE_INPLACE = "device/in-place"
+    DEVICE_STREAMED = "device/streamed"  # the staging ring: streamed host blocks pass through it
+    HOST_STREAMED = "host/streamed"
+    HOST_INPLACE = "host/in-place"
+
+
+@dataclass(frozen=True, slots=True)
+class SeqResidency:
+    """A sequence's blocks: ``num_device_blocks`` device-resident, then ``num_host_blocks`` host-resident."""
+
+    seq_id: Hashable
+    num_device_blocks: int
+    num_host_blocks: int
+
+
+class BlockPlacement:
+    """Write-time residency: device while the pool (and the per-sequence cap) lasts, host after, device -> host at
+    most once per sequence. ``place`` is atomic: it returns the residency, or None (nothing changed) when neither
+    pool has a free block. Books only: the backends own the block ids and the bytes."""
+
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, *,
+                 max_device_blocks_per_seq: int | None = None) -> None:
+        for name, value in (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"BlockPlacement: {name} must be an integer >= 0, got {value!r}")
+        if max_device_blocks_per_seq is not None and max_device_blocks_per_seq < 0:
+            raise ValueError(f"BlockPlacement: max_device_blocks_per_seq must be >= 0, got {max_device_blocks_per_seq}")
+        self.num_device_blocks, self.num_host_blocks = num_device_blocks, num_host_blocks
+        self.max_device_blocks_per_seq = max_device_blocks_per_seq
+        self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [device blocks, host blocks]
+        self.num_free_device_blocks, self.num_free_host_blocks = num_device_blocks, num_host_blocks
+
+    def place(self, seq_id: Hashable) -> Residency | None:
+        """Residency of ``seq_id``'s next block, fixed for good; None when no pool can take it."""
+        counts = self._seqs.setdefault(seq_id, [0, 0])
+        cap = self.max_device_blocks_per_seq
+        if counts[1] == 0 and self.num_free_device_blocks > 0 and (cap is None or counts[0] < cap):
+            counts[0] += 1
+            self.num_free_device_blocks -= 1
+            return Residency.DEVICE
+        if self.num_free_host_blocks > 0:
+            counts[1] += 1
+            self.num_free_host_blocks -= 1
+            return Residency.HOST
+        if counts == [0, 0]:
+            del self._seqs[seq_id]
+        return None
+
+    def free(self, seq_id: Hashable) -> None:
+        """Return all of ``seq_id``'s blocks (a finished or preempted sequence)."""
+        device, host = self._seqs.pop(seq_id)
+        self.num_free_device_blocks += device
+        self.num_free_host_blocks += host
+
+    def residency(self, seq_id: Hashable) -> SeqResidency:
+        device, host = self._seqs.get(seq_id, (0, 0))
+        return SeqResidency(seq_id, device, host)
+
+    def check_invariants(self) -> None:
+        used = [sum(c[i] for c in self._seqs.values()) for i in (0, 1)]
+        assert used[0] + self.num_free_device_blocks == self.num_device_blocks, "device blocks leaked"
+        assert used[1] + self.num_free_host_blocks == self.num_host_blocks, "host blocks leaked"
+        cap = self.max_device_blocks_per_seq
+        assert cap is None or all(c[0] <= cap for c in self._seqs.values()), "per-sequence device cap exceeded"
+        assert all(c[0] + c[1] > 0 for c in self._seqs.values()), "empty sequence kept"
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSplit:
+    """One step's regions of one sequence: blocks [0, d) device/in-place, [d, d + c) host/in-place (CPU),
+    [d + c, d + c + s) host/streamed (through the ring)."""
+
+    seq_id: Hashable
+    num_device_blocks: int
+    num_cpu_blocks: int
+    num_streamed_blocks: int
+
+    def region_of(self, block_index: int) -> Region:
+        d, c = self.num_device_blocks, self.num_cpu_blocks
+        if not 0 <= block_index < d + c + self.num_streamed_blocks:
+            raise IndexError(f"block {block_index} is outside sequence {self.seq_id!r}")
+        if block_index < d:
+            return Region.DEVICE_INPLACE
+        return Region.HOST_INPLACE if block_index < d + c else Region.HOST_STREAMED
+
+    @property
+    def cpu_blocks(self) -> range:
+        return range(self.num_device_blocks, self.num_device_blocks + self.num_cpu_blocks)
+
+    @property
+    def streamed_blocks(self) -> range:
+        start = self.num_device_blocks + self.num_cpu_blocks
+        return range(start, start + self.num_streamed_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitCosts:
+    """Per-step coefficients of the attention phase (formula: module docstring). Seconds, and seconds per byte of
+    host KV summed over layers. ``moetide.perf.offload`` computes them; the field names are the contract."""
+
+    cpu_s_per_byte: float  # a: CPU in-place attention, max(DRAM, FLOP) roofline per byte
+    cpu_fixed_s: float  # c: per step when the CPU has work (per-layer hand-off and sync)
+    cpu_per_seq_s: float  # p_c: per sequence with CPU work (ship its queries down, its partial output up)
+    stream_s_per_byte: float  # b: transfer (with per-transfer latency amortised) or device attention, the slower
+    stream_fixed_s: float  # s: per step when anything is streamed (ring pipeline fill)
+    stream_per_seq_s: float  # p_s: per sequence with streamed blocks (its first transfer's latency)
+    gpu_fixed_s: float  # g: device/in-place attention and launches, paid by every placement
+    merge_per_seq_s: float  # m: GPU-side cost of receiving and merging one sequence's CPU partial
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"SplitCosts.{f.name} must be a finite number >= 0, got {value!r}")
+        if self.cpu_s_per_byte <= 0 or self.stream_s_per_byte <= 0:
+            raise ValueError("SplitCosts: cpu_s_per_byte and stream_s_per_byte must be > 0")
+
+
+def cpu_side_s(costs: SplitCosts, cpu_bytes: float, num_cpu_seqs: int, factor: float = 1.0) -> float:
+    if cpu_bytes <= 0:
+        return 0.0
+    return factor * (costs.cpu_fixed_s + num_cpu_seqs * costs.cpu_per_seq_s + costs.cpu_s_per_byte * cpu_bytes)
+
+
+def gpu_side_s(costs: SplitCosts, streamed_bytes: float, num_streamed_seqs: int, num_cpu_seqs: int) -> float:
+    t = costs.gpu_fixed_s + num_cpu_seqs * costs.merge_per_seq_s
+    if streamed_bytes > 0:
+        t += costs.stream_fixed_s + num_streamed_seqs * costs.stream_per_seq_s + costs.stream_s_per_byte * streamed_bytes
+    return t
+
+
+def phase_time_s(costs: SplitCosts, splits: Sequence[SeqSplit], block_bytes: float, factor: float = 1.0) -> float:
+    """T of an actual per-sequence split (each sequence counted in n_c / n_s only if it has such blocks)."""
+    cpu_blocks = sum(s.num_cpu_blocks for s in splits)
+    streamed = sum(s.num_streamed_blocks for s in splits)
+    n_c = sum(1 for s in splits if s.num_cpu_blocks)
+    n_s = sum(1 for s in splits if s.num_streamed_blocks)
+    return max(cpu_side_s(costs, cpu_blocks * block_bytes, n_c, factor),
+               gpu_side_s(costs, streamed * block_bytes, n_s, n_c))
+
+
+def _fill(seqs: Sequence[SeqResidency], total_cpu_blocks: int) -> tuple[SeqSplit, ...]:
+    """Give the CPU whole sequences' host blocks, longest host part first (ties: batch order), and at most one
+    sequence a partial range: the fewest sequences pay a per-sequence cost on either side."""
+    cpu, left = [0] * len(seqs), total_cpu_blocks
+    for i in sorted(range(len(seqs)), key=lambda i: (-seqs[i].num_host_blocks, i)):
+        cpu[i] = min(left, seqs[i].num_host_blocks)
+        left -= cpu[i]
+    return tuple(SeqSplit(s.seq_id, s.num_device_blocks, c, s.num_host_blocks - c) for s, c in zip(seqs, cpu))
+
+
+def _proportional(seqs: Sequence[SeqResidency], total_cpu_blocks: int) -> tuple[SeqSplit, ...]:
+    """The same share of every sequence's host blocks, largest remainder first (ties: batch order)."""
+    host = sum(s.num_host_blocks for s in seqs)
+    exact = [total_cpu_blocks * s.num_host_blocks / host if host else 0.0 for s in seqs]
+    cpu = [math.floor(e) for e in exact]
+    for i in sorted(range(len(seqs)), key=lambda i: (cpu[i] - exact[i], i))[:total_cpu_blocks - sum(cpu)]:
+        cpu[i] += 1
+    return tuple(SeqSplit(s.seq_id, s.num_device_blocks, c, s.num_host_blocks - c) for s, c in zip(seqs, cpu))
+
+
+def _time_s(costs: SplitCosts, cpu_blocks: int, host_blocks: int, n_c: int, n_s: int, block_bytes: float,
+            factor: float) -> float:
+    return max(cpu_side_s(costs, cpu_blocks * block_bytes, n_c, factor),
+               gpu_side_s(costs, (host_blocks - cpu_blocks) * block_bytes, n_s, n_c))
+
+
+def optimal_cpu_blocks(costs: SplitCosts, host_blocks: Sequence[int], block_bytes: float,
+                       factor: float = 1.0) -> int:
+    """Closed-form optimum of T over whole blocks under the ``_fill`` assignment, ties to fewer CPU blocks.
+
+    With host parts h_1 >= ... >= h_n and prefix sums P_j, CPU bytes X in segment (P_j, P_j+1) touch
+    n_c = j + 1 sequences on the CPU and n_s = n - j streamed; there T is convex (max of an increasing and a
+    decreasing line), so its best whole block is the floor or ceiling of the crossing
+    X_j = (g + n_c m + s + n_s p_s + b H - k (c + n_c p_c)) / (k a + b). A crossing outside the segment is
+    dominated by the segment's end P_j or P_j+1 (fewer sequences pay there), which are candidates too."""
+    parts = sorted((h for h in host_blocks if h > 0), reverse=True)
+    n, total = len(parts), sum(parts)
+    prefix = [0]
+    for h in parts:
+        prefix.append(prefix[-1] + h)
+    candidates = [(prefix[j], j, n - j) for j in range(n + 1)]
+    k, bb = factor, block_bytes
+    for j in range(n):
+        n_c, n_s = j + 1, n - j
+        gpu = (costs.gpu_fixed_s + n_c * costs.merge_per_seq_s + costs.stream_fixed_s + n_s * costs.stream_per_seq_s
+               + costs.stream_s_per_byte * total * bb)
+        x = (gpu - k * (costs.cpu_fixed_s + n_c * costs.cpu_per_seq_s)) / (k * costs.cpu_s_per_byte + costs.stream_s_per_byte)
+        lo = math.floor(x / bb) if math.isfinite(x) else prefix[j]
+        candidates += [(b, n_c, n_s) for b in (lo, lo + 1) if prefix[j] < b < prefix[j + 1]]
+    best = min(candidates, key=lambda c: (_time_s(costs, c[0], total, c[1], c[2], bb, factor), c[0]))
+    return best[0]
+
+
+# ---- policies: one short class each, behind a registry -------------------------------------------------------
+
+
+class SplitPolicy:
+    """Given this step's coefficients and sequences, return each sequence's split. ``factor`` is the CPU
+    correction the caller currently believes in (1.0 for the static baselines' own model)."""
+
+    name = "?"
+
+    def split(self, costs: SplitCosts, seqs: Sequence[SeqResidency], block_bytes: float,
+              factor: float = 1.0) -> tuple[SeqSplit, ...]:
+        raise NotImplementedError
+
+
+class WriteScope(SplitPolicy):
+    """The optimum of T(X) re-chosen every step: ``_fill`` at the closed-form X, unless the whole-sequence (LPT)
+    assignment is cheaper — it can be, by one per-sequence cost, when a subset of whole sequences lands on the
+    crossing — so that writescope never loses to request-split on its own model."""
+
+    name = "writescope"
+
+    def split(self, costs, seqs, block_bytes, factor=1.0):
+        fill = _fill(seqs, optimal_cpu_blocks(costs, [s.num_host_blocks for s in seqs], block_bytes, factor))
+        whole = RequestSplit().split(costs, seqs, block_bytes, factor)
+        t_fill, t_whole = (phase_time_s(costs, x, block_bytes, factor) for x in (fill, whole))
+        return whole if t_whole < t_fill else fill
+
+
+class TransferAll(SplitPolicy):
+    """Stream every host block every step (FlexGen/vLLM-offload style); the CPU only holds bytes."""
+
+    name = "transfer-all"
+
+    def split(self, costs, seqs, block_bytes, factor=1.0):
+        return _fill(seqs, 0)
+
+
+class CpuAll(SplitPolicy):
+    """The CPU attends every host block in place; nothing is streamed."""
+
+    name = "cpu-all"
+
+    def split(self, costs, seqs, block_bytes, factor=1.0):
+        return _fill(seqs, sum(s.num_host_blocks for s in seqs))
+
+
+@dataclass
+class FixedRatio(SplitPolicy):
+    """The same static CPU share of every sequence's host blocks, whatever the length or the CPU's load."""
+
+    ratio: float = 0.5
+    name: str = field(default="fixed-ratio", init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.ratio <= 1:
+            raise ValueError(f"FixedRatio: ratio is a CPU share and must be in [0, 1], got {self.ratio!r}")
+
+    def split(self, costs, seqs, block_bytes, factor=1.0):
+        return _proportional(seqs, round(self.ratio * sum(s.num_host_blocks for s in seqs)))
+
+
+class RequestSplit(SplitPolicy):
+    """NEO-style: whole sequences' host KV goes to the CPU or is streamed, never a part. Longest first, each to
+    the side whose finish time after taking it is smaller (LPT greedy), on the same cost model."""
+
+    name = "request-split"
+
+    def split(self, costs, seqs, block_bytes, factor=1.0):
+        order = sorted(range(len(seqs)), key=lambda i: (-seqs[i].num_host_blocks, i))
+        to_cpu = [False] * len(seqs)
+        cpu_b = gpu_b = 0.0
+        n_c = n_s = 0
+        for i in order:
+            h = seqs[i].num_host_blocks * block_bytes
+            if h == 0:
+                continue
+            on_cpu = max(cpu_side_s(costs, cpu_b + h, n_c + 1, factor), gpu_side_s(costs, gpu_b, n_s, n_c + 1))
+            on_gpu = max(cpu_side_s(costs, cpu_b, n_c, factor), gpu_side_s(costs, gpu_b + h, n_s + 1, n_c))
+            if on_cpu < on_gpu:
+                to_cpu[i], cpu_b, n_c = True, cpu_b + h, n_c + 1
+            else:
+                gpu_b, n_s = gpu_b + h, n_s + 1
+        return tuple(SeqSplit(s.seq_id, s.num_device_blocks, s.num_host_blocks if c else 0,
+                              0 if c else s.num_host_blocks) for s, c in zip(seqs, to_cpu))
+
+
+SPLIT_POLICIES: dict[str, Callable[[], SplitPolicy]] = {
+    "writescope": WriteScope,
+    "transfer-all": TransferAll,
+    "cpu-all": CpuAll,
+    "request-split": RequestSplit,
+    "fixed-ratio": FixedRatio,
+}
+BASELINES = ("transfer-all", "cpu-all", "request-split", "fixed-ratio")
+
+
+# ---- online correction and the planner ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CorrectionConfig:
+    """EWMA of measured / predicted CPU time. After a step change of the true ratio from r0 to r1 the factor's
+    error is (1 - smoothing)^n |r1 - r0| after n samples (while inside the bounds): with 0.3, 7 samples leave
+    8% of the step, 9 samples 4%. Samples whose prediction is below ``min_predicted_s`` carry no information
+    (no CPU work that step) and are ignored."""
+
+    smoothing: float = 0.3
+    min_factor: float = 0.25
+    max_factor: float = 4.0
+    min_predicted_s: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"CorrectionConfig.smoothing must be in (0, 1], got {self.smoothing!r}")
+        if not 0 < self.min_factor <= 1 <= self.max_factor < math.inf:
+            raise ValueError(f"CorrectionConfig: need 0 < min_factor <= 1 <= max_factor < inf, got "
+                             f"[{self.min_factor!r}, {self.max_factor!r}]")
+        if not self.min_predicted_s >= 0:
+            raise ValueError(f"CorrectionConfig.min_predicted_s must be >= 0, got {self.min_predicted_s!r}")
+
+
+class OnlineCorrection:
+    """The CPU-time correction factor k: starts at 1, follows measured / predicted, clamped to the bounds."""
+
+    def __init__(self, config: CorrectionConfig = CorrectionConfig()) -> None:
+        self.config, self.factor, self.num_samples = config, 1.0, 0
+
+    def observe(self, measured_s: float, predicted_s: float) -> float:
+        """Fold in one step; ``predicted_s`` is the UNcorrected model's CPU time for the work actually done."""
+        if not (math.isfinite(measured_s) and measured_s >= 0):
+            raise ValueError(f"measured_s must be a finite number >= 0, got {measured_s!r}")
+        c = self.config
+        if predicted_s < c.min_predicted_s or predicted_s <= 0:
+            return self.factor
+        blended = (1 - c.smoothing) * self.factor + c.smoothing * (measured_s / predicted_s)
+        self.factor = min(c.max_factor, max(c.min_factor, blended))
+        self.num_samples += 1
+        return self.factor
+
+
+@dataclass(frozen=True, slots=True)
+class StepSplit:
+    splits: tuple[SeqSplit, ...]
+    cpu_bytes: float
+    host_bytes: float
+    predicted_cpu_s: float  # uncorrected model, for OnlineCorrection.observe
+    predicted_s: float  # T with the correction applied
+
+    @property
+    def cpu_share(self) -> float:
+        return self.cpu_bytes / self.host_bytes if self.host_bytes else 0.0
+
+
+class SplitPlanner:
+    """Writescope each step, with the CPU side scaled by the online correction; ``observe`` closes the loop."""
+
+    def __init__(self, correction: OnlineCorrection | None = None) -> None:
+        self.correction = correction or OnlineCorrection()
+
+    def plan(self, costs: SplitCosts, seqs: Sequence[SeqResidency], block_bytes: float) -> StepSplit:
+        factor = self.correction.factor
+        splits = WriteScope().split(costs, seqs, block_bytes, factor)
+        cpu_bytes = sum(s.num_cpu_blocks for s in splits) * block_bytes
+        n_c = sum(1 for s in splits if s.num_cpu_blocks)
+        return StepSplit(splits, cpu_bytes, sum(s.num_host_blocks for s in seqs) * block_bytes,
+                         cpu_side_s(costs, cpu_bytes, n_c), phase_time_s(costs, splits, block_bytes, factor))
+
+    def observe(self, plan: StepSplit, measured_cpu_s: float) -> float:
+        return self.correction.observe(measured_cpu_s, plan.predicted_cpu_s)

@@ -1,0 +1,142 @@
+"""Replay metrics in vLLM's definitions (``vllm bench serve``), plus the memory counters this project is about.
+
+* TTFT: first output token time − arrival (queueing, prefill and any recompute included).
+* TPOT: (last token time − first token time) / (output tokens − 1), per request with ≥ 2 output tokens.
+* ITL: every gap between consecutive output tokens of a request, pooled over requests.
+* E2E: last token time − arrival.
+* request throughput: completed requests / (last completion − first arrival); output tokens/s likewise.
+* prefix-hit rate: prompt tokens found in the prefix cache when a request was first scheduled / prompt tokens.
+* recomputed tokens: tokens computed again after a preemption freed them.
+Percentiles interpolate linearly between order statistics (numpy's default), so they match ``vllm bench``.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Sequence
+
+from moetide.core.request import Request
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """q in [0, 100]; linear interpolation between closest ranks."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summary(values: Sequence[float]) -> dict[str, float | None]:
+    ordered = sorted(values)
+    if not ordered:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {
+        "mean": math.fsum(ordered) / len(ordered),
+        "p50": percentile(ordered, 50),
+        "p90": percentile(ordered, 90),
+        "p99": percentile(ordered, 99),
+    }
+
+
+class MetricsCollector:
+    """Per-request timestamps and run-wide counters, fed by the replay loop."""
+
+    MAX_USAGE_SAMPLES = 2048
+
+    def __init__(self) -> None:
+        self.first_token_s: dict[str, float] = {}
+        self.last_token_s: dict[str, float] = {}
+        self.ttft = array("d")
+        self.tpot = array("d")
+        self.itl = array("d")
+        self.e2e = array("d")
+        self.first_arrival_s: float | None = None
+        self.last_finish_s = 0.0
+        self.completed = 0
+        self.failed = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.output_tokens = 0
+        self.recomputed_tokens = 0
+        self.preemptions = 0
+        self.evicted_blocks = 0
+        self.steps = 0
+        self.busy_s = 0.0
+        self.usage_every = 1
+        self.kv_usage: list[tuple[float, float]] = []  # (time, used share of the pool)
+
+    def arrived(self, arrival_s: float) -> None:
+        if self.first_arrival_s is None or arrival_s < self.first_arrival_s:
+            self.first_arrival_s = arrival_s
+
+    def tokens(self, requests: Sequence[Request], now_s: float) -> None:
+        first, last, itl = self.first_token_s, self.last_token_s, self.itl
+        for request in requests:
+            rid = request.request_id
+            prev = last.get(rid)
+            if prev is None:
+                first[rid] = now_s
+                self.ttft.append(now_s - request.arrival_s)
+            else:
+                itl.append(now_s - prev)
+            last[rid] = now_s
+
+    def finished(self, request: Request, now_s: float) -> None:
+        rid = request.request_id
+        first = self.first_token_s.pop(rid)
+        self.last_token_s.pop(rid, None)
+        self.completed += 1
+        self.output_tokens += request.num_output_tokens
+        if request.num_output_tokens > 1:
+            self.tpot.append((now_s - first) / (request.num_output_tokens - 1))
+        self.e2e.append(now_s - request.arrival_s)
+        self._count_prompt(request)
+        self.last_finish_s = max(self.last_finish_s, now_s)
+
+    def failed_request(self, request: Request, now_s: float) -> None:
+        self.failed += 1
+        self.first_token_s.pop(request.request_id, None)
+        self.last_token_s.pop(request.request_id, None)
+        self.last_finish_s = max(self.last_finish_s, now_s)
+
+    def _count_prompt(self, request: Request) -> None:
+        self.prompt_tokens += request.num_prompt_tokens
+        self.cached_prompt_tokens += request.num_cached_prompt_tokens or 0
+        self.recomputed_tokens += request.num_recomputed_tokens
+        self.preemptions += request.num_preemptions
+
+    def step(self, now_s: float, duration_s: float, used_share: float) -> None:
+        self.steps += 1
+        self.busy_s += duration_s
+        if self.steps % self.usage_every == 0:
+            self.kv_usage.append((now_s, used_share))
+            if len(self.kv_usage) >= self.MAX_USAGE_SAMPLES:
+                self.kv_usage = self.kv_usage[::2]
+                self.usage_every *= 2
+
+    def to_dict(self) -> dict[str, object]:
+        start = self.first_arrival_s or 0.0
+        duration = max(self.last_finish_s - start, 1e-12)
+        return {
+            "ttft_s": summary(self.ttft),
+            "tpot_s": summary(self.tpot),
+            "itl_s": summary(self.itl),
+            "e2e_s": summary(self.e2e),
+            "request_throughput_per_s": self.completed / duration,
+            "output_tokens_per_s": self.output_tokens / duration,
+            "prefix_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "recomputed_tokens": self.recomputed_tokens,
+            "preemptions": self.preemptions,
+            "evicted_blocks": self.evicted_blocks,
+            "completed": self.completed,
+            "failed": self.failed,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "duration_s": duration,
+            "steps": self.steps,
+            "busy_s": self.busy_s,
+            "kv_usage_max": max((u for _, u in self.kv_usage), default=0.0),
+        }

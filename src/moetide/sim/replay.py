@@ -1,0 +1,153 @@
+"""Discrete-event replay of a workload through the shared scheduler, with modeled step times.
+
+One accelerator (or one tensor-parallel group) runs steps back to back while there is work. Events are request
+sends, ordered by (time, priority, sequence number) — the sequence number is per instance, so two replays in one
+process never share state, and equal times break ties in trace order. Requests that arrive while a step runs join
+at the next step, as in a real engine.
+
+Open loop: every turn is sent at its recorded ``arrival_s``. Closed loop: a session's first turn is sent at its
+start; each later turn ``think_time_s`` after the previous turn completed (or failed). A failed turn does not end
+its session: the recording went on, so the replay does too.
+
+Prompts are described by trace block keys; ``core.hashing.external_block_hashes`` maps them onto the pool's block
+size. A session's next turn usually extends its previous prompt, so the pool-block hashes of the shared key prefix
+are reused instead of recomputed — agent contexts run to hundreds of thousands of tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moetide.core.hashing import external_block_hashes, scope_hash
+from moetide.core.request import Request
+from moetide.core.scheduler import Scheduler
+from moetide.sim.metrics import MetricsCollector
+from moetide.workloads.base import BlockKeys, Session, Workload
+
+StepTimeFn = Callable[[int, int, int, int, int], float]  # (tokens, seqs, decode seqs, kv tokens read, pairs) -> s
+SEND = 0  # event priority (only one kind of event today; steps are not events but the loop's body)
+
+
+@dataclass
+class _Context:
+    """Replay state of one session: where it is, and its last prompt's keys and pool-block hashes."""
+
+    session: Session
+    scope: int
+    next_turn: int = 0
+    prev_keys: BlockKeys | None = None
+    prev_hashes: list[int] | None = None
+
+
+class Replay:
+    def __init__(
+        self,
+        workload: Workload,
+        scheduler: Scheduler,
+        step_time_s: StepTimeFn,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.workload = workload
+        self.scheduler = scheduler
+        self.step_time_s = step_time_s
+        self.block_size = scheduler.kv.block_size
+        self.progress = progress
+        self.metrics = MetricsCollector()
+        self.now_s = 0.0
+        self._events: list[tuple[float, int, int, _Context]] = []
+        self._seq = 0
+        self._salt = 0
+        self._contexts: dict[str, _Context] = {}
+        self._num_requests = workload.num_requests
+        self._num_done = 0
+
+    def _push(self, time_s: float, ctx: _Context) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (time_s, SEND, self._seq, ctx))
+
+    def run(self) -> MetricsCollector:
+        for session in self.workload.sessions:
+            ctx = _Context(session, scope_hash(session.key_scope) if session.key_scope else 0)
+            self._contexts[session.session_id] = ctx
+            first = session.turns[0]
+            self._push(first.arrival_s if first.arrival_s is not None else session.start_s, ctx)
+        sched, events, metrics = self.scheduler, self._events, self.metrics
+        while events or sched.has_work:
+            if not sched.has_work:
+                self.now_s = max(self.now_s, events[0][0])
+            while events and events[0][0] <= self.now_s:
+                self._send(heapq.heappop(events)[3])
+            out = sched.schedule(self.now_s)
+            for request in out.failed:
+                metrics.failed_request(request, self.now_s)
+                self._turn_done(request)
+            if out.is_empty:
+                if sched.has_work and not events:
+                    raise RuntimeError(f"replay stalled at t={self.now_s:.3f}s: work left but nothing schedulable")
+                if events:
+                    self.now_s = max(self.now_s, events[0][0])
+                continue
+            self._execute(out)
+        metrics.preemptions = sched.num_preemptions
+        metrics.evicted_blocks = sched.num_evicted_blocks
+        return metrics
+
+    def _execute(self, out) -> None:
+        num_decode = kv_read = pairs = 0
+        for (request, n), start in zip(out.scheduled, out.num_computed_before):
+            if n == 1:
+                num_decode += 1
+                kv_read += start + 1
+                pairs += start + 1
+            else:
+                kv_read += start + n
+                pairs += n * start + n * (n + 1) // 2
+        duration = self.step_time_s(out.total_num_scheduled_tokens, len(out.scheduled), num_decode, kv_read, pairs)
+        self.now_s += duration
+        emitted, finished = self.scheduler.update(out, None, self.now_s)
+        self.metrics.tokens(emitted, self.now_s)
+        for request in finished:
+            self.metrics.finished(request, self.now_s)
+            self._turn_done(request)
+        pool = self.scheduler.kv.pool
+        self.metrics.step(self.now_s, duration, pool.num_used_blocks / max(pool.num_blocks, 1))
+
+    def _send(self, ctx: _Context) -> None:
+        turn = ctx.session.turns[ctx.next_turn]
+        keys = turn.block_keys
+        reuse: list[int] = []
+        if ctx.prev_keys is not None and self.workload.key_block_size:
+            shared_tokens = ctx.prev_keys.common_prefix_len(keys) * self.workload.key_block_size
+            reuse = ctx.prev_hashes[: shared_tokens // self.block_size]
+        self._salt += 1
+        hashes = external_block_hashes(
+            keys, self.workload.key_block_size or 1, self.block_size, turn.prompt_tokens,
+            scope=ctx.scope, salt=self._salt, reuse=reuse,
+        )
+        ctx.prev_keys, ctx.prev_hashes = keys, hashes
+        request = Request(
+            turn.request_id, num_prompt_tokens=turn.prompt_tokens, max_output_tokens=max(turn.output_tokens, 1),
+            block_size=self.block_size, block_hashes=list(hashes), session_id=ctx.session.session_id,
+            arrival_s=self.now_s, salt=self._salt,
+        )
+        self.metrics.arrived(self.now_s)
+        self.scheduler.add_request(request, self.now_s)
+
+    def _turn_done(self, request: Request) -> None:
+        self._num_done += 1
+        if self.progress is not None:
+            self.progress(self._num_done, self._num_requests)
+        ctx = self._contexts[request.session_id]
+        ctx.next_turn += 1
+        if ctx.next_turn >= len(ctx.session.turns):
+            del self._contexts[request.session_id]
+            self.scheduler.close_session(request.session_id)
+            return
+        turn = ctx.session.turns[ctx.next_turn]
+        if turn.arrival_s is not None:  # open loop: recorded send time, however the previous turn went
+            self._push(max(turn.arrival_s, self.now_s), ctx)
+        else:
+            self._push(self.now_s + turn.think_time_s, ctx)

@@ -85,10 +85,10 @@ class Replay:
                 metrics.failed_request(request, self.now_s)
                 self._turn_done(request)
             if out.is_empty:
-                if sched.has_work and not events:
-                    raise RuntimeError(f"replay stalled at t={self.now_s:.3f}s: work left but nothing schedulable")
                 if events:
                     self.now_s = max(self.now_s, events[0][0])
+                elif sched.has_work and not (out.preempted or out.failed):  # a step that only preempted is progress
+                    raise RuntimeError(f"replay stalled at t={self.now_s:.3f}s: work left but nothing schedulable")
                 continue
             self._execute(out)
         metrics.preemptions = sched.num_preemptions

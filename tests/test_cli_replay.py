@@ -1,0 +1,75 @@
+"""`moetide replay`: JSON shape, determinism, and one clear error for bad input."""
+
+import json
+import subprocess
+import sys
+
+from moetide.cli import main
+
+
+def write_trace(path, lines):
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def mooncake_lines(n=6):
+    return [{"timestamp": 1000 * i, "input_length": 1100 + 10 * i, "output_length": 5, "hash_ids": [1, 2, 100 + i]}
+            for i in range(n)]
+
+
+def test_replay_json_has_the_documented_shape(tmp_path, capsys):
+    trace = write_trace(tmp_path / "t.jsonl", mooncake_lines())
+    out = tmp_path / "out.json"
+    assert main(["replay", str(trace), "--model", "qwen3-30b-a3b", "--gpu", "h100", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    metrics = result["metrics"]
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(metrics[key]) == {"mean", "p50", "p90", "p99"}
+    for key in ("request_throughput_per_s", "output_tokens_per_s", "prefix_hit_rate", "recomputed_tokens",
+                "preemptions", "completed", "failed"):
+        assert key in metrics
+    assert metrics["completed"] == 6 and metrics["failed"] == 0
+    # every prompt shares the first two 512-token blocks with the first one: 1024 of ~1100 tokens hit
+    assert metrics["prefix_hit_rate"] > 0.75
+    assert result["config"]["workload"]["requests"] == 6 and result["config"]["policy"] == "vllm"
+    assert "MODELED" in capsys.readouterr().out
+
+
+def test_same_command_twice_gives_the_same_bytes(tmp_path):
+    outs = []
+    for name in ("a.json", "b.json"):
+        assert main(["replay", "--kv-budget-gib", "4", "--json", str(tmp_path / name)]) == 0
+        outs.append((tmp_path / name).read_bytes())
+    assert outs[0] == outs[1]
+
+
+def test_malformed_trace_line_names_file_and_line(tmp_path, capsys):
+    lines = [json.dumps(line) for line in mooncake_lines(3)]
+    lines[1] = '{"timestamp": 5, "input_length": "many"}'
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    assert main(["replay", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:2" in err and "input_length" in err and len(err.strip().splitlines()) == 1
+
+
+def test_weights_that_do_not_fit_are_one_clear_error(capsys):
+    assert main(["replay", "--model", "qwen3-next-80b-a3b", "--gpu", "a100-40gb"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not fit" in err and "--tp" in err and len(err.splitlines()) == 1
+
+
+def test_bad_time_window_and_missing_trace(tmp_path, capsys):
+    trace = write_trace(tmp_path / "t.jsonl", mooncake_lines())
+    assert main(["replay", str(trace), "--time-window", "10:5"]) == 2
+    assert main(["replay", str(tmp_path / "nope.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "--time-window" in err and "no such trace file" in err
+
+
+def test_exit_code_two_without_traceback_from_a_real_process(tmp_path):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("not json\n")
+    proc = subprocess.run([sys.executable, "-m", "moetide.cli", "replay", str(trace), "--format", "mooncake"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and f"{trace}:1" in proc.stderr

@@ -1,0 +1,90 @@
+"""Replay: accounting, closed-loop timing, determinism, metrics definitions."""
+
+import json
+import math
+
+import pytest
+
+from moetide.core.blocks import BlockPool
+from moetide.core.kv_manager import KVCacheManager
+from moetide.core.pressure import get_policy
+from moetide.core.scheduler import Scheduler, SchedulerConfig
+from moetide.sim.metrics import percentile, summary
+from moetide.sim.replay import Replay
+from moetide.sim.setup import ReplayConfig, run_replay
+from moetide.workloads import BlockKeys, Session, Turn, Workload, generate_agent_sessions
+
+
+def turn(rid, prompt, out, keys=(), arrival=None, think=0.0):
+    return Turn(prompt_tokens=prompt, output_tokens=out, block_keys=BlockKeys.from_keys(keys), arrival_s=arrival,
+                think_time_s=think, cached_tokens=None, request_id=rid)
+
+
+def replay(workload, num_blocks=64, step_s=0.01, block_size=16, **sched):
+    pool = BlockPool(range(num_blocks))
+    scheduler = Scheduler(SchedulerConfig(**sched), KVCacheManager(pool, block_size), get_policy("vllm"))
+    metrics = Replay(workload, scheduler, lambda *shape: step_s).run()
+    scheduler.kv.check_invariants()
+    assert pool.num_used_blocks == 0
+    return metrics
+
+
+def test_open_loop_single_request_timing():
+    wl = Workload("t", "test", "open", None, (Session(session_id="s", start_s=1.0, turns=(turn("r", 40, 3, arrival=1.0),),
+                                                      parent_session_id=None, key_scope=""),))
+    m = replay(wl, step_s=0.01).to_dict()
+    # step 1 prefills 40 tokens and emits token 1 at t=1.01; two decode steps emit tokens 2 and 3
+    assert m["ttft_s"]["mean"] == pytest.approx(0.01)
+    assert m["tpot_s"]["mean"] == pytest.approx(0.01)
+    assert m["e2e_s"]["mean"] == pytest.approx(0.03)
+    assert m["completed"] == 1 and m["output_tokens"] == 3 and m["steps"] == 3
+
+
+def test_closed_loop_next_turn_waits_for_completion_plus_think_time_and_hits_the_prefix():
+    turns = (turn("t0", 128, 2, keys=[1, 2], arrival=0.0), turn("t1", 200, 2, keys=[1, 2, 3], think=5.0))
+    wl = Workload("t", "test", "closed", 64, (Session(session_id="s", start_s=0.0, turns=turns,
+                                                      parent_session_id=None, key_scope="s"),))
+    metrics = replay(wl)
+    m = metrics.to_dict()
+    assert m["completed"] == 2
+    # turn 1 ends at 0.02 s; turn 2 is sent at 5.02 s and finishes two steps later
+    assert metrics.last_finish_s == pytest.approx(5.04)
+    # the second prompt's first 128 tokens (8 blocks of 16) hit turn 1's cached blocks
+    assert m["prefix_hit_rate"] == pytest.approx(128 / (128 + 200))
+
+
+def test_request_larger_than_the_pool_is_counted_failed_and_the_session_goes_on():
+    turns = (turn("big", 2000, 2, arrival=0.0), turn("small", 20, 2, think=1.0))
+    wl = Workload("t", "test", "closed", None, (Session(session_id="s", start_s=0.0, turns=turns,
+                                                        parent_session_id=None, key_scope=""),))
+    m = replay(wl, num_blocks=8).to_dict()
+    assert (m["completed"], m["failed"]) == (1, 1)
+
+
+def test_percentiles_interpolate_like_numpy():
+    values = [1.0, 2.0, 3.0, 4.0]
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 90) == pytest.approx(3.7)
+    assert summary([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert math.isnan(percentile([], 50))
+
+
+def test_same_seed_same_bytes_and_no_request_lost():
+    wl = generate_agent_sessions(3, num_sessions=6)
+    config = ReplayConfig(model="qwen3-30b-a3b", gpu="h100", kv_budget_gib=2.0)
+    first, _ = run_replay(wl, config)
+    second, _ = run_replay(generate_agent_sessions(3, num_sessions=6), config)
+    assert json.dumps(first) == json.dumps(second)
+    metrics = first["metrics"]
+    assert metrics["completed"] + metrics["failed"] == wl.num_requests
+    assert metrics["preemptions"] > 0 or metrics["evicted_blocks"] > 0  # 2 GiB is tight for these sessions
+
+
+def test_more_memory_never_hurts_the_hit_rate():
+    """Also a regression: at 4 GiB a step that only preempted (the last runner preempted itself) was taken
+    for a stall."""
+    wl = generate_agent_sessions(1, num_sessions=6)
+    tight, _ = run_replay(wl, ReplayConfig(kv_budget_gib=4.0))
+    roomy, _ = run_replay(wl, ReplayConfig(kv_budget_gib=8.0))
+    assert roomy["metrics"]["prefix_hit_rate"] > tight["metrics"]["prefix_hit_rate"]
+    assert roomy["metrics"]["ttft_s"]["p90"] < tight["metrics"]["ttft_s"]["p90"]

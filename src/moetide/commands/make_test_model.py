@@ -1,0 +1,67 @@
+"""``moetide make-test-model``: write a tiny random checkpoint (safetensors + config.json + tokenizer) for an engine
+architecture, made by transformers itself (``from_config`` + ``save_pretrained``), offline and deterministic: the
+same arguments give the same bytes of weights. See ``moetide.engine.testmodel`` for what is built and why norm
+weights carry seeded noise. torch and transformers are imported only when the verb runs.
+
+For vLLM's CPU backend, Qwen3-Next needs ``--linear-head-dim 128 --dtype bfloat16`` (its Gated DeltaNet kernel
+accepts nothing else).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moetide.engine.testmodel import ARCHS, DTYPE_NAMES, TinyModelArgs, make_test_model
+from moetide.errors import UserError
+
+DEFAULTS = TinyModelArgs(arch=ARCHS[0])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--arch", required=True, choices=ARCHS, help="model architecture (HF model_type)")
+    add("--out", required=True, metavar="DIR", help="directory to write (created; must be empty unless --overwrite)")
+    add("--overwrite", action="store_true", help="write into a non-empty DIR, replacing files of the same name")
+    add("--layers", type=int, metavar="N", help="decoder layers (default 2; 4 for qwen3_next: 3 linear + 1 full)")
+    add("--hidden", type=int, default=DEFAULTS.hidden_size, metavar="H", help="hidden size (default %(default)s)")
+    add("--experts", type=int, default=DEFAULTS.num_experts, metavar="E", help="routed experts (default %(default)s)")
+    add("--top-k", type=int, default=DEFAULTS.num_experts_per_tok, metavar="K",
+        help="experts per token (default %(default)s)")
+    add("--expert-intermediate", type=int, default=DEFAULTS.moe_intermediate_size, metavar="I",
+        help="width of one expert, and of qwen3_next's shared expert (default %(default)s)")
+    add("--vocab", type=int, default=DEFAULTS.vocab_size, metavar="V", help="vocabulary size (default %(default)s)")
+    add("--heads", type=int, default=DEFAULTS.num_attention_heads, help="attention heads (default %(default)s)")
+    add("--kv-heads", type=int, default=DEFAULTS.num_kv_heads, help="KV heads (default %(default)s)")
+    add("--head-dim", type=int, default=DEFAULTS.head_dim, help="attention head size (default %(default)s)")
+    add("--linear-key-heads", type=int, default=DEFAULTS.linear_num_key_heads,
+        help="qwen3_next: Gated DeltaNet key heads (default %(default)s)")
+    add("--linear-value-heads", type=int, default=DEFAULTS.linear_num_value_heads,
+        help="qwen3_next: Gated DeltaNet value heads (default %(default)s)")
+    add("--linear-head-dim", type=int, default=DEFAULTS.linear_head_dim,
+        help="qwen3_next: Gated DeltaNet key and value head size (default %(default)s; vLLM-CPU needs 128)")
+    add("--seed", type=int, default=DEFAULTS.seed, help="torch seed for the weights (default %(default)s)")
+    add("--dtype", choices=DTYPE_NAMES, default=DEFAULTS.dtype, help="weight dtype (default %(default)s)")
+
+
+def _tiny_args(args: argparse.Namespace) -> TinyModelArgs:
+    return TinyModelArgs(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_experts=args.experts,
+                         num_experts_per_tok=args.top_k, vocab_size=args.vocab, num_attention_heads=args.heads,
+                         num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                         moe_intermediate_size=args.expert_intermediate,
+                         linear_num_key_heads=args.linear_key_heads, linear_num_value_heads=args.linear_value_heads,
+                         linear_head_dim=args.linear_head_dim, seed=args.seed, dtype=args.dtype)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise UserError(f"--out {out}: directory is not empty (pass --overwrite to write into it)")
+    tiny = _tiny_args(args)
+    make_test_model(tiny, out)
+    print(f"wrote a {tiny.arch} test model to {out}: {tiny.layers} layers, hidden {tiny.hidden_size}, "
+          f"{tiny.num_experts} experts (top-{tiny.num_experts_per_tok}), vocab {tiny.vocab_size}, {tiny.dtype}, "
+          f"seed {tiny.seed}")
+    return 0

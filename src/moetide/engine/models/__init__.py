@@ -1,0 +1,56 @@
+"""The engine's model architectures, by HF ``model_type`` (one registry dict, no if-chains).
+
+Each class builds from its engine config dataclass (``config_class.from_hf(config_dict, origin)``), runs one packed
+step per ``forward(token_ids, StepContext)``, and names its checkpoint tensors (``checkpoint_targets``).
+"""
+
+from __future__ import annotations
+
+from moetide.engine.models.common import MoECausalLM, greedy_generate
+from moetide.engine.models.hooks import (
+    AttentionBackend,
+    ContiguousKVCache,
+    DictLinearStateStore,
+    ExpertProvider,
+    ExpertWeights,
+    LinearState,
+    LinearStateShape,
+    LinearStateStore,
+    ModuleExpertProvider,
+    StepBatch,
+    StepContext,
+    causal_attention,
+)
+from moetide.engine.models.mixtral import MixtralEngineConfig, MixtralForCausalLM
+from moetide.engine.models.qwen3_moe import Qwen3MoeEngineConfig, Qwen3MoeForCausalLM
+from moetide.engine.models.qwen3_next import Qwen3NextEngineConfig, Qwen3NextForCausalLM
+
+MODEL_CLASSES: dict[str, type[MoECausalLM]] = {
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+}
+
+__all__ = [
+    "MODEL_CLASSES",
+    "AttentionBackend",
+    "ContiguousKVCache",
+    "DictLinearStateStore",
+    "ExpertProvider",
+    "ExpertWeights",
+    "LinearState",
+    "LinearStateShape",
+    "LinearStateStore",
+    "MixtralEngineConfig",
+    "MixtralForCausalLM",
+    "MoECausalLM",
+    "ModuleExpertProvider",
+    "Qwen3MoeEngineConfig",
+    "Qwen3MoeForCausalLM",
+    "Qwen3NextEngineConfig",
+    "Qwen3NextForCausalLM",
+    "StepBatch",
+    "StepContext",
+    "causal_attention",
+    "greedy_generate",
+]

@@ -1,0 +1,220 @@
+"""The engine models' seams: step metadata and the three hooks through which a model reaches memory it does not own.
+
+A step is a set of sequences whose new tokens are packed end to end into one ``T``-long token tensor, with no
+padding, as a continuous-batching engine runs them (vLLM's "there are no prefill and decode phases"): a sequence
+may bring its whole prompt, a chunk of it, or one decode token. ``StepBatch`` says which tokens belong to whom.
+
+The model never owns per-sequence memory. Full attention hands each layer's q, k, v to an ``AttentionBackend``
+(which stores k, v wherever it keeps KV and attends over the sequence's whole context); Gated DeltaNet layers read
+and update their fixed-size state through a ``LinearStateStore``; MoE layers fetch each selected expert's weights
+from an ``ExpertProvider`` after announcing the step's routing to it. The defaults here are the simplest correct
+ones (a contiguous per-sequence KV list, a dict of state tensors, the module's own weights); the paged backend over
+arena pages, pool-block state and expert staging replace them without touching the model code.
+
+Conventions: ``T`` = tokens in the step, ``B`` = sequences, ``H`` = hidden size, ``Hq``/``Hkv`` = query/KV heads,
+``D`` = head dim, ``E`` = experts, ``K`` = top-k, ``I`` = expert intermediate size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Sequence ``i`` owns tokens ``[start_i, start_i + num_new_tokens[i])`` of the step, in ``seq_ids`` order;
+    its first new token sits at position ``num_computed_tokens[i]`` (tokens already in its cache)."""
+
+    seq_ids: tuple[int, ...]
+    num_new_tokens: tuple[int, ...]
+    num_computed_tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.seq_ids) == len(self.num_new_tokens) == len(self.num_computed_tokens)):
+            raise ValueError("StepBatch: seq_ids, num_new_tokens and num_computed_tokens must have equal lengths")
+        if len(set(self.seq_ids)) != len(self.seq_ids):
+            raise ValueError(f"StepBatch: a sequence appears twice in one step: {self.seq_ids}")
+        if any(n < 1 for n in self.num_new_tokens) or any(c < 0 for c in self.num_computed_tokens):
+            raise ValueError("StepBatch: num_new_tokens must be >= 1 and num_computed_tokens >= 0")
+
+    @classmethod
+    def of(cls, entries: list[tuple[int, int, int]]) -> StepBatch:
+        """From ``(seq_id, num_new_tokens, num_computed_tokens)`` triples."""
+        seq_ids, new, computed = zip(*entries) if entries else ((), (), ())
+        return cls(tuple(seq_ids), tuple(new), tuple(computed))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def token_slices(self) -> list[slice]:
+        slices, start = [], 0
+        for n in self.num_new_tokens:
+            slices.append(slice(start, start + n))
+            start += n
+        return slices
+
+    def positions(self, device: torch.device | str = "cpu") -> Tensor:
+        """LongTensor[T]: each token's position in its own sequence."""
+        return torch.cat([torch.arange(c, c + n, device=device)
+                          for n, c in zip(self.num_new_tokens, self.num_computed_tokens)])
+
+    def last_token_indices(self, device: torch.device | str = "cpu") -> Tensor:
+        """LongTensor[B]: index in the step of each sequence's last new token."""
+        ends = torch.tensor(self.num_new_tokens, device=device).cumsum(0)
+        return ends - 1
+
+
+# ---- attention ---------------------------------------------------------------------------------------------
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, scale: float) -> Tensor:
+        """Store this step's k, v [T, Hkv, D] for ``layer_id`` and return causal attention of q [T, Hq, D] over
+        each sequence's whole context (cached tokens, then its new ones) as [T, Hq, D]."""
+        ...
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, num_computed_tokens: int) -> Tensor:
+    """One sequence: q [Tq, Hq, D] at positions ``num_computed_tokens + j`` over k, v [Tk, Hkv, D] (positions
+    0..Tk-1); grouped-query heads map as in transformers' ``repeat_kv`` (query head h reads KV head h // group).
+    Softmax in fp32, like transformers' eager attention."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Tq, Tk]
+    query_pos = torch.arange(q.shape[0], device=q.device) + num_computed_tokens
+    future = torch.arange(k.shape[0], device=q.device)[None, :] > query_pos[:, None]  # [Tq, Tk]
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+class ContiguousKVCache:
+    """The reference ``AttentionBackend``: per (layer, sequence), K and V as contiguous [L, Hkv, D] tensors that
+    grow by concatenation. Simple and exact, O(L) copying per step; the paged backend replaces it. A sequence that
+    claims ``num_computed_tokens`` its cache does not hold is a bug upstream, so it raises rather than guesses."""
+
+    def __init__(self) -> None:
+        self._kv: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+
+    def num_cached_tokens(self, layer_id: int, seq_id: int) -> int:
+        entry = self._kv.get((layer_id, seq_id))
+        return 0 if entry is None else entry[0].shape[0]
+
+    def free(self, seq_id: int) -> None:
+        for key in [key for key in self._kv if key[1] == seq_id]:
+            del self._kv[key]
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, scale: float) -> Tensor:
+        out = torch.empty_like(q)
+        for seq_id, sl, computed in zip(batch.seq_ids, batch.token_slices(), batch.num_computed_tokens):
+            cached = self.num_cached_tokens(layer_id, seq_id)
+            if computed not in (0, cached):
+                raise ValueError(f"sequence {seq_id} layer {layer_id}: step says {computed} tokens are computed, "
+                                 f"the cache holds {cached}")
+            seq_k, seq_v = k[sl], v[sl]
+            if computed:
+                past_k, past_v = self._kv[(layer_id, seq_id)]
+                seq_k, seq_v = torch.cat([past_k, seq_k]), torch.cat([past_v, seq_v])
+            self._kv[(layer_id, seq_id)] = (seq_k.contiguous(), seq_v.contiguous())
+            out[sl] = causal_attention(q[sl], seq_k, seq_v, scale, computed)
+        return out
+
+
+# ---- linear-attention state --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearState:
+    """One sequence's Gated DeltaNet state in one layer, as tensors the layer updates in place (``copy_``):
+    ``conv`` [C, kernel-1] (the last inputs of the causal conv) and ``recurrent`` [Hv, Dk, Dv] (fp32)."""
+
+    conv: Tensor
+    recurrent: Tensor
+
+
+@dataclass(frozen=True)
+class LinearStateShape:
+    conv: tuple[int, ...]
+    recurrent: tuple[int, ...]
+
+
+class LinearStateStore(Protocol):
+    def state(self, layer_id: int, seq_id: int) -> LinearState:
+        """The sequence's state in ``layer_id``. Contents are ignored (read as zeros) when the step says the
+        sequence has no computed tokens, so a store may hand out recycled memory without clearing it."""
+        ...
+
+
+class DictLinearStateStore:
+    """The reference ``LinearStateStore``: one pair of tensors per (layer, sequence), allocated on first use."""
+
+    def __init__(self, shapes: dict[int, LinearStateShape], conv_dtype: torch.dtype,
+                 device: torch.device | str = "cpu", recurrent_dtype: torch.dtype = torch.float32) -> None:
+        self.shapes, self.conv_dtype, self.recurrent_dtype, self.device = shapes, conv_dtype, recurrent_dtype, device
+        self._states: dict[tuple[int, int], LinearState] = {}
+
+    def state(self, layer_id: int, seq_id: int) -> LinearState:
+        key = (layer_id, seq_id)
+        if key not in self._states:
+            shape = self.shapes[layer_id]
+            self._states[key] = LinearState(torch.zeros(shape.conv, dtype=self.conv_dtype, device=self.device),
+                                            torch.zeros(shape.recurrent, dtype=self.recurrent_dtype,
+                                                        device=self.device))
+        return self._states[key]
+
+    def free(self, seq_id: int) -> None:
+        for key in [key for key in self._states if key[1] == seq_id]:
+            del self._states[key]
+
+
+# ---- experts -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One routed expert: ``gate_up`` [2I, H] (gate rows, then up rows: transformers v5's fused layout) and
+    ``down`` [H, I]."""
+
+    gate_up: Tensor
+    down: Tensor
+
+
+class ExpertProvider(Protocol):
+    def route(self, layer_id: int, expert_ids: Tensor) -> None:
+        """The step's top-k expert ids [T, K] for ``layer_id``, before any of its experts runs: where routing
+        statistics are recorded and staging of offloaded experts starts."""
+        ...
+
+    def expert_weights(self, layer_id: int, expert_id: int) -> ExpertWeights:
+        """Weights of one expert the step selected, on the compute device, valid until the layer returns."""
+        ...
+
+
+class ModuleExpertProvider:
+    """The default ``ExpertProvider``: views into each MoE layer's own stacked parameters (read at call time, so
+    the model may be moved or cast after this is built); records nothing."""
+
+    def __init__(self, experts_by_layer: dict[int, torch.nn.Module]) -> None:
+        self.experts_by_layer = experts_by_layer  # layer -> module with gate_up_proj [E, 2I, H], down_proj [E, H, I]
+
+    def route(self, layer_id: int, expert_ids: Tensor) -> None:
+        return None
+
+    def expert_weights(self, layer_id: int, expert_id: int) -> ExpertWeights:
+        module = self.experts_by_layer[layer_id]
+        return ExpertWeights(module.gate_up_proj[expert_id], module.down_proj[expert_id])
+
+
+@dataclass
+class StepContext:
+    """Everything a forward pass needs besides the tokens: who owns them, and the three hooks.
+    ``experts=None`` means the model's own expert weights; ``linear_states`` is needed only by hybrid models."""
+
+    batch: StepBatch
+    attention: AttentionBackend
+    linear_states: LinearStateStore | None = None
+    experts: ExpertProvider | None = None

@@ -88,3 +88,18 @@ def test_more_memory_never_hurts_the_hit_rate():
     roomy, _ = run_replay(wl, ReplayConfig(kv_budget_gib=8.0))
     assert roomy["metrics"]["prefix_hit_rate"] > tight["metrics"]["prefix_hit_rate"]
     assert roomy["metrics"]["ttft_s"]["p90"] < tight["metrics"]["ttft_s"]["p90"]
+
+
+@pytest.mark.parametrize("budget_gib", [3.0, 16.0])
+def test_decode_fast_path_is_exact(budget_gib):
+    """Runs of identical decode steps are skipped without per-step scheduling: every metric must be the same."""
+    from moetide.sim.setup import build_replay
+
+    results = []
+    for fast in (False, True):
+        built = build_replay(generate_agent_sessions(2, num_sessions=5), ReplayConfig(kv_budget_gib=budget_gib))
+        built.replay.fast_forward = fast
+        metrics = built.replay.run()
+        results.append((metrics.to_dict(), list(metrics.ttft), list(metrics.itl), metrics.kv_usage))
+    assert results[0] == results[1]
+    assert results[0][0]["steps"] > 1000

@@ -244,6 +244,46 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
+    # ---- runs of identical decode steps (replay fast path) -----------------------------------------------
+    def max_decode_run(self) -> int:
+        """How many next steps are certain to be plain decode steps of exactly the running requests, each
+        emitting one token, with no allocation, admission, finish or preemption. 0 when not certain.
+
+        Replay uses it to skip the per-step bookkeeping while nothing can change; ``advance_decode(k)`` then
+        leaves every request exactly as k calls of schedule()/update() would (checked by a test)."""
+        running = self.running
+        if not running or len(running) > self.config.max_num_batched_tokens:
+            return 0
+        if self.waiting and len(running) < self.config.max_num_seqs:
+            blocked = self._blocked
+            if (blocked is None or blocked[0] is not self.waiting[0]
+                    or blocked[1] != self.kv.pool.free_version
+                    or self.config.max_num_batched_tokens - len(running) < blocked[2]):
+                return 0  # the head might be admitted: step normally
+        block_size = self.kv.block_size
+        k = None
+        for request in running:
+            if request.num_computed_tokens + 1 != request.num_tokens:
+                return 0  # still prefilling
+            room = self.kv.num_held_blocks(request.request_id) * block_size - request.num_computed_tokens
+            left = request.max_output_tokens - request.num_output_tokens - 1  # the finishing step runs normally
+            limit = room if room < left else left
+            if k is None or limit < k:
+                k = limit
+        return max(k or 0, 0)
+
+    def advance_decode(self, num_steps: int) -> None:
+        """Apply ``num_steps`` decode steps (as certified by ``max_decode_run``) to every running request."""
+        kv = self.kv
+        for request in self.running:
+            for _ in range(num_steps):
+                request.append_output(None)
+            request.num_computed_tokens += num_steps
+            if request.num_computed_tokens > request.max_computed_tokens:
+                request.max_computed_tokens = request.num_computed_tokens
+            kv.allocate_slots(request.request_id, 0, request.block_hashes,
+                              num_computed_tokens=request.num_computed_tokens)
+
     # ---- consume a step's result --------------------------------------------------------------------------
     def update(
         self, out: SchedulerOutput, sampled: Mapping[str, int] | None = None, now_s: float | None = None

@@ -49,12 +49,14 @@ class Replay:
         step_time_s: StepTimeFn,
         *,
         progress: Callable[[int, int], None] | None = None,
+        fast_forward: bool = True,
     ) -> None:
         self.workload = workload
         self.scheduler = scheduler
         self.step_time_s = step_time_s
         self.block_size = scheduler.kv.block_size
         self.progress = progress
+        self.fast_forward = fast_forward  # runs of identical decode steps without per-step scheduling (exact)
         self.metrics = MetricsCollector()
         self.now_s = 0.0
         self._events: list[tuple[float, int, int, _Context]] = []
@@ -80,6 +82,8 @@ class Replay:
                 self.now_s = max(self.now_s, events[0][0])
             while events and events[0][0] <= self.now_s:
                 self._send(heapq.heappop(events)[3])
+            if self.fast_forward and self._decode_run():
+                continue
             out = sched.schedule(self.now_s)
             for request in out.failed:
                 metrics.failed_request(request, self.now_s)
@@ -114,6 +118,30 @@ class Replay:
             self._turn_done(request)
         pool = self.scheduler.kv.pool
         self.metrics.step(self.now_s, duration, pool.num_used_blocks / max(pool.num_blocks, 1))
+
+    def _decode_run(self) -> int:
+        """Run the decode steps the scheduler certifies as identical, up to the next send; same times and
+        tokens as stepping one by one, without the per-step scheduling work."""
+        sched = self.scheduler
+        k_max = sched.max_decode_run()
+        if k_max < 2:
+            return 0
+        running = sched.running
+        num_seqs = len(running)
+        kv_read = sum(r.num_computed_tokens for r in running) + num_seqs
+        events, metrics, step_time_s = self._events, self.metrics, self.step_time_s
+        pool = sched.kv.pool
+        used_share = pool.num_used_blocks / max(pool.num_blocks, 1)
+        k = 0
+        while k < k_max and not (events and events[0][0] <= self.now_s):
+            duration = step_time_s(num_seqs, num_seqs, num_seqs, kv_read, kv_read)
+            self.now_s += duration
+            metrics.tokens(running, self.now_s)
+            metrics.step(self.now_s, duration, used_share)
+            kv_read += num_seqs
+            k += 1
+        sched.advance_decode(k)
+        return k
 
     def _send(self, ctx: _Context) -> None:
         turn = ctx.session.turns[ctx.next_turn]

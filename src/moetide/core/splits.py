@@ -31,10 +31,10 @@ whole sequences' host parts, longest first, and splits at most one sequence (the
 per-sequence cost on either side), and takes the X that minimises T; for each count of touched sequences T is
 convex in X and its minimum is the crossing of the two sides, solved in closed form (``optimal_cpu_blocks``).
 Endpoints X = 0 and X = H are candidates because their fixed costs vanish; the whole-sequence assignment that
-request-split would pick is a candidate too, so writescope never loses to a baseline on its own model. In a chunked-prefill step of Q queries
-the caller's a and p_c grow with Q (CPU FLOPs per byte, query/partial-output traffic) while b does not (each
-streamed byte serves all Q queries), so the CPU share falls, and is exactly 0 once the CPU's fixed costs exceed
-what it could take off the streaming side.
+request-split would pick is a candidate too, so writescope never loses to a baseline on its own model.
+In a chunked-prefill step of Q queries the caller's a, p_c and m grow with Q (CPU FLOPs per byte, query and
+partial-output traffic) while b does not (each streamed byte serves all Q queries), so the CPU share falls, and is
+exactly 0 once the CPU's fixed costs exceed what it could take off the streaming side.
 """
 
 from __future__ import annotations
@@ -178,18 +178,18 @@ def cpu_side_s(costs: SplitCosts, cpu_bytes: float, num_cpu_seqs: int, factor: f
 def gpu_side_s(costs: SplitCosts, streamed_bytes: float, num_streamed_seqs: int, num_cpu_seqs: int) -> float:
     t = costs.gpu_fixed_s + num_cpu_seqs * costs.merge_per_seq_s
     if streamed_bytes > 0:
-        t += costs.stream_fixed_s + num_streamed_seqs * costs.stream_per_seq_s + costs.stream_s_per_byte * streamed_bytes
+        t += costs.stream_fixed_s + num_streamed_seqs * costs.stream_per_seq_s
+        t += costs.stream_s_per_byte * streamed_bytes
     return t
 
 
 def phase_time_s(costs: SplitCosts, splits: Sequence[SeqSplit], block_bytes: float, factor: float = 1.0) -> float:
     """T of an actual per-sequence split (each sequence counted in n_c / n_s only if it has such blocks)."""
     cpu_blocks = sum(s.num_cpu_blocks for s in splits)
-    streamed = sum(s.num_streamed_blocks for s in splits)
+    host_blocks = cpu_blocks + sum(s.num_streamed_blocks for s in splits)
     n_c = sum(1 for s in splits if s.num_cpu_blocks)
     n_s = sum(1 for s in splits if s.num_streamed_blocks)
-    return max(cpu_side_s(costs, cpu_blocks * block_bytes, n_c, factor),
-               gpu_side_s(costs, streamed * block_bytes, n_s, n_c))
+    return _time_s(costs, cpu_blocks, host_blocks, n_c, n_s, block_bytes, factor)
 
 
 def _fill(seqs: Sequence[SeqResidency], total_cpu_blocks: int) -> tuple[SeqSplit, ...]:
@@ -238,7 +238,8 @@ def optimal_cpu_blocks(costs: SplitCosts, host_blocks: Sequence[int], block_byte
         n_c, n_s = j + 1, n - j
         gpu = (costs.gpu_fixed_s + n_c * costs.merge_per_seq_s + costs.stream_fixed_s + n_s * costs.stream_per_seq_s
                + costs.stream_s_per_byte * total * bb)
-        x = (gpu - k * (costs.cpu_fixed_s + n_c * costs.cpu_per_seq_s)) / (k * costs.cpu_s_per_byte + costs.stream_s_per_byte)
+        cpu = k * (costs.cpu_fixed_s + n_c * costs.cpu_per_seq_s)
+        x = (gpu - cpu) / (k * costs.cpu_s_per_byte + costs.stream_s_per_byte)
         lo = math.floor(x / bb) if math.isfinite(x) else prefix[j]
         candidates += [(b, n_c, n_s) for b in (lo, lo + 1) if prefix[j] < b < prefix[j + 1]]
     best = min(candidates, key=lambda c: (_time_s(costs, c[0], total, c[1], c[2], bb, factor), c[0]))

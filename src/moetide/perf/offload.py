@@ -1,0 +1,199 @@
+"""One decode (or chunked-prefill) step with KV spilled to host memory, under a VRAM budget: the memory layout,
+the non-attention time every KV placement shares, the attention phase of a given placement, and the linear
+coefficients the split planner (``moetide.core.splits``) optimises.
+
+MODELED, not measured. Same hardware, same memory, same weights for every placement; only where host KV is
+attended differs. The rules (docs/writescope.md):
+
+VRAM budget (``vram_layout``), in this order: non-expert weights (attention, norms, routers, shared experts, dense
+MLPs, embedding, LM head), the activation reserve (``perf.budget``), the staging ring, a device KV pool of a fixed
+size, then as many whole routed experts as fit. The other experts live on the host. KV beyond the device pool is
+host-resident. ``UserError`` when the fixed parts do not fit.
+
+Step = non-attention + attention phase.
+  non-attention   perf.step's roofline for the same shape without its attention term, plus the time offloaded
+                  experts add: per MoE layer the expected distinct experts D(T) x offloaded fraction are staged
+                  over the host link (uniform routing), overlapping the resident experts' compute, so a layer's MLP
+                  phase is max(expert roofline, staging). Identical for every placement: the link carries experts
+                  in the MLP phase and KV in the attention phase; the phases do not overlap (conservative for every
+                  placement alike), and KV is not prefetched across phases.
+  attention phase max(CPU side, GPU side), summed over layers (identical layers, so one max of the totals):
+                  CPU side = slowdown x (L sync + per CPU sequence: queries down, partial up + roofline over its
+                  bytes); GPU side = device-resident attention (incl. the new tokens) + launches + merging CPU
+                  partials (their bytes on the link) + [streaming] max(link: bytes + latency per DMA, device:
+                  bytes + launch per ring slot) + pipeline fill (one slot's attention after its copy lands).
+``coefficients`` linearises the attention phase for the planner: a sequence's ceil(x / U) DMAs per layer become
+x / U + 1, ring slots become bytes / slot, and the pipeline fill is charged for a full slot, so the planner's
+T(X) differs from this model's by about one DMA latency per sequence and layer (under 2% in the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moetide.errors import UserError
+from moetide.perf.attention import AttentionCostModel
+from moetide.perf.budget import GiB, default_activation_reserve_bytes, weights_per_gpu
+from moetide.perf.step import StepShape, StepTimeModel
+from moetide.specs import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class VramLayout:
+    vram_bytes: int
+    non_expert_bytes: int
+    activation_reserve_bytes: int
+    ring_bytes: int
+    device_kv_bytes: int
+    expert_bytes: int  # one routed expert in one layer
+    num_experts_total: int  # over all MoE layers
+    num_experts_resident: int
+
+    @property
+    def offloaded_expert_fraction(self) -> float:
+        return 1.0 - self.num_experts_resident / self.num_experts_total
+
+    def describe(self) -> list[tuple[str, str]]:
+        def gib(n: float) -> str:
+            return f"{n / GiB:.2f} GiB"
+
+        resident = self.num_experts_resident * self.expert_bytes
+        return [
+            ("VRAM budget", gib(self.vram_bytes)),
+            ("non-expert weights", gib(self.non_expert_bytes)),
+            ("activation reserve", gib(self.activation_reserve_bytes)),
+            ("staging ring", gib(self.ring_bytes)),
+            ("device KV pool", gib(self.device_kv_bytes)),
+            ("resident experts", f"{gib(resident)} ({self.num_experts_resident:,} of {self.num_experts_total:,}; "
+                                 f"{self.offloaded_expert_fraction:.0%} on the host)"),
+        ]
+
+
+def vram_layout(model: ModelSpec, *, vram_bytes: int, device_kv_bytes: int, ring_bytes: int,
+                max_num_batched_tokens: int = 8192, dtype_bytes: int = 2) -> VramLayout:
+    """Fill the budget in the module docstring's order; ``UserError`` with the numbers when it cannot."""
+    w = weights_per_gpu(model, tp=1, dtype_bytes=dtype_bytes)
+    non_expert = w.total_bytes - w.routed_expert_bytes
+    reserve = default_activation_reserve_bytes(model, max_num_batched_tokens=max_num_batched_tokens,
+                                               dtype_bytes=dtype_bytes)
+    fixed = non_expert + reserve + ring_bytes + device_kv_bytes
+    if fixed > vram_bytes:
+        raise UserError(f"{model.name}: the VRAM budget of {vram_bytes / GiB:.2f} GiB cannot hold the non-expert "
+                        f"weights ({non_expert / GiB:.2f} GiB), the activation reserve ({reserve / GiB:.2f} GiB), "
+                        f"the ring ({ring_bytes / GiB:.2f} GiB) and the device KV pool "
+                        f"({device_kv_bytes / GiB:.2f} GiB); raise --vram-gib or lower --device-kv-gib")
+    resident = min(w.num_routed_experts, (vram_bytes - fixed) // w.expert_shard_bytes)
+    return VramLayout(vram_bytes, non_expert, reserve, ring_bytes, device_kv_bytes, w.expert_shard_bytes,
+                      w.num_routed_experts, resident)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitCoefficients:
+    """Same fields, same meaning as ``moetide.core.splits.SplitCosts`` (the caller converts with asdict)."""
+
+    cpu_s_per_byte: float
+    cpu_fixed_s: float
+    cpu_per_seq_s: float
+    stream_s_per_byte: float
+    stream_fixed_s: float
+    stream_per_seq_s: float
+    gpu_fixed_s: float
+    merge_per_seq_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SeqTokens:
+    """One sequence's KV this step: device-resident tokens (new ones included), CPU-attended and streamed."""
+
+    device_tokens: int
+    cpu_tokens: int
+    streamed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseTime:
+    cpu_s: float
+    gpu_s: float
+
+    @property
+    def total_s(self) -> float:
+        return max(self.cpu_s, self.gpu_s)
+
+
+class OffloadStepModel:
+    """A step under one VRAM layout (module docstring). ``step`` must be built for the same model and GPU."""
+
+    def __init__(self, attention: AttentionCostModel, step: StepTimeModel, layout: VramLayout) -> None:
+        if step.model is not attention.model or step.gpu is not attention.gpu or step.tp != 1:
+            raise ValueError("OffloadStepModel: attention and step models must share the model and GPU, at tp=1")
+        self.attention, self.step, self.layout = attention, step, layout
+
+    def expert_offload_s(self, num_tokens: int) -> float:
+        """Extra time the host-resident experts add over the all-resident roofline, summed over MoE layers."""
+        a, lay = self.attention, self.layout
+        f_off = lay.offloaded_expert_fraction
+        if f_off <= 0 or num_tokens <= 0:
+            return 0.0
+        shape = StepShape(num_tokens, 1, 0, 0, 0)
+        per_layer_compute = self.step.breakdown(shape)["experts_s"] / self.step.model.num_moe_layers
+        extra = 0.0
+        for distinct in self.step.distinct_experts_per_layer(num_tokens):
+            staged = f_off * distinct
+            staging = a.transfer_s(staged * lay.expert_bytes, math.ceil(staged))
+            extra += max(0.0, staging - per_layer_compute)
+        return extra
+
+    def non_attention_s(self, shape: StepShape) -> float:
+        bd = self.step.breakdown(shape)
+        return bd["total_s"] - bd["attention_s"] + self.expert_offload_s(shape.num_tokens)
+
+    def _gpu_fixed_s(self, device_tokens: float, num_queries: int) -> float:
+        a = self.attention
+        return (a.device_attention_s(device_tokens * a.kv_bytes_per_token, num_queries)
+                + a.num_layers * a.offload.kernel_launch_s)
+
+    def _fill_s(self, layer_bytes: float, num_queries: int) -> float:
+        a = self.attention
+        slot = min(layer_bytes, a.layout.slot_bytes) * a.num_layers
+        return a.device_attention_s(slot, num_queries) + a.num_layers * a.offload.kernel_launch_s
+
+    def coefficients(self, device_tokens: int, num_queries: int = 1) -> SplitCoefficients:
+        """Linear attention-phase coefficients for a step whose device-resident tokens total ``device_tokens``."""
+        a, o, L = self.attention, self.attention.offload, self.attention.num_layers
+        link = a.link_s_per_byte() + o.transfer_latency_s / a.transfer_unit_bytes
+        device = a.device_s_per_byte(num_queries) + o.kernel_launch_s / a.layout.slot_bytes
+        return SplitCoefficients(
+            cpu_s_per_byte=a.cpu_s_per_byte(num_queries), cpu_fixed_s=a.cpu_step_overhead_s(),
+            cpu_per_seq_s=a.cpu_seq_overhead_s(num_queries), stream_s_per_byte=max(link, device),
+            stream_fixed_s=self._fill_s(a.layout.slot_bytes, num_queries), stream_per_seq_s=L * o.transfer_latency_s,
+            gpu_fixed_s=self._gpu_fixed_s(device_tokens, num_queries),
+            merge_per_seq_s=L * a.partial_output_bytes(num_queries) * a.link_s_per_byte())
+
+    def attention_phase(self, seqs: Sequence[SeqTokens], num_queries: int = 1,
+                        cpu_slowdown: float = 1.0) -> PhaseTime:
+        """The attention phase of a placement; ``cpu_slowdown`` scales the CPU side (a busier CPU than modeled)."""
+        a, o, L = self.attention, self.attention.offload, self.attention.num_layers
+        kvb, lkvb = a.kv_bytes_per_token, a.layer_kv_bytes_per_token
+        cpu_seqs = [s for s in seqs if s.cpu_tokens > 0]
+        cpu_s = 0.0
+        if cpu_seqs:
+            cpu_bytes = sum(s.cpu_tokens for s in cpu_seqs) * kvb
+            cpu_s = cpu_slowdown * (a.cpu_step_overhead_s() + len(cpu_seqs) * a.cpu_seq_overhead_s(num_queries)
+                                    + a.cpu_attention_s(cpu_bytes, num_queries))
+        gpu_s = (self._gpu_fixed_s(sum(s.device_tokens for s in seqs), num_queries)
+                 + len(cpu_seqs) * L * a.partial_output_bytes(num_queries) * a.link_s_per_byte())
+        streamed = sum(s.streamed_tokens for s in seqs)
+        if streamed:
+            num_dma = L * sum(a.num_transfers(s.streamed_tokens * lkvb) for s in seqs)
+            layer_bytes = streamed * lkvb
+            slots = L * -(-layer_bytes // a.layout.slot_bytes)
+            link = a.transfer_s(streamed * kvb, num_dma)
+            device = a.device_attention_s(streamed * kvb, num_queries) + slots * o.kernel_launch_s
+            gpu_s += max(link, device) + self._fill_s(layer_bytes, num_queries)
+        return PhaseTime(cpu_s, gpu_s)
+
+    def step_s(self, shape: StepShape, seqs: Sequence[SeqTokens], cpu_slowdown: float = 1.0) -> float:
+        num_queries = max(1, shape.num_tokens // max(1, shape.num_seqs))
+        return self.non_attention_s(shape) + self.attention_phase(seqs, num_queries, cpu_slowdown).total_s

@@ -1,0 +1,114 @@
+"""``moetide plan-split`` end to end through ``moetide.cli.main``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from moetide.cli import main
+from moetide.commands.plan_split import parse_contexts, parse_tokens
+from moetide.core.splits import BASELINES
+from moetide.errors import UserError
+
+POLICIES = {"writescope", *BASELINES}
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["plan-split", *argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def json_doc(capsys, *argv: str) -> dict:
+    rc, out, err = run_cli(capsys, "--json", *argv)
+    assert rc == 0 and err == ""
+    return json.loads(out)
+
+
+def test_parse_tokens_and_contexts():
+    assert parse_tokens("8k", "--x") == 8192 and parse_tokens("1M", "--x") == 1 << 20
+    assert parse_tokens("4096", "--x") == 4096 and parse_tokens(" 16K ", "--x") == 16384
+    assert parse_contexts("8k,1M") == [8192, 1 << 20]
+    for bad in ("8kb", "0", "-8k", "1.5k", ""):
+        with pytest.raises(UserError):
+            parse_tokens(bad, "--x")
+
+
+def test_json_shape(capsys):
+    doc = json_doc(capsys, "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--context", "4k,8k,64k")
+    assert doc["modeled"] is True and [r["context"] for r in doc["rows"]] == [4096, 8192, 65536]
+    for row in doc["rows"]:
+        assert set(row["step_time_s"]) == POLICIES and 0 <= row["cpu_share"] <= 1
+        assert row["batch"] == (1 << 20) // row["context"]  # --aggregate-tokens 1M by default
+        assert all(t > 0 for t in row["step_time_s"].values())
+        assert row["step_time_s"]["writescope"] <= min(row["step_time_s"][b] for b in BASELINES) * 1.02
+    assert set(doc["geomean_speedup"]) == set(BASELINES)
+    kept = doc["rows"][1:]  # contexts >= 8K only
+    expected = math.exp(sum(math.log(r["step_time_s"]["cpu-all"] / r["step_time_s"]["writescope"]) for r in kept) / 2)
+    assert doc["geomean_speedup"]["cpu-all"] == pytest.approx(expected)
+    assert doc["geomean_speedup_over_best_baseline"] >= 0.98
+    overall = math.exp(sum(math.log(x) for x in doc["geomean_speedup"].values()) / 4)
+    assert doc["geomean_speedup_over_all_baselines"] == pytest.approx(overall)
+    assert set(doc["attention_phase"]["geomean_speedup"]) == set(BASELINES)
+
+
+def test_no_context_at_8k_or_more(capsys):
+    doc = json_doc(capsys, "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--context", "4k")
+    assert doc["geomean_speedup"] is None and doc["attention_phase"] is None
+    rc, out, _ = run_cli(capsys, "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--context", "4k")
+    assert rc == 0 and "geomean speedup (end to end): no context >= 8k" in out
+
+
+def test_text_table(capsys):
+    rc, out, err = run_cli(capsys, "--model", "mixtral-8x7b", "--gpu", "v100-32gb", "--context", "8k,1M")
+    assert rc == 0 and err == ""
+    assert "MODELED" in out and "writescope ms" in out and "request-split ms" in out
+    assert "resident experts" in out and "CPU attention" in out
+    assert "writescope geomean speedup, contexts >= 8k (end to end): transfer-all" in out
+    assert "over all four" in out and "over the best baseline" in out
+    assert "1M           1" in out
+
+
+def test_fixed_batch_and_host_capacity(capsys):
+    doc = json_doc(capsys, "--model", "qwen3-30b-a3b", "--gpu", "a100-80gb", "--context", "8k,32k", "--batch", "4")
+    assert [r["batch"] for r in doc["rows"]] == [4, 4]
+    rc, out, err = run_cli(capsys, "--model", "qwen3-30b-a3b", "--gpu", "a100-80gb", "--context", "1M",
+                           "--batch", "128")
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "lower --batch" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--context", "8k,lots"], "--context: 'lots' is not a positive token count"),
+    (["--context", "8k,,16k"], "--context: expected a comma-separated list"),
+    (["--fixed-ratio", "2"], "--fixed-ratio"),
+    (["--vram-gib", "200"], "exceeds"),
+    (["--vram-gib", "4"], "raise --vram-gib"),
+])
+def test_bad_input_is_one_line(capsys, argv, needle):
+    rc, out, err = run_cli(capsys, "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith("moetide plan-split: error: ") and err.count("\n") == 1 and needle in err
+
+
+def test_tuned_fixed_ratio_is_no_worse(capsys):
+    base = ["--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--context", "8k,128k"]
+    half, tuned = json_doc(capsys, *base), json_doc(capsys, *base, "--fixed-ratio", "tuned")
+    assert tuned["fixed_ratio"] != 0.5
+    assert tuned["geomean_speedup"]["fixed-ratio"] < half["geomean_speedup"]["fixed-ratio"]
+
+
+def test_busy_cpu_moves_the_split(capsys):
+    base = ["--model", "qwen3-30b-a3b", "--gpu", "a100-80gb", "--context", "64k"]
+    idle, busy = json_doc(capsys, *base), json_doc(capsys, *base, "--cpu-slowdown", "2")
+    assert busy["rows"][0]["cpu_share"] < 0.9 * idle["rows"][0]["cpu_share"]  # 0.86 -> 0.76
+    assert busy["geomean_speedup"]["cpu-all"] > idle["geomean_speedup"]["cpu-all"]
+
+
+def test_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "split.png"
+    rc, _, err = run_cli(capsys, "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--context", "8k,64k",
+                         "--plot", str(path))
+    assert rc == 0 and err == "" and path.stat().st_size > 1000

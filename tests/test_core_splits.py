@@ -1,0 +1,242 @@
+"""core.splits: write-time placement, split regions, the closed-form planner, baselines, online correction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moetide.core.splits import (
+    SPLIT_POLICIES,
+    BlockPlacement,
+    CorrectionConfig,
+    FixedRatio,
+    OnlineCorrection,
+    Region,
+    Residency,
+    SeqResidency,
+    SeqSplit,
+    SplitCosts,
+    SplitPlanner,
+    _fill,
+    cpu_side_s,
+    optimal_cpu_blocks,
+    phase_time_s,
+)
+
+D, H = Residency.DEVICE, Residency.HOST
+BLOCK = 1000.0  # bytes per block in the synthetic cases
+
+
+def costs(**overrides: float) -> SplitCosts:
+    """A CPU that attends 40 B/us and a link that streams 25 B/us, with small fixed costs."""
+    values = dict(cpu_s_per_byte=1 / 40e6, cpu_fixed_s=1e-4, cpu_per_seq_s=1e-5, stream_s_per_byte=1 / 25e6,
+                  stream_fixed_s=1e-4, stream_per_seq_s=1e-5, gpu_fixed_s=2e-4, merge_per_seq_s=1e-5)
+    values.update(overrides)
+    return SplitCosts(**values)
+
+
+def seqs_of(*host_blocks: int, device: int = 2) -> list[SeqResidency]:
+    return [SeqResidency(i, device, h) for i, h in enumerate(host_blocks)]
+
+
+# ---- placement ------------------------------------------------------------------------------------------------
+
+
+def test_placement_switches_device_to_host_once_per_sequence():
+    p = BlockPlacement(num_device_blocks=5, num_host_blocks=10)
+    got = [p.place("a"), p.place("a"), p.place("a"), p.place("b"), p.place("b"), p.place("a"), p.place("b")]
+    assert got == [D, D, D, D, D, H, H]
+    p.free("b")  # two device blocks come back ...
+    assert p.num_free_device_blocks == 2 and p.place("a") == H  # ... but "a" is on the host for good
+    assert p.place("c") == D and p.place("c") == D and p.place("c") == H
+    assert p.residency("a") == SeqResidency("a", 3, 2) and p.residency("c") == SeqResidency("c", 2, 1)
+    p.check_invariants()
+
+
+def test_placement_per_sequence_cap_and_atomic_failure():
+    p = BlockPlacement(num_device_blocks=8, num_host_blocks=1, max_device_blocks_per_seq=2)
+    assert [p.place("a") for _ in range(3)] == [D, D, H]
+    assert p.place("a") is None and p.residency("a") == SeqResidency("a", 2, 1)  # host full: nothing changed
+    assert p.place("z") == D  # a fresh sequence still gets device blocks
+    p.check_invariants()
+    full = BlockPlacement(0, 0)
+    assert full.place("x") is None and full.residency("x") == SeqResidency("x", 0, 0)
+    full.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 12), st.integers(0, 12), st.one_of(st.none(), st.integers(0, 4)),
+       st.lists(st.tuples(st.sampled_from("place free".split()), st.integers(0, 3)), max_size=60))
+def test_placement_host_blocks_form_a_suffix(num_device, num_host, cap, ops):
+    p = BlockPlacement(num_device, num_host, max_device_blocks_per_seq=cap)
+    history: dict[int, list[Residency]] = {}
+    for op, seq in ops:
+        if op == "place":
+            got = p.place(seq)
+            if got is not None:
+                history.setdefault(seq, []).append(got)
+        elif seq in history:
+            p.free(seq)
+            del history[seq]
+        p.check_invariants()
+        for s, placed in history.items():
+            first_host = placed.index(H) if H in placed else len(placed)
+            assert all(r == H for r in placed[first_host:])  # device prefix, host suffix
+            assert p.residency(s) == SeqResidency(s, first_host, len(placed) - first_host)
+
+
+def test_seq_split_regions():
+    s = SeqSplit("q", num_device_blocks=2, num_cpu_blocks=3, num_streamed_blocks=1)
+    assert [s.region_of(i) for i in range(6)] == [Region.DEVICE_INPLACE] * 2 + [Region.HOST_INPLACE] * 3 + [
+        Region.HOST_STREAMED]
+    assert s.cpu_blocks == range(2, 5) and s.streamed_blocks == range(5, 6)
+    with pytest.raises(IndexError):
+        s.region_of(6)
+
+
+def test_split_costs_validation():
+    with pytest.raises(ValueError, match="cpu_fixed_s"):
+        costs(cpu_fixed_s=-1.0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        costs(stream_s_per_byte=0.0)
+
+
+# ---- the planner against brute force ----------------------------------------------------------------------------
+
+
+def brute_force_time(c: SplitCosts, seqs: list[SeqResidency], factor: float) -> float:
+    total = sum(s.num_host_blocks for s in seqs)
+    return min(phase_time_s(c, _fill(seqs, b), BLOCK, factor) for b in range(total + 1))
+
+
+positive = st.floats(1e-9, 1e-6)
+fixed = st.floats(0.0, 1e-3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), positive, positive, fixed, fixed, fixed, fixed, fixed,
+       fixed, st.floats(0.25, 4.0))
+def test_closed_form_equals_grid_search(host, a, b, c, p_c, s, p_s, g, m, factor):
+    k = SplitCosts(cpu_s_per_byte=a, cpu_fixed_s=c, cpu_per_seq_s=p_c, stream_s_per_byte=b, stream_fixed_s=s,
+                   stream_per_seq_s=p_s, gpu_fixed_s=g, merge_per_seq_s=m)
+    seqs = seqs_of(*host)
+    chosen = optimal_cpu_blocks(k, host, BLOCK, factor)
+    got = phase_time_s(k, _fill(seqs, chosen), BLOCK, factor)
+    assert got == pytest.approx(brute_force_time(k, seqs, factor), rel=1e-12, abs=1e-15)
+
+
+def test_balanced_interior_optimum_by_hand():
+    k = costs(cpu_fixed_s=0, cpu_per_seq_s=0, stream_fixed_s=0, stream_per_seq_s=0, gpu_fixed_s=0, merge_per_seq_s=0)
+    # a X = b (H - X)  ->  X / H = b / (a + b) = 40 / 65 of 1300 blocks = 800 blocks
+    assert optimal_cpu_blocks(k, [1300], BLOCK) == 800
+
+
+def test_endpoints_all_streamed_and_all_cpu():
+    slow_cpu = costs(cpu_s_per_byte=1 / 1e3)
+    slow_link = costs(stream_s_per_byte=1 / 1e3)
+    assert optimal_cpu_blocks(slow_cpu, [50, 50], BLOCK) == 0
+    assert optimal_cpu_blocks(slow_link, [50, 50], BLOCK) == 100
+    assert optimal_cpu_blocks(costs(), [], BLOCK) == 0
+    splits = SPLIT_POLICIES["writescope"]().split(slow_link, seqs_of(50, 50), BLOCK)
+    assert [(s.num_cpu_blocks, s.num_streamed_blocks) for s in splits] == [(50, 0), (50, 0)]
+
+
+def test_writescope_fills_longest_first_and_splits_one_sequence():
+    k = costs(cpu_fixed_s=0, cpu_per_seq_s=0, stream_fixed_s=0, stream_per_seq_s=0, gpu_fixed_s=0, merge_per_seq_s=0)
+    splits = SPLIT_POLICIES["writescope"]().split(k, seqs_of(300, 700, 300), BLOCK)  # 800 of 1300 to the CPU
+    assert [(s.num_cpu_blocks, s.num_streamed_blocks) for s in splits] == [(100, 200), (700, 0), (0, 300)]
+    assert all(s.num_device_blocks == 2 for s in splits)
+
+
+# ---- baselines ------------------------------------------------------------------------------------------------
+
+
+def test_baselines_shapes():
+    seqs = seqs_of(10, 30, 20)
+    pairs = {name: [(s.num_cpu_blocks, s.num_streamed_blocks) for s in policy().split(costs(), seqs, BLOCK)]
+             for name, policy in SPLIT_POLICIES.items()}
+    assert pairs["transfer-all"] == [(0, 10), (0, 30), (0, 20)]
+    assert pairs["cpu-all"] == [(10, 0), (30, 0), (20, 0)]
+    assert pairs["fixed-ratio"] == [(5, 5), (15, 15), (10, 10)]
+    assert all(c == 0 or st_ == 0 for c, st_ in pairs["request-split"])  # whole sequences only
+    # LPT on a CPU of 40 B/us and a link of 25 B/us: 30 -> CPU, 20 -> stream, 10 -> CPU
+    assert pairs["request-split"] == [(10, 0), (30, 0), (0, 20)]
+    assert [(s.num_cpu_blocks, s.num_streamed_blocks) for s in FixedRatio(0.3).split(costs(), seqs, BLOCK)] == [
+        (3, 7), (9, 21), (6, 14)]
+    with pytest.raises(ValueError):
+        FixedRatio(1.5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=8), st.floats(0.25, 4.0))
+def test_writescope_never_loses_to_a_baseline_on_its_own_model(host, factor):
+    seqs, k = seqs_of(*host), costs()
+    ws = phase_time_s(k, SPLIT_POLICIES["writescope"]().split(k, seqs, BLOCK, factor), BLOCK, factor)
+    for name, policy in SPLIT_POLICIES.items():
+        assert ws <= phase_time_s(k, policy().split(k, seqs, BLOCK, factor), BLOCK, factor) * (1 + 1e-12), name
+
+
+# ---- chunked prefill ------------------------------------------------------------------------------------------
+
+
+def prefill_costs(num_queries: int) -> SplitCosts:
+    """CPU FLOPs per byte and query/partial-output traffic grow with Q; a streamed byte serves all Q queries."""
+    return costs(cpu_s_per_byte=max(1 / 160e6, num_queries / 50e6), cpu_per_seq_s=num_queries * 2e-5,
+                 merge_per_seq_s=num_queries * 2e-5)
+
+
+def test_chunked_prefill_cpu_share_falls_to_zero():
+    shares = [optimal_cpu_blocks(prefill_costs(q), [4000], BLOCK) / 4000 for q in (1, 2, 8, 64, 512, 2048)]
+    assert shares[0] > 0.5 and shares[-1] == 0.0
+    assert all(later <= earlier for earlier, later in zip(shares, shares[1:]))
+
+
+# ---- online correction ----------------------------------------------------------------------------------------
+
+
+def test_correction_is_bounded_and_ignores_empty_samples():
+    c = OnlineCorrection()
+    for _ in range(50):
+        c.observe(10.0, 1.0)
+    assert c.factor == 4.0
+    for _ in range(50):
+        c.observe(0.001, 1.0)
+    assert c.factor == 0.25
+    before = c.num_samples
+    assert c.observe(5.0, 0.0) == 0.25 and c.num_samples == before  # no CPU work: nothing learned
+    with pytest.raises(ValueError):
+        c.observe(float("nan"), 1.0)
+    with pytest.raises(ValueError):
+        CorrectionConfig(smoothing=0.0)
+    with pytest.raises(ValueError):
+        CorrectionConfig(min_factor=2.0)
+
+
+CONVERGENCE_STEPS = 6  # stated in docs/writescope.md: after 6 measured steps the split is within 5%
+
+
+def test_online_feedback_converges_to_the_new_optimum():
+    """The true CPU gets 2x slower than modeled; after CONVERGENCE_STEPS measured steps (and not before) the
+    planner's split is within 5% of the new optimum, and stays there (smoothing 0.3: the factor's error after n
+    samples is 0.7^n of the step, 12% after 6; the split moves less than the factor)."""
+    k, seqs = costs(), seqs_of(400, 400, 400)
+    host = [s.num_host_blocks for s in seqs]
+    new_opt = optimal_cpu_blocks(k, host, BLOCK, factor=2.0)
+    old_opt = optimal_cpu_blocks(k, host, BLOCK, factor=1.0)
+    assert new_opt < 0.8 * old_opt  # a real move
+    planner = SplitPlanner()
+    history = []
+    for _ in range(12):
+        plan = planner.plan(k, seqs, BLOCK)
+        history.append(plan.cpu_bytes / BLOCK)
+        n_c = sum(1 for s in plan.splits if s.num_cpu_blocks)
+        measured = 2.0 * cpu_side_s(k, plan.cpu_bytes, n_c)  # the injected slowdown
+        planner.observe(plan, measured)
+    errors = [abs(x - new_opt) / new_opt for x in history]
+    first_ok = next(i for i, e in enumerate(errors) if e <= 0.05)
+    assert first_ok == CONVERGENCE_STEPS
+    assert all(e <= 0.05 for e in errors[first_ok:])
+    assert math.isclose(planner.correction.factor, 2.0, rel_tol=0.02)

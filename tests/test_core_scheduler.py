@@ -131,7 +131,7 @@ def test_max_num_seqs_caps_the_batch():
 
 
 def test_unknown_policy_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown policy 'lru'; choose one of: vllm"):
+    with pytest.raises(ValueError, match="unknown policy 'lru'; choose one of: static-offload, vamp, vamp-reclaim, vllm"):
         get_policy("lru")
 
 

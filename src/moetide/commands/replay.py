@@ -43,6 +43,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--state-checkpoints", action="store_true",
                         help="hybrid models: charge a linear-attention state checkpoint per cached block")
+    parser.add_argument("--max-offload-ratio", type=float, default=defaults.max_offload_ratio,
+                        help="cap on the offloaded share of routed-expert bytes (default %(default)s)")
+    parser.add_argument("--staging", choices=["touched", "segment"], default=defaults.staging_mode,
+                        help="stage the offloaded experts a step touches, or the whole segment (default %(default)s)")
+    parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
+                        help="vamp: seconds an offload is expected to persist (default %(default)s)")
+    parser.add_argument("--vamp-reuse-tau-s", type=float, default=defaults.vamp_reuse_tau_s,
+                        help="vamp: idle seconds after which a prefix is e^-1 as likely to be reused")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +91,8 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_budget_gib=args.kv_budget_gib,
         enable_prefix_caching=not args.no_prefix_caching, state_checkpoints=args.state_checkpoints, seed=args.seed,
+        max_offload_ratio=args.max_offload_ratio, staging_mode=args.staging, vamp_horizon_s=args.vamp_horizon_s,
+        vamp_reuse_tau_s=args.vamp_reuse_tau_s,
     )
 
 
@@ -114,6 +124,8 @@ def print_summary(result: dict) -> None:
         ["preemptions", f"{metrics['preemptions']:,}"],
         ["evicted blocks", f"{metrics['evicted_blocks']:,}"],
         ["peak KV usage", f"{metrics['kv_usage_max']:.3f}"],
+        ["peak offloaded ratio", f"{metrics['offloaded_ratio_max']:.3f}"],
+        ["staged", f"{metrics['staged_bytes'] / 2**30:,.1f} GiB"],
         ["simulated duration", f"{metrics['duration_s']:,.1f} s"],
     ], align="<>"))
 

@@ -49,6 +49,7 @@ class BlockPool:
         self._parent_of: dict[int, int | None] = {}  # registered block id -> parent's hash (None: chain head)
         self._block_of: dict[int, int] = {}  # hash -> the one registered block holding it
         self._children: dict[int, set[int]] = {}  # hash -> registered block ids whose parent it is
+        self._owner_of: dict[int, str] = {}  # registered block id -> session that registered it (policies)
         self.num_evicted_blocks = 0  # lifetime counter, for metrics
         # Bumped whenever blocks become free or are added: a caller that failed to allocate can skip retrying
         # until it changes (the scheduler's blocked queue head).
@@ -169,7 +170,8 @@ class BlockPool:
             self._cached_free[block_id] = None
         return True
 
-    def cache_chain(self, block_ids: Sequence[int], block_hashes: Sequence[int], start: int, end: int) -> None:
+    def cache_chain(self, block_ids: Sequence[int], block_hashes: Sequence[int], start: int, end: int,
+                    owner: str | None = None) -> None:
         """``cache_block`` for blocks ``start..end-1`` of one request's chain (block i under hash i, parent i-1):
         the scheduler's hot path, with the same outcome block by block."""
         if not self.enable_caching:
@@ -193,9 +195,37 @@ class BlockPool:
                     children[parent_hash] = {block_id}
                 else:
                     kids.add(block_id)
+            if owner is not None:
+                self._owner_of[block_id] = owner
             if ref_cnt[block_id] == 0:
                 del self._uncached_free[block_id]
                 self._cached_free[block_id] = None
+
+    def owner_of(self, block_id: int) -> str | None:
+        """The session whose request registered this cached block, if it said."""
+        return self._owner_of.get(block_id)
+
+    def registered_descendants(self, block_id: int) -> list[int]:
+        """Registered blocks whose chains pass through this one: what evicting it invalidates besides itself."""
+        block_hash = self._hash_of.get(block_id)
+        stack = list(self._children.get(block_hash, ())) if block_hash is not None else []
+        out = []
+        while stack:
+            child = stack.pop()
+            out.append(child)
+            stack.extend(self._children.get(self._hash_of[child], ()))
+        return out
+
+    def peek_victims(self, num_blocks: int, protect: Collection[int] = ()) -> list[int]:
+        """The cached-free blocks ``evict(num_blocks, protect)`` would take first (heads of cascades), in order.
+        Leaves first in the usual chain-tail-first order, so this is exact unless a victim has descendants."""
+        out = []
+        for block_id in self._cached_free:
+            if len(out) >= num_blocks:
+                break
+            if block_id not in protect:
+                out.append(block_id)
+        return out
 
     def lookup(self, block_hash: int) -> int | None:
         return self._block_of.get(block_hash)
@@ -235,6 +265,7 @@ class BlockPool:
                     self._uncache_chain(block_id, evicted)
                     continue
                 del cached_free[block_id], hash_of[block_id], block_of[block_hash]  # a leaf: the common case
+                self._owner_of.pop(block_id, None)
                 parent_hash = parent_of.pop(block_id)
                 if parent_hash is not None:
                     siblings = children[parent_hash]
@@ -260,6 +291,7 @@ class BlockPool:
             block_id = stack.pop()
             block_hash = self._hash_of.pop(block_id)
             parent_hash = self._parent_of.pop(block_id)
+            self._owner_of.pop(block_id, None)
             del self._block_of[block_hash]
             siblings = self._children.get(parent_hash) if parent_hash is not None else None
             if siblings is not None:  # None when the parent was uncached in this same cascade

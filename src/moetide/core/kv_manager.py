@@ -76,13 +76,14 @@ class KVCacheManager:
         *,
         num_computed_tokens: int = 0,
         new_computed_blocks: Sequence[int] = (),
+        owner: str | None = None,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` after ``num_computed_tokens`` (which include ``new_computed_blocks``,
         the hits from ``get_computed_blocks``). Returns the newly allocated block ids, or None with no effect."""
         blocks = self._blocks.get(request_id)
         total = num_computed_tokens + num_new_tokens
         if blocks is not None and not new_computed_blocks and total <= len(blocks) * self.block_size:
-            self._register_full_blocks(request_id, blocks, block_hashes, total)  # decode inside held blocks
+            self._register_full_blocks(request_id, blocks, block_hashes, total, owner)  # decode in held blocks
             return []
         if new_computed_blocks:  # checked before anything changes
             if self._blocks.get(request_id):
@@ -105,7 +106,7 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
             self._num_registered[request_id] = len(new_computed_blocks)
         blocks.extend(new_blocks)
-        self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens)
+        self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens, owner)
         return new_blocks
 
     def _check_hits(self, hits: Sequence[int], block_hashes: Sequence[int]) -> None:
@@ -117,12 +118,13 @@ class KVCacheManager:
             raise ValueError(f"stale prefix hit: block {hits[last]} no longer holds block {last} of the request")
 
     def _register_full_blocks(
-        self, request_id: str, blocks: list[int], block_hashes: Sequence[int], num_tokens: int
+        self, request_id: str, blocks: list[int], block_hashes: Sequence[int], num_tokens: int,
+        owner: str | None = None,
     ) -> None:
         start = self._num_registered.get(request_id, 0)
         end = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
         if end > start:
-            self.pool.cache_chain(blocks, block_hashes, start, end)
+            self.pool.cache_chain(blocks, block_hashes, start, end, owner)
             self._num_registered[request_id] = end
 
     def free(self, request_id: str) -> None:

@@ -21,8 +21,9 @@ flight — what a policy needs to guess whether a cached prefix will be reused.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import EvictPrefix, OffloadExperts, Preempt, PressurePolicy, PressureView
@@ -57,6 +58,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # can never fit: the pool is smaller than the request
     offloaded: list[tuple[int, int]] = field(default_factory=list)
+    reclaimed: bool = False  # the policy gave the last offloaded region back to its experts before this step
     num_evicted_blocks: int = 0
     total_num_scheduled_tokens: int = 0
 
@@ -72,11 +74,11 @@ class SessionState:
     num_finished: int = 0
 
 
-class ExpertLine:
-    """What carries out ``OffloadExperts`` (issue: arena + residency); absent when the line never moves."""
+class ExpertLine(Protocol):
+    """What carries out ``OffloadExperts`` (``core.expert_line`` in replay, the engine's arena-backed line in the
+    engine); absent when the line never moves."""
 
-    def offload(self, region: tuple[tuple[int, int], ...]) -> list[int]:  # pragma: no cover - interface
-        raise NotImplementedError
+    def offload(self, region: Sequence[tuple[int, int]]) -> list[int]: ...
 
 
 class Scheduler:
@@ -100,6 +102,8 @@ class Scheduler:
         # (request, pool free_version, token budget) of the last failed admission: until blocks are freed, the
         # same head with no smaller budget fails again, so it is not retried (it would cost O(context) per step)
         self._blocked: tuple[Request, int, int] | None = None
+        self._step_start_s = 0.0
+        self.recent_step_s: float | None = None  # EWMA of step durations (weight 0.05), for cost estimates
 
     # ---- requests in and out ------------------------------------------------------------------------------
     def add_request(self, request: Request, now_s: float | None = None) -> None:
@@ -125,7 +129,11 @@ class Scheduler:
     def schedule(self, now_s: float | None = None) -> SchedulerOutput:
         if now_s is not None:
             self.now_s = now_s
+        self._step_start_s = self.now_s
         out = SchedulerOutput()
+        maybe_reclaim = getattr(self.policy, "maybe_reclaim", None)
+        if maybe_reclaim is not None and self.expert_line is not None:
+            out.reclaimed = maybe_reclaim(self.expert_line, self.kv.pool, self.now_s)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -192,7 +200,7 @@ class Scheduler:
         while True:
             new = kv.allocate_slots(
                 request.request_id, n, request.block_hashes,
-                num_computed_tokens=request.num_computed_tokens, new_computed_blocks=hits,
+                num_computed_tokens=request.num_computed_tokens, new_computed_blocks=hits, owner=request.session_id,
             )
             if new is not None:
                 return True
@@ -200,7 +208,9 @@ class Scheduler:
             scheduled_ids = {r.request_id for r, _ in out.scheduled}
             preemptible = [r for r in self.running[index + 1 if is_running else 0 :]
                            if r.request_id not in scheduled_ids and r is not request]
-            view = PressureView(shortfall, request, is_running, preemptible, kv.pool, frozenset(hits), self.now_s)
+            view = PressureView(shortfall, request, is_running, preemptible, kv.pool, frozenset(hits), self.now_s,
+                                self.sessions, self.expert_line, len(self.running), self.running, len(self.waiting),
+                                self.recent_step_s)
             actions = self.policy.relieve(view)
             if not actions or not self._apply(actions, hits, out):
                 return False
@@ -282,7 +292,7 @@ class Scheduler:
             if request.num_computed_tokens > request.max_computed_tokens:
                 request.max_computed_tokens = request.num_computed_tokens
             kv.allocate_slots(request.request_id, 0, request.block_hashes,
-                              num_computed_tokens=request.num_computed_tokens)
+                              num_computed_tokens=request.num_computed_tokens, owner=request.session_id)
 
     # ---- consume a step's result --------------------------------------------------------------------------
     def update(
@@ -292,6 +302,10 @@ class Scheduler:
         replay passes None). Returns (requests that emitted a token, requests that finished)."""
         if now_s is not None:
             self.now_s = now_s
+            duration = now_s - self._step_start_s
+            if duration > 0:
+                prev = self.recent_step_s
+                self.recent_step_s = duration if prev is None else prev + 0.05 * (duration - prev)
         sampled = sampled or {}
         emitted: list[Request] = []
         finished: list[Request] = []

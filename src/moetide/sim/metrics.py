@@ -67,6 +67,11 @@ class MetricsCollector:
         self.busy_s = 0.0
         self.usage_every = 1
         self.kv_usage: list[tuple[float, float]] = []  # (time, used share of the pool)
+        self.offload_usage: list[tuple[float, float]] = []  # (time, offloaded share of routed-expert bytes)
+        self.offloaded_ratio_max = 0.0
+        self.staged_bytes = 0.0
+        self.offloads = 0
+        self.reclaims = 0
 
     def arrived(self, arrival_s: float) -> None:
         if self.first_arrival_s is None or arrival_s < self.first_arrival_s:
@@ -108,13 +113,17 @@ class MetricsCollector:
         self.recomputed_tokens += request.num_recomputed_tokens
         self.preemptions += request.num_preemptions
 
-    def step(self, now_s: float, duration_s: float, used_share: float) -> None:
+    def step(self, now_s: float, duration_s: float, used_share: float, offloaded_ratio: float = 0.0) -> None:
         self.steps += 1
         self.busy_s += duration_s
+        if offloaded_ratio > self.offloaded_ratio_max:
+            self.offloaded_ratio_max = offloaded_ratio
         if self.steps % self.usage_every == 0:
             self.kv_usage.append((now_s, used_share))
+            self.offload_usage.append((now_s, offloaded_ratio))
             if len(self.kv_usage) >= self.MAX_USAGE_SAMPLES:
                 self.kv_usage = self.kv_usage[::2]
+                self.offload_usage = self.offload_usage[::2]
                 self.usage_every *= 2
 
     def to_dict(self) -> dict[str, object]:
@@ -139,4 +148,8 @@ class MetricsCollector:
             "steps": self.steps,
             "busy_s": self.busy_s,
             "kv_usage_max": max((u for _, u in self.kv_usage), default=0.0),
+            "offloaded_ratio_max": self.offloaded_ratio_max,
+            "staged_bytes": self.staged_bytes,
+            "offloads": self.offloads,
+            "reclaims": self.reclaims,
         }

@@ -50,6 +50,7 @@ class Replay:
         *,
         progress: Callable[[int, int], None] | None = None,
         fast_forward: bool = True,
+        offloaded_ratio: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.workload = workload
         self.scheduler = scheduler
@@ -57,6 +58,7 @@ class Replay:
         self.block_size = scheduler.kv.block_size
         self.progress = progress
         self.fast_forward = fast_forward  # runs of identical decode steps without per-step scheduling (exact)
+        self.offloaded_ratio = offloaded_ratio
         self.metrics = MetricsCollector()
         self.now_s = 0.0
         self._events: list[tuple[float, int, int, _Context]] = []
@@ -117,7 +119,7 @@ class Replay:
             self.metrics.finished(request, self.now_s)
             self._turn_done(request)
         pool = self.scheduler.kv.pool
-        self.metrics.step(self.now_s, duration, pool.num_used_blocks / max(pool.num_blocks, 1))
+        self.metrics.step(self.now_s, duration, pool.num_used_blocks / max(pool.num_blocks, 1), self.offloaded_ratio())
 
     def _decode_run(self) -> int:
         """Run the decode steps the scheduler certifies as identical, up to the next send; same times and
@@ -132,12 +134,13 @@ class Replay:
         events, metrics, step_time_s = self._events, self.metrics, self.step_time_s
         pool = sched.kv.pool
         used_share = pool.num_used_blocks / max(pool.num_blocks, 1)
+        offloaded = self.offloaded_ratio()
         k = 0
         while k < k_max and not (events and events[0][0] <= self.now_s):
             duration = step_time_s(num_seqs, num_seqs, num_seqs, kv_read, kv_read)
             self.now_s += duration
             metrics.tokens(running, self.now_s)
-            metrics.step(self.now_s, duration, used_share)
+            metrics.step(self.now_s, duration, used_share, offloaded)
             kv_read += num_seqs
             k += 1
         sched.advance_decode(k)

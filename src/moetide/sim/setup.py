@@ -12,10 +12,13 @@ from dataclasses import asdict, dataclass
 
 from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import KVCacheManager
-from moetide.core.pressure import get_policy
+from moetide.core.expert_line import ExpertLine
+from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
+from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.errors import UserError
-from moetide.perf import MemoryBudget, StepTimeModel, memory_budget
+from moetide.perf import MemoryBudget, StepTimeModel, memory_budget, weights_per_gpu
+from moetide.perf.staging import StagingConfig, StagingModel
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
 from moetide.specs import get_gpu, get_model
@@ -35,6 +38,10 @@ class ReplayConfig:
     kv_budget_gib: float | None = None  # per GPU; None: utilization × HBM − weights − activation reserve
     enable_prefix_caching: bool = True
     state_checkpoints: bool = False  # hybrid models: charge a state checkpoint per cached block (vLLM's option)
+    max_offload_ratio: float = 0.15  # cap on the offloaded share of routed-expert bytes (vamp, static-offload)
+    staging_mode: str = "touched"  # "touched" experts per step, or the whole offloaded "segment" (the paper)
+    vamp_horizon_s: float = 60.0
+    vamp_reuse_tau_s: float = 300.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -46,6 +53,10 @@ class ReplayConfig:
             raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_budget_gib is not None and self.kv_budget_gib <= 0:
             raise UserError(f"--kv-budget-gib must be positive, got {self.kv_budget_gib}")
+        if not 0 <= self.max_offload_ratio <= 1:
+            raise UserError(f"--max-offload-ratio must be in [0, 1], got {self.max_offload_ratio}")
+        if self.staging_mode not in ("touched", "segment"):
+            raise UserError(f"--staging must be 'touched' or 'segment', got {self.staging_mode!r}")
 
 
 @dataclass
@@ -53,6 +64,7 @@ class BuiltReplay:
     replay: Replay
     budget: MemoryBudget
     config: ReplayConfig
+    expert_line: ExpertLine
 
 
 def build_replay(
@@ -69,15 +81,82 @@ def build_replay(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        policy = get_policy(config.policy)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     pool = BlockPool(range(budget.num_blocks), enable_caching=config.enable_prefix_caching)
     kv = KVCacheManager(pool, config.block_size, num_state_blocks_per_request=budget.state_blocks_per_request)
-    scheduler = Scheduler(scheduler_config, kv, policy)
     step_model = StepTimeModel(model, gpu, tp=config.tp)
-    replay = Replay(workload, scheduler, step_model.step_time_s, progress=progress)
-    return BuiltReplay(replay, budget, config)
+    line = _expert_line(model, config, pool, budget)
+    staging = StagingModel(model, gpu, tp=config.tp, config=StagingConfig(mode=config.staging_mode))
+    policy = _policy(config, step_model, staging, line)
+    if getattr(policy, "offload_at_start", False):
+        line.offload(line.residency.next_offload_region(max_experts=line.residency.max_num_offloaded))
+    scheduler = Scheduler(scheduler_config, kv, policy, expert_line=line)
+    step_time = _step_time_with_staging(step_model, staging, line, model.num_layers)
+    replay = Replay(workload, scheduler, step_time, progress=progress,
+                    offloaded_ratio=lambda: line.residency.offloaded_ratio)
+    replay.staging_counter = step_time
+    return BuiltReplay(replay, budget, config, line)
+
+
+class _StepTime:
+    """Modeled step time plus the exposed staging of the experts offloaded at that moment; counts staged bytes."""
+
+    def __init__(self, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine, num_layers: int) -> None:
+        self.step_model, self.staging, self.line, self.num_layers = step_model, staging, line, num_layers
+        self.staged_bytes = 0.0
+
+    def __call__(self, num_tokens: int, num_seqs: int, num_decode: int, kv_read: int, pairs: int) -> float:
+        base = self.step_model.step_time_s(num_tokens, num_seqs, num_decode, kv_read, pairs)
+        if not self.line.residency.num_offloaded:
+            return base
+        staged, exposed = self.staging.step(num_tokens, self.line.offloaded_per_layer, base / self.num_layers)
+        self.staged_bytes += staged
+        return base + exposed
+
+
+def _step_time_with_staging(step_model, staging, line, num_layers) -> _StepTime:
+    return _StepTime(step_model, staging, line, num_layers)
+
+
+def _expert_line(model, config: ReplayConfig, pool: BlockPool, budget: MemoryBudget) -> ExpertLine:
+    shard = weights_per_gpu(model, tp=config.tp).expert_shard_bytes
+    residency = ExpertResidency(ExpertResidencyConfig(
+        num_layers=model.num_moe_layers, num_experts=model.num_experts, expert_bytes=shard,
+        max_offload_ratio=config.max_offload_ratio))
+    return ExpertLine(residency, pool, block_bytes=budget.charged_block_bytes, first_block_id=budget.num_blocks)
+
+
+def _policy(config: ReplayConfig, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine):
+    if config.policy.lower() not in NEEDS_VAMP_PARAMS:
+        try:
+            return get_policy(config.policy)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    return get_policy(config.policy, params=vamp_params(config, step_model, staging, line))
+
+
+REFERENCE_CONTEXT_TOKENS = 16384  # context at which re-prefill and decode costs are priced for the policy
+REFERENCE_DECODE_BATCH = 32
+
+
+def vamp_params(config: ReplayConfig, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine):
+    """VAMP's coefficients from the perf model (modeled seconds)."""
+    chunk, ctx = config.max_num_batched_tokens, REFERENCE_CONTEXT_TOKENS
+    prefill_s = step_model.step_time_s(chunk, 1, 0, ctx + chunk, chunk * ctx + chunk * (chunk + 1) // 2) / chunk
+    batch = min(config.max_num_seqs, REFERENCE_DECODE_BATCH)
+    decode_s = step_model.step_time_s(batch, batch, batch, batch * (ctx + 1), batch * (ctx + 1))
+    num_layers = len(line.offloaded_per_layer)
+    per_layer_compute_s = decode_s / max(num_layers, 1)
+
+    def staging_s_per_step(num_offloaded: int) -> float:
+        base, extra = divmod(num_offloaded, num_layers)
+        per_layer = [base + (1 if i < extra else 0) for i in range(num_layers)]
+        return staging.step(batch, per_layer, per_layer_compute_s)[1]
+
+    return VampParams(prefill_s_per_token=prefill_s, decode_step_s=decode_s, staging_s_per_step=staging_s_per_step,
+                      block_size=config.block_size, horizon_s=config.vamp_horizon_s,
+                      reuse_tau_s=config.vamp_reuse_tau_s)
 
 
 def run_replay(
@@ -87,6 +166,9 @@ def run_replay(
     collector (per-request samples, for plots)."""
     built = build_replay(workload, config, progress)
     metrics = built.replay.run()
+    metrics.staged_bytes = built.replay.staging_counter.staged_bytes
+    metrics.offloads = built.expert_line.num_offloads
+    metrics.reclaims = built.expert_line.num_reclaims
     return {"config": describe_config(workload, built), "metrics": metrics.to_dict()}, metrics
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from moetide.core.pressure.base import (
@@ -12,11 +13,24 @@ from moetide.core.pressure.base import (
     PressurePolicy,
     PressureView,
 )
-from moetide.core.pressure.vllm import VllmPolicy
+from moetide.core.pressure.vamp import VampParams, VampPolicy
+from moetide.core.pressure.vllm import StaticOffloadPolicy, VllmPolicy
+
+
+def _vamp_reclaim(params: VampParams) -> VampPolicy:
+    policy = VampPolicy(dataclasses.replace(params, reclaim=True))
+    policy.name = "vamp-reclaim"
+    return policy
+
 
 POLICIES: dict[str, Callable[..., PressurePolicy]] = {
     "vllm": VllmPolicy,
+    "static-offload": StaticOffloadPolicy,
+    "vamp": VampPolicy,
+    "vamp-reclaim": _vamp_reclaim,
 }
+# Policies whose constructor takes VampParams (the setup derives them from specs and perf).
+NEEDS_VAMP_PARAMS = frozenset({"vamp", "vamp-reclaim"})
 
 
 def get_policy(name: str, **params: object) -> PressurePolicy:
@@ -28,5 +42,6 @@ def get_policy(name: str, **params: object) -> PressurePolicy:
 
 
 __all__ = [
-    "Action", "EvictPrefix", "OffloadExperts", "Preempt", "PressurePolicy", "PressureView", "POLICIES", "get_policy",
+    "Action", "EvictPrefix", "NEEDS_VAMP_PARAMS", "OffloadExperts", "POLICIES", "Preempt", "PressurePolicy",
+    "PressureView", "VampParams", "VampPolicy", "get_policy",
 ]

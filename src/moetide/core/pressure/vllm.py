@@ -25,3 +25,11 @@ class VllmPolicy:
             victim = view.preemptible[-1] if view.preemptible else view.requester
             return [Preempt(victim.request_id)]
         return []
+
+
+class StaticOffloadPolicy(VllmPolicy):
+    """``static-offload``: a fixed share of expert bytes is offloaded once, before the first request (what a
+    static weight offload gives), then ``vllm``'s behaviour. Shows what adaptivity adds over a fixed line."""
+
+    name = "static-offload"
+    offload_at_start = True

@@ -1,0 +1,87 @@
+"""The movable line between expert weights and the KV pool, as books: what ``OffloadExperts`` carries out.
+
+Offloading a region marks its experts offloaded (``core.experts``: they are now served from a host copy) and hands
+the bytes they occupied to the KV pool as new block ids; no resident KV block moves or changes id. Reclaim goes
+the other way, last region first, and only when every block the region produced is free (a free block holding a
+cached prefix is dropped from the cache; a block in use blocks the reclaim).
+
+This ledger converts at byte granularity: region bytes accumulate and every whole ``block_bytes`` becomes one block,
+the remainder carrying to the next region. That is what vLLM's per-layer KV layout gets from 2 MiB pages (whole
+layer-blocks per page); the engine keeps exact page books with ``core.arena`` instead. Block ids given out are
+``first_block_id, first_block_id + 1, …`` in conversion order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from moetide.core.blocks import BlockPool
+from moetide.core.experts import ExpertKey, ExpertResidency
+
+
+class ExpertLine:
+    """Residency plus the pool's growth from offloaded experts (LIFO reclaim)."""
+
+    def __init__(self, residency: ExpertResidency, pool: BlockPool, *, block_bytes: int, first_block_id: int) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        self.residency = residency
+        self.pool = pool
+        self.block_bytes = block_bytes
+        self.expert_bytes = residency.config.expert_bytes
+        self.first_block_id = first_block_id
+        self._converted_bytes = 0
+        self._regions: list[tuple[tuple[ExpertKey, ...], range]] = []  # conversion order, for LIFO reclaim
+        self.num_offloads = 0
+        self.num_reclaims = 0
+        self.offloaded_per_layer = [0] * residency.config.num_layers  # read by staging models every step
+
+    @property
+    def num_converted_blocks(self) -> int:
+        return self._converted_bytes // self.block_bytes
+
+    def blocks_gained(self, num_experts: int) -> int:
+        """Blocks the pool would gain from offloading ``num_experts`` more experts."""
+        return (self._converted_bytes + num_experts * self.expert_bytes) // self.block_bytes - self.num_converted_blocks
+
+    def offload(self, region: Sequence[ExpertKey]) -> list[int]:
+        region = tuple(region)
+        self.residency.mark_offloaded(region)  # validates and enforces the cap before anything changes
+        start = self.first_block_id + self.num_converted_blocks
+        self._converted_bytes += len(region) * self.expert_bytes
+        new_ids = range(start, self.first_block_id + self.num_converted_blocks)
+        self.pool.add_blocks(new_ids)
+        self._regions.append((region, new_ids))
+        for layer, _ in region:
+            self.offloaded_per_layer[layer] += 1
+        self.num_offloads += 1
+        return list(new_ids)
+
+    def last_region(self) -> tuple[tuple[ExpertKey, ...], range] | None:
+        return self._regions[-1] if self._regions else None
+
+    def reclaim_last(self) -> bool:
+        """Give the last offloaded region back to its experts if all its blocks are free; else change nothing."""
+        if not self._regions:
+            return False
+        region, ids = self._regions[-1]
+        if not self.pool.remove_blocks(ids):
+            return False
+        self._regions.pop()
+        self._converted_bytes -= len(region) * self.expert_bytes
+        self.residency.mark_resident(region)
+        for layer, _ in region:
+            self.offloaded_per_layer[layer] -= 1
+        self.num_reclaims += 1
+        return True
+
+    def check_invariants(self) -> None:
+        self.residency.check_invariants()
+        assert sum(len(r) for r, _ in self._regions) == self.residency.num_offloaded, "regions and residency differ"
+        given = [b for _, ids in self._regions for b in ids]
+        assert len(given) == self.num_converted_blocks, "converted bytes and blocks given differ"
+        assert set(given) <= set(self.pool.block_ids()), "a converted block left the pool"
+        counts = [0] * len(self.offloaded_per_layer)
+        for layer, _ in self.residency.all_offloaded():
+            counts[layer] += 1
+        assert counts == self.offloaded_per_layer, "per-layer offload counts differ from residency"

@@ -1,0 +1,139 @@
+"""``moetide generate``: run prompts through the engine under a KV budget and print (or write) the continuations.
+
+Greedy unless ``--temperature`` is given (then seeded by ``--seed``: same arguments, same text). The tokenizer
+comes from the model directory (local files only). ``--json OUT`` writes::
+
+    {"outputs": [{"prompt", "prompt_token_ids", "token_ids", "text", "finish_reason"}, ...],
+     "stats": {"prefix_evictions", "preemptions", "experts_offloaded", "prefix_hit_tokens", "steps", ...}}
+
+and stdout gets one line per prompt plus a one-line summary of the counters. torch and transformers are imported
+only when the verb runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from moetide.errors import UserError
+
+DEFAULT_KV_BUDGET_MIB = 256.0
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared with ``bench-engine``."""
+    add = parser.add_argument
+    add("--model", required=True, metavar="DIR", help="HF checkpoint directory (config.json + safetensors)")
+    add("--kv-budget-mib", type=float, default=DEFAULT_KV_BUDGET_MIB, metavar="X",
+        help="device memory for the KV cache beyond the routed experts, MiB (default %(default)s)")
+    add("--block-size", type=int, default=16, metavar="B", help="tokens per KV block (default %(default)s)")
+    add("--policy", default="vllm", help="memory-pressure policy (default %(default)s)")
+    add("--max-offload-ratio", type=float, default=0.0, metavar="R",
+        help="cap on offloaded / all routed-expert bytes (default %(default)s)")
+    add("--static-offload", action="store_true",
+        help="offload --max-offload-ratio of the expert bytes at start (coldest first), whatever the policy")
+    add("--max-num-seqs", type=int, default=256, help="sequences per step (default %(default)s)")
+    add("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default %(default)s)")
+    add("--device", choices=("cpu", "cuda"), default="cpu", help="where the arena lives (default %(default)s)")
+    add("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    add = parser.add_argument
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", metavar="TEXT", help="one prompt")
+    prompts.add_argument("--prompts-file", metavar="FILE", help="prompts, one a line (blank lines skipped)")
+    add("--max-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
+    add("--temperature", type=float, metavar="T", help="sample at this temperature (default: greedy)")
+    add("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    add("--ignore-eos", action="store_true", help="generate --max-tokens even past an end-of-sequence token")
+    add("--json", metavar="OUT", help="write outputs and counters as JSON to OUT ('-' for stdout)")
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise UserError("--prompt: the prompt is empty")
+        return [args.prompt]
+    path = Path(args.prompts_file)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UserError(f"--prompts-file {path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--prompts-file {path}: not UTF-8 text ({exc.reason})") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise UserError(f"--prompts-file {path}: no prompts (every line is blank)")
+    return prompts
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    if not Path(model_dir).is_dir():
+        raise UserError(f"--model {model_dir}: not a checkpoint directory")
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"--model {model_dir}: cannot load a tokenizer from it ({first})") from None
+
+
+def build_engine(args: argparse.Namespace, **overrides: object):
+    """The engine the shared options describe (torch imported here)."""
+    import torch
+
+    from moetide.engine.runner import Engine
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if not args.kv_budget_mib >= 0:
+        raise UserError(f"--kv-budget-mib must be >= 0, got {args.kv_budget_mib}")
+    options = dict(kv_budget_mib=args.kv_budget_mib, block_size=args.block_size, policy=args.policy,
+                   max_offload_ratio=args.max_offload_ratio, static_offload=args.static_offload,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   device=args.device)
+    options.update(overrides)
+    return Engine(args.model, **options)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    texts = read_prompts(args)
+    tokenizer = load_tokenizer(args.model)
+    prompt_ids = [tokenizer.encode(text) for text in texts]
+    for text, ids in zip(texts, prompt_ids):
+        if not ids:
+            raise UserError(f"prompt {text!r} encodes to no tokens")
+    engine = build_engine(args, ignore_eos=args.ignore_eos)
+    result = engine.generate(prompt_ids, args.max_tokens, temperature=args.temperature, seed=args.seed)
+    outputs = [dict(prompt=text, prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids,
+                    text=tokenizer.decode(out.token_ids, skip_special_tokens=True), finish_reason=out.finish_reason)
+               for text, out in zip(texts, result.outputs)]
+    report = dict(outputs=outputs, stats=dataclasses.asdict(result.stats))
+    _emit(args.json, report)
+    return 0
+
+
+def _emit(json_path: str | None, report: dict) -> None:
+    if json_path == "-":
+        print(json.dumps(report))
+        return
+    for out in report["outputs"]:
+        print(json.dumps(out["text"]) + ("" if out["finish_reason"] != "failed" else "  [failed: never fits]"))
+    stats = report["stats"]
+    print(f"steps {stats['steps']}, prefix evictions {stats['prefix_evictions']} blocks, preemptions "
+          f"{stats['preemptions']}, experts offloaded {stats['experts_offloaded']}, prefix hits "
+          f"{stats['prefix_hit_tokens']} tokens, recomputed {stats['recomputed_tokens']} tokens")
+    if json_path is not None:
+        try:
+            Path(json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"--json {json_path}: cannot write: {exc.strerror or exc}") from None

@@ -1,0 +1,154 @@
+"""Expert weights for the engine: resident experts from their arena pages, offloaded ones staged from host copies;
+and the engine's ``ExpertLine``, which carries out the scheduler's ``OffloadExperts`` actions.
+
+Who decides what: ``core.experts.ExpertResidency`` decides which experts are offloaded (a policy's
+``OffloadExperts`` action, or the engine's static offload at start, both through ``ArenaExpertLine.offload``)
+and ``core.arena.Arena`` decides which pages become which KV blocks. This module only serves weights accordingly
+and records the router's choices into the residency (``record_routing``, once per step in ``end_step``), so
+its cold-first choice sees real routing. It makes no memory decision.
+
+Staging (``ExpertStager``): when the model announces a layer's routing (``route``), every routed expert that is
+offloaded is copied from its host copy (packed exactly like its home pages, ``engine.storage.pack_experts``)
+into a device staging buffer, and ``expert_weights`` returns views of that buffer. On CUDA the host copy is
+pinned and the copies run on a side stream: the compute stream waits on an event before it first reads a staged
+expert, and two buffers alternate between consecutive MoE layers so layer n's copies never overwrite what layer
+n-1 is still reading (the copy for layer n waits on an event recorded when layer n-1 was routed, which covers
+layer n-2's reads of the same buffer). On the CPU the same code runs with synchronous copies and no events.
+Staging buffers live outside the arena: they are the working set of one layer, not a tenant of HBM pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from moetide.core.arena import Arena
+from moetide.core.experts import ExpertKey, ExpertResidency
+from moetide.engine.models import ExpertWeights
+from moetide.engine.storage import ArenaStorage, ExpertLayout
+
+
+class ExpertStager:
+    """Two alternating device buffers of ``num_slots`` experts each, filled from the host copy."""
+
+    def __init__(self, host: Tensor, layout: ExpertLayout, device: torch.device) -> None:
+        self.host, self.layout, self.device = host, layout, device
+        self.is_cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.num_slots = 0
+        self._buffers: list[Tensor] = []
+        self._turn = 0
+        self._last_route_event = None
+        self._ready_event = None
+        self._staged: dict[int, ExpertWeights] = {}
+        self.num_staged = 0  # experts copied, lifetime (a statistic)
+
+    def ensure_slots(self, num_slots: int) -> None:
+        """Grow the buffers to hold ``num_slots`` experts (between steps; waits for in-flight work on CUDA)."""
+        if num_slots <= self.num_slots:
+            return
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        shape = (num_slots, self.layout.numel)
+        self._buffers = [torch.empty(shape, dtype=self.layout.dtype, device=self.device) for _ in range(2)]
+        self.num_slots = num_slots
+
+    def stage(self, moe_index: int, expert_ids: Sequence[int]) -> None:
+        """Start copying the experts' host copies into the next buffer; ``weights`` then serves them."""
+        buffer = self._buffers[self._turn]
+        self._turn ^= 1
+        self._staged = {e: self.layout.weights(buffer[slot]) for slot, e in enumerate(expert_ids)}
+        self.num_staged += len(expert_ids)
+        if not self.is_cuda:
+            for slot, e in enumerate(expert_ids):
+                buffer[slot].copy_(self.host[moe_index, e])
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if self._last_route_event is not None:
+            self.copy_stream.wait_event(self._last_route_event)  # layer n-2 is done reading this buffer
+        self._last_route_event = compute.record_event()
+        with torch.cuda.stream(self.copy_stream):
+            for slot, e in enumerate(expert_ids):
+                buffer[slot].copy_(self.host[moe_index, e], non_blocking=True)
+            self._ready_event = self.copy_stream.record_event()
+
+    def weights(self, expert_id: int) -> ExpertWeights:
+        if self._ready_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready_event)
+            self._ready_event = None
+        try:
+            return self._staged[expert_id]
+        except KeyError:
+            raise RuntimeError(f"expert {expert_id} was not staged: route() must announce it first") from None
+
+
+class StagedExpertProvider:
+    """``ExpertProvider``: routing statistics into ``ExpertResidency``; weights from home pages or staging."""
+
+    def __init__(self, storage: ArenaStorage, residency: ExpertResidency, host: Tensor) -> None:
+        layout = storage.expert_layout
+        self.storage, self.residency, self.layout = storage, residency, layout
+        self.moe_index = {layer_id: m for m, layer_id in enumerate(layout.moe_layer_ids)}
+        self.stager = ExpertStager(host, layout, storage.device)
+        self._resident: dict[tuple[int, int], ExpertWeights] = {
+            (m, e): storage.expert_weights(m, e)
+            for m in range(len(layout.moe_layer_ids)) for e in range(layout.num_experts)
+        }
+        self._offloaded: list[list[int]] = [[] for _ in layout.moe_layer_ids]
+        self._step_counts: list[tuple[int, Tensor]] = []  # this step's routing, recorded by end_step()
+
+    def route(self, layer_id: int, expert_ids: Tensor) -> None:
+        m = self.moe_index[layer_id]
+        counts = torch.bincount(expert_ids.flatten(), minlength=self.layout.num_experts)  # [E]
+        self._step_counts.append((m, counts))
+        if self._offloaded[m]:  # only then read the routing back before the layer runs (a sync on CUDA)
+            routed = counts.tolist()
+            needed = [e for e in self._offloaded[m] if routed[e]]
+            if needed:
+                self.stager.stage(m, needed)
+
+    def end_step(self) -> None:
+        """Record the step's routing into the residency (one read-back per step, after the forward)."""
+        if not self._step_counts:
+            return
+        rows = torch.stack([counts for _, counts in self._step_counts]).tolist()
+        for (m, _), row in zip(self._step_counts, rows):
+            self.residency.record_routing(m, {e: c for e, c in enumerate(row) if c})
+        self._step_counts = []
+
+    def expert_weights(self, layer_id: int, expert_id: int) -> ExpertWeights:
+        weights = self._resident.get((self.moe_index[layer_id], expert_id))
+        return weights if weights is not None else self.stager.weights(expert_id)
+
+    def mark_offloaded(self, region: Sequence[ExpertKey]) -> None:
+        """Serve the region's experts from their host copies from now on (their pages are about to hold KV)."""
+        for m, e in region:
+            del self._resident[(m, e)]
+            self._offloaded[m].append(e)
+            self._offloaded[m].sort()
+        self.stager.ensure_slots(max(len(experts) for experts in self._offloaded))
+
+
+class ArenaExpertLine:
+    """The engine's ``ExpertLine`` (``core.scheduler``): ``offload(region)`` marks the region offloaded in the
+    residency (which enforces ``max_offload_ratio``; nothing changes if it refuses), switches the provider to the
+    host copies, and gives the region's home pages to KV through the arena, which adds the new blocks to the pool.
+    Returns the new block ids. Resident KV bytes do not move: the arena only relabels pages."""
+
+    def __init__(self, arena: Arena, residency: ExpertResidency, provider: StagedExpertProvider) -> None:
+        self.arena, self.residency, self.provider = arena, residency, provider
+        self.num_new_blocks = 0
+
+    def offload(self, region: tuple[tuple[int, int], ...]) -> list[int]:
+        keys = [tuple(key) for key in region]
+        self.residency.mark_offloaded(keys)  # validates and enforces the cap, or raises having changed nothing
+        try:
+            new_ids = self.arena.convert_experts_to_kv(keys)
+        except Exception:
+            self.residency.mark_resident(keys)
+            raise
+        self.provider.mark_offloaded(keys)
+        self.num_new_blocks += len(new_ids)
+        return new_ids

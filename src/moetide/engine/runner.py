@@ -1,0 +1,247 @@
+"""The engine: real tensors executing ``core.scheduler``'s plans, step by step.
+
+One rule (DESIGN.md): the engine makes no memory or scheduling decision. ``core`` decides everything — which
+requests run, how many tokens each brings (continuous batching, chunked prefill), which cached prefix is hit or
+evicted, whom to preempt, which expert region becomes KV — and the engine carries it out:
+
+    schedule() -> StepBatch + block tables -> model forward (paged attention, block-backed linear state,
+    staged experts) -> sample -> update()
+
+Built once per ``Engine``: the arena (``core.arena``: every routed expert in its home pages, then the KV pages of
+the budget) and its storage tensor (``engine.storage``), a ``BlockPool`` over exactly the arena's KV block ids,
+the ``KVCacheManager`` (with per-request state blocks for hybrid models, ``engine.state``), the
+``ExpertResidency`` and the ``Scheduler`` with the named pressure policy and the engine's ``ArenaExpertLine``.
+Static offload (``static_offload=True``) offloads ``max_offload_ratio`` of the routed-expert bytes at start
+through the same expert line a policy's ``OffloadExperts`` action uses.
+
+Hybrid models (Qwen3-Next): prefix caching is off and a preempted request recomputes from token 0, because a
+linear-attention state cannot be rebuilt from a cached attention prefix (``engine.state``).
+
+Sampling: greedy (argmax) unless a temperature is given; then softmax(logits / T) sampled with one
+``torch.Generator`` per request, seeded from the engine seed and the request's index in the call, so a sampled
+continuation does not depend on batching, budget or preemption (a preempted request keeps its emitted tokens and
+only recomputes their KV).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moetide.core.pressure import PressurePolicy
+from moetide.core.request import Request
+from moetide.core.scheduler import SchedulerOutput
+from moetide.engine.build import EngineConfig, EngineParts, build_engine
+from moetide.engine.models import StepBatch, StepContext
+from moetide.errors import UserError
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "length", "stop" (an eos token), or "failed" (can never fit the KV budget)
+
+
+@dataclass
+class EngineStats:
+    """Counters of one ``generate`` call (``experts_offloaded``, ``kv_blocks``: levels at its end)."""
+
+    steps: int = 0
+    prefix_evictions: int = 0  # cached-free blocks evicted
+    preemptions: int = 0
+    experts_offloaded: int = 0
+    offloaded_ratio: float = 0.0
+    kv_blocks: int = 0
+    prefix_hit_tokens: int = 0  # tokens found in the prefix cache when a request was (re)admitted
+    recomputed_tokens: int = 0  # tokens computed again after a preemption
+    failed_requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0  # tokens of steps that were not pure decode
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    wall_s: float = 0.0
+
+
+@dataclass
+class GenerateResult:
+    outputs: list[RequestOutput]
+    stats: EngineStats = field(default_factory=EngineStats)
+
+
+class Sampler:
+    """Greedy, or temperature sampling with a generator per request (see the module docstring)."""
+
+    def __init__(self, temperature: float | None, seed: int) -> None:
+        if temperature is not None and not temperature >= 0:
+            raise UserError(f"temperature must be >= 0, got {temperature}")
+        self.temperature = temperature or None
+        self.seed = seed
+        self._generators: dict[str, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, request_ids: Sequence[str], indices: Sequence[int]) -> list[int]:
+        """logits [n, V] (rows of the listed requests) -> one token id per row."""
+        if self.temperature is None:
+            return logits.argmax(dim=-1).tolist()
+        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        tokens = []
+        for row, request_id, index in zip(probs, request_ids, indices):
+            generator = self._generators.get(request_id)
+            if generator is None:
+                generator = self._generators[request_id] = torch.Generator().manual_seed(
+                    self.seed * 1_000_003 + index)
+            tokens.append(int(torch.multinomial(row, 1, generator=generator)))
+        return tokens
+
+
+class Engine:
+    """An MoE model served under a KV budget; ``generate`` runs prompts to completion. Keyword options are
+    ``EngineConfig``'s fields; ``policy`` is a registered policy name or a ``PressurePolicy`` instance."""
+
+    def __init__(self, model_dir: str | Path, *, kv_budget_mib: float | None = None,
+                 policy: str | PressurePolicy = "vllm", policy_params: Mapping[str, object] | None = None,
+                 **options: object) -> None:
+        if kv_budget_mib is not None:
+            options["kv_budget_bytes"] = int(kv_budget_mib * 1024 * 1024)
+        if "kv_budget_bytes" not in options:
+            raise UserError("an engine needs a KV budget: kv_budget_bytes or kv_budget_mib")
+        try:
+            config = EngineConfig(**options)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise UserError(str(exc)) from None
+        self.config = config
+        self.parts: EngineParts = build_engine(Path(model_dir), config, policy, dict(policy_params or {}))
+        self._next_request = 0
+
+    # convenient names for the core objects
+    @property
+    def scheduler(self):
+        return self.parts.scheduler
+
+    @property
+    def residency(self):
+        return self.parts.residency
+
+    @property
+    def storage(self):
+        return self.parts.storage
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float | None = None,
+                 seed: int = 0) -> GenerateResult:
+        if max_tokens < 1:
+            raise UserError(f"max_tokens must be >= 1, got {max_tokens}")
+        vocab = self.parts.model.config.vocab_size
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise UserError(f"prompt {i} is empty")
+            if not all(0 <= t < vocab for t in prompt):
+                raise UserError(f"prompt {i} has a token id outside the vocabulary [0, {vocab})")
+        requests = [self._add_request(prompt, max_tokens) for prompt in prompts]
+        sampler = Sampler(temperature, seed)
+        index_of = {r.request_id: i for i, r in enumerate(requests)}
+        stats, failed = EngineStats(), set()
+        evicted0, preempted0 = self.scheduler.num_evicted_blocks, self.scheduler.num_preemptions
+        start = time.perf_counter()
+        while self.scheduler.has_work:
+            failed.update(self._step(sampler, index_of, stats))
+        stats.wall_s = time.perf_counter() - start
+        self._finish_stats(stats, requests, failed, evicted0, preempted0)
+        return GenerateResult([self._output(r, r.request_id in failed) for r in requests], stats)
+
+    def _add_request(self, prompt: Sequence[int], max_tokens: int) -> Request:
+        request_id = str(self._next_request)
+        self._next_request += 1
+        request = Request.from_tokens(request_id, prompt, max_tokens, self.config.block_size,
+                                      eos_token_ids=self.parts.eos_token_ids)
+        self.scheduler.add_request(request)
+        return request
+
+    def _step(self, sampler: Sampler, index_of: dict[str, int], stats: EngineStats) -> list[str]:
+        """One scheduler step; returns the ids of requests that failed (can never fit)."""
+        sched = self.scheduler
+        running_before = {id(r) for r in sched.running}
+        out = sched.schedule()
+        failed = [r.request_id for r in out.failed]
+        if out.is_empty:
+            if not (failed or out.preempted) and sched.has_work:
+                raise RuntimeError("the scheduler planned an empty step with work pending and nothing failed")
+            return failed
+        for (request, _), computed in zip(out.scheduled, out.num_computed_before):
+            if id(request) not in running_before:
+                stats.prefix_hit_tokens += computed
+        t0 = time.perf_counter()
+        logits = self._forward(out)
+        sampled = self._sample(out, logits, sampler, index_of)
+        sched.update(out, sampled)
+        self.parts.experts.end_step()
+        self.residency.end_step()
+        self._time_step(out, time.perf_counter() - t0, stats)
+        return failed
+
+    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+        parts, kv = self.parts, self.scheduler.kv
+        tokens: list[int] = []
+        entries = []
+        for (request, n), computed in zip(out.scheduled, out.num_computed_before):
+            tokens += request.token_ids[computed : computed + n]
+            entries.append((int(request.request_id), n, computed))
+        batch = StepBatch.of(entries)
+        request_ids = [r.request_id for r, _ in out.scheduled]
+        parts.attention.prepare(batch, [kv.get_blocks(rid) for rid in request_ids])
+        if parts.linear_states is not None:
+            parts.linear_states.prepare(batch, [kv.get_state_blocks(rid) for rid in request_ids])
+        ctx = StepContext(batch, parts.attention, parts.linear_states, parts.experts)
+        with torch.no_grad():
+            logits = parts.model(torch.tensor(tokens, device=parts.storage.device), ctx)  # [B, V]
+        if parts.linear_states is not None:
+            parts.linear_states.commit()
+        return logits
+
+    @staticmethod
+    def _sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
+                index_of: dict[str, int]) -> dict[str, int]:
+        """Sample for the requests whose computed tokens reach their known tokens (the rest were prefill chunks)."""
+        rows = [i for i, ((request, n), computed) in enumerate(zip(out.scheduled, out.num_computed_before))
+                if computed + n == request.num_tokens]
+        if not rows:
+            return {}
+        ids = [out.scheduled[i][0].request_id for i in rows]
+        tokens = sampler.sample(logits[rows], ids, [index_of.get(rid, 0) for rid in ids])
+        return dict(zip(ids, tokens))
+
+    @staticmethod
+    def _time_step(out: SchedulerOutput, seconds: float, stats: EngineStats) -> None:
+        stats.steps += 1
+        decode = all(n == 1 and computed >= request.num_prompt_tokens
+                     for (request, n), computed in zip(out.scheduled, out.num_computed_before))
+        if decode:
+            stats.decode_tokens += out.total_num_scheduled_tokens
+            stats.decode_s += seconds
+        else:
+            stats.prefill_tokens += out.total_num_scheduled_tokens
+            stats.prefill_s += seconds
+
+    def _finish_stats(self, stats: EngineStats, requests: list[Request], failed: set[str], evicted0: int,
+                      preempted0: int) -> None:
+        stats.prefix_evictions = self.scheduler.num_evicted_blocks - evicted0
+        stats.preemptions = self.scheduler.num_preemptions - preempted0
+        stats.experts_offloaded = self.residency.num_offloaded
+        stats.offloaded_ratio = self.residency.offloaded_ratio
+        stats.kv_blocks = self.scheduler.kv.pool.num_blocks
+        stats.recomputed_tokens = sum(r.num_recomputed_tokens for r in requests)
+        stats.failed_requests = len(failed)
+        stats.prompt_tokens = sum(r.num_prompt_tokens for r in requests)
+        stats.generated_tokens = sum(r.num_output_tokens for r in requests)
+
+    @staticmethod
+    def _output(request: Request, failed: bool) -> RequestOutput:
+        reason = "failed" if failed else "stop" if request.stopped else "length"
+        return RequestOutput(list(request.token_ids[: request.num_prompt_tokens]),
+                             list(request.token_ids[request.num_prompt_tokens :]), reason)

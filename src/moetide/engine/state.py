@@ -1,0 +1,128 @@
+"""Linear-attention (Gated DeltaNet) state in KV-pool blocks: the engine's ``LinearStateStore`` for hybrid models.
+
+Where the bytes live: like vLLM's hybrid allocator, a hybrid model's fixed-size per-sequence state is carved from
+the same pool as KV — ``KVCacheManager(num_state_blocks_per_request=n)`` gives each running request ``n`` private
+blocks with its first allocation and frees them with the request. The state of one sequence, all linear layers,
+is laid out as one byte string (``StateLayout``: per layer ``conv`` [C, kernel-1] in the model dtype then
+``recurrent`` [Hv, Dk, Dv] in fp32, each 64-byte aligned) cut into ``kv_block_bytes`` pieces, piece i in the
+request's state block i. A request's state blocks need not be adjacent in the arena, so a layer's state cannot be
+one tensor view; instead each step *gathers* the scheduled sequences' state blocks into a contiguous scratch
+(one indexed copy), the model updates views of the scratch in place, and ``commit`` scatters the scratch back
+(one indexed copy). Two copies of the state per step — the recurrent update itself reads and writes it several
+times — for exact memory accounting by the pool and no second allocator.
+
+Correctness across preemption: a linear state cannot be rebuilt from a cached attention prefix (it summarises
+every earlier token), so for hybrid models the engine disables prefix caching and a preempted request recomputes
+from token 0 (vLLM does the same for Mamba-style layers without state checkpoints). The scheduler then always
+reports ``num_computed_tokens == 0`` for a (re)started request, and the model ignores the contents of a state
+whose sequence has no computed tokens, so recycled blocks need no clearing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moetide.engine.models import LinearState, LinearStateShape, StepBatch
+from moetide.engine.storage import ArenaStorage, dtype_bytes
+
+ALIGN_BYTES = 64
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class StateField:
+    offset: int  # bytes from the start of the sequence's state
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Byte layout of one sequence's state over all linear layers: layer id -> (conv field, recurrent field)."""
+
+    fields: dict[int, tuple[StateField, StateField]]
+    total_bytes: int
+
+    @classmethod
+    def of(cls, shapes: dict[int, LinearStateShape], conv_dtype: torch.dtype) -> StateLayout:
+        fields, offset = {}, 0
+        for layer_id in sorted(shapes):
+            conv = StateField(offset, shapes[layer_id].conv, conv_dtype)
+            offset = _align(offset + conv.nbytes)
+            recurrent = StateField(offset, shapes[layer_id].recurrent, torch.float32)
+            offset = _align(offset + recurrent.nbytes)
+            fields[layer_id] = (conv, recurrent)
+        return cls(fields, offset)
+
+    def num_blocks(self, block_bytes: int) -> int:
+        return -(-self.total_bytes // block_bytes) if self.total_bytes else 0
+
+
+class BlockLinearStateStore:
+    """``LinearStateStore`` over pool blocks: ``prepare`` (gather) before the forward, ``commit`` (scatter)
+    after it. See the module docstring."""
+
+    def __init__(self, storage: ArenaStorage, layout: StateLayout) -> None:
+        if storage.arena.config.kv_block_bytes % 4:  # scratch rows must start fp32-aligned
+            raise ValueError(f"kv_block_bytes={storage.arena.config.kv_block_bytes} must be a multiple of 4 to "
+                             f"hold fp32 linear-attention state")
+        self.storage, self.layout = storage, layout
+        self.num_blocks = layout.num_blocks(storage.arena.config.kv_block_bytes)
+        self._rows: dict[int, int] = {}
+        self._scratch: Tensor | None = None  # [B, num_blocks * kv_block_bytes] uint8
+        self._index: tuple[Tensor, Tensor] | None = None
+        self._views: dict[tuple[int, int], LinearState] = {}
+
+    def prepare(self, batch: StepBatch, state_tables: list[list[int]]) -> None:
+        """Gather the state blocks of the step's sequences (``state_tables`` in batch order)."""
+        for table in state_tables:
+            if len(table) != self.num_blocks:
+                raise ValueError(f"a sequence holds {len(table)} state blocks, the layout needs {self.num_blocks}")
+        flat = [b for table in state_tables for b in table]
+        groups, slots = self.storage.block_coords(flat)
+        device = self.storage.device
+        shape = (len(state_tables), self.num_blocks)
+        self._index = (torch.tensor(groups, device=device).view(shape), torch.tensor(slots, device=device).view(shape))
+        self._scratch = self.storage.block_bytes_view[self._index].reshape(len(state_tables), -1)
+        self._rows = {seq_id: row for row, seq_id in enumerate(batch.seq_ids)}
+        self._views = {}
+
+    def state(self, layer_id: int, seq_id: int) -> LinearState:
+        key = (layer_id, seq_id)
+        view = self._views.get(key)
+        if view is None:
+            if self._scratch is None:
+                raise RuntimeError("BlockLinearStateStore.state() called outside prepare()/commit()")
+            row = self._scratch[self._rows[seq_id]]
+            conv, recurrent = self.layout.fields[layer_id]
+            view = self._views[key] = LinearState(self._field(row, conv), self._field(row, recurrent))
+        return view
+
+    @staticmethod
+    def _field(row: Tensor, field: StateField) -> Tensor:
+        return row[field.offset : field.offset + field.nbytes].view(field.dtype).view(field.shape)
+
+    def commit(self) -> None:
+        """Scatter the updated scratch back into the state blocks and end the step."""
+        if self._scratch is None or self._index is None:
+            return
+        rows = self._scratch.shape[0]
+        self.storage.block_bytes_view[self._index] = self._scratch.view(rows, self.num_blocks, -1)
+        self._scratch, self._index, self._views = None, None, {}

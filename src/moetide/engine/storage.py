@@ -1,0 +1,209 @@
+"""The arena as bytes: ONE tensor of ``num_pages × page_bytes`` on the engine's device, laid out by ``core.arena``.
+
+``core.arena`` keeps the books (which tenant owns each page, which block ids exist, where block ``b`` starts);
+this module is the storage backend that carries them out with plain tensors. Nothing here decides anything: a
+page's meaning comes from the books alone, so the same bytes are an expert's weights before a conversion and KV
+blocks after it, and converting moves no byte (on a GPU, CUDA VMM map/unmap would carry the books out instead;
+with one preallocated tensor, relabelling *is* the conversion).
+
+Layouts (all offsets in bytes from the arena's start; ``page_bytes`` is a multiple of every element size):
+
+* **KV block** ``b`` starts at ``arena.block_byte_offset(b)`` and holds ``kv_block_bytes`` bytes::
+
+      [full-attention layer a][k | v][slot 0..block_size-1][kv head][head dim]   (model dtype)
+
+  so one layer's K (or V) of one block is a contiguous ``[block_size, Hkv, D]`` tile, and a block's position in
+  the arena is (group, slot): ``group = b // blocks_per_group`` at ``group × pages_per_block × page_bytes``,
+  ``slot = b % blocks_per_group`` at ``slot × kv_block_bytes`` inside it (``core.arena``'s rule). The same rule
+  as one strided view — ``[num_groups, blocks_per_group, A, 2, block_size, Hkv, D]`` — lets attention gather any
+  blocks by (group, slot) index tensors. Linear-attention state blocks use the raw byte view
+  (``[num_groups, blocks_per_group, kv_block_bytes]``, see ``engine.state``).
+* **Routed expert** (MoE layer m, expert e) lives in ``arena.home_pages(m, e)`` (consecutive pages): its fused
+  ``gate_up`` [2I, H] then ``down`` [H, I], packed with no gap; the pages' tail is padding. Shared experts, dense
+  MLPs, attention and embeddings are ordinary model parameters outside the arena: they are never offloaded.
+
+The arena is zero-filled once at start, so a block that was never written reads as zeros (attention still
+masks every slot past a sequence's context, and zeroes those values, because recycled pages hold stale bytes
+of any kind — old KV, expert weights, fp32 state read as bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moetide.core.arena import DEFAULT_PAGE_BYTES, Arena, ArenaConfig
+from moetide.engine.models import ExpertWeights, MoECausalLM
+from moetide.engine.models.common import SparseMoE
+
+MIN_PAGE_BYTES = 4096
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of one KV block. ``attn_layer_ids`` are the model's full-attention layers, in block order."""
+
+    attn_layer_ids: tuple[int, ...]
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return len(self.attn_layer_ids) * 2 * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    @classmethod
+    def of(cls, model: MoECausalLM, block_size: int) -> KVLayout:
+        config = model.config
+        attn = tuple(i for i, layer in enumerate(model.layers) if hasattr(layer, "self_attn"))
+        return cls(attn, block_size, config.num_kv_heads, config.head_dim, model.embed_tokens.weight.dtype)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Geometry of one routed expert; ``moe_layer_ids[m]`` is the model layer of arena/residency MoE layer m."""
+
+    moe_layer_ids: tuple[int, ...]
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: torch.dtype
+
+    @property
+    def gate_up_numel(self) -> int:
+        return 2 * self.intermediate_size * self.hidden_size
+
+    @property
+    def numel(self) -> int:
+        return 3 * self.intermediate_size * self.hidden_size
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+    def weights(self, flat: Tensor) -> ExpertWeights:
+        """Views of one packed expert (``flat``: [numel] in the model dtype)."""
+        gate_up = flat[: self.gate_up_numel].view(2 * self.intermediate_size, self.hidden_size)
+        down = flat[self.gate_up_numel : self.numel].view(self.hidden_size, self.intermediate_size)
+        return ExpertWeights(gate_up, down)
+
+    @classmethod
+    def of(cls, model: MoECausalLM) -> ExpertLayout:
+        moe = tuple(i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoE))
+        config = model.config
+        return cls(moe, config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                   model.embed_tokens.weight.dtype)
+
+
+def default_page_bytes(expert_bytes: int) -> int:
+    """2 MiB (the CUDA VMM granularity), or for experts smaller than that the next power of two above one expert
+    (at least 4 KiB), so a tiny test model's arena is not 99% padding. The books are the same either way."""
+    page = MIN_PAGE_BYTES
+    while page < expert_bytes and page < DEFAULT_PAGE_BYTES:
+        page *= 2
+    return page
+
+
+def arena_config(kv: KVLayout, experts: ExpertLayout, kv_budget_bytes: int, page_bytes: int) -> ArenaConfig:
+    """Every routed expert resident in its home pages, then ``kv_budget_bytes // page_bytes`` KV pages."""
+    elt = max(dtype_bytes(kv.dtype), dtype_bytes(experts.dtype), 4)
+    if page_bytes % elt or kv.block_bytes % dtype_bytes(kv.dtype):
+        raise ValueError(f"page_bytes={page_bytes} must be a multiple of {elt}")
+    return ArenaConfig(kv_block_bytes=kv.block_bytes, expert_bytes=experts.expert_bytes,
+                       num_layers=len(experts.moe_layer_ids), num_experts=experts.num_experts,
+                       num_kv_pages=kv_budget_bytes // page_bytes, page_bytes=page_bytes)
+
+
+class ArenaStorage:
+    """The arena tensor and its typed views. See the module docstring for the byte layout."""
+
+    def __init__(self, arena: Arena, kv: KVLayout, experts: ExpertLayout, device: torch.device | str) -> None:
+        cfg = arena.config
+        self.arena, self.kv_layout, self.expert_layout = arena, kv, experts
+        self.device = torch.device(device)
+        self.data = torch.zeros(cfg.num_pages * cfg.page_bytes, dtype=torch.uint8, device=self.device)
+        group_bytes = cfg.pages_per_block * cfg.page_bytes
+        self.block_bytes_view = self.data.as_strided(  # [G, bpg, kv_block_bytes]
+            (cfg.num_groups, cfg.blocks_per_group, cfg.kv_block_bytes), (group_bytes, cfg.kv_block_bytes, 1))
+        self._kv_views = self._build_kv_views(cfg, kv)
+
+    def _build_kv_views(self, cfg: ArenaConfig, kv: KVLayout) -> list[tuple[Tensor, Tensor]]:
+        """Per full-attention layer a, (K, V) views [G, bpg, block_size, Hkv, D] over every block position."""
+        elt = dtype_bytes(kv.dtype)
+        typed = self.data.view(kv.dtype)
+        tile = kv.block_size * kv.num_kv_heads * kv.head_dim  # elements of one layer's K (or V) in one block
+        size = (cfg.num_groups, cfg.blocks_per_group, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        stride = (cfg.pages_per_block * cfg.page_bytes // elt, cfg.kv_block_bytes // elt,
+                  kv.num_kv_heads * kv.head_dim, kv.head_dim, 1)
+        views = []
+        for a in range(len(kv.attn_layer_ids)):
+            k = typed.as_strided(size, stride, storage_offset=2 * a * tile)
+            v = typed.as_strided(size, stride, storage_offset=(2 * a + 1) * tile)
+            views.append((k, v))
+        return views
+
+    # ---- KV -----------------------------------------------------------------------------------------------
+    def kv_views(self, attn_index: int) -> tuple[Tensor, Tensor]:
+        """(K, V) of full-attention layer ``attn_index`` (position in ``KVLayout.attn_layer_ids``)."""
+        return self._kv_views[attn_index]
+
+    def block_coords(self, block_ids: list[int]) -> tuple[list[int], list[int]]:
+        """(group, slot) of each block id: the first two indices of every view here."""
+        bpg = self.arena.config.blocks_per_group
+        return [b // bpg for b in block_ids], [b % bpg for b in block_ids]
+
+    def kv_block(self, block_id: int) -> Tensor:
+        """The raw bytes of one KV block (a view)."""
+        offset = self.arena.block_byte_offset(block_id)
+        return self.data[offset : offset + self.arena.config.kv_block_bytes]
+
+    def kv_checksum(self, block_ids: list[int]) -> int:
+        """A position-sensitive checksum of the blocks' bytes, in the order given (detects moved bytes)."""
+        if not block_ids:
+            return 0
+        raw = torch.cat([self.kv_block(b) for b in block_ids]).to(torch.int64)
+        weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) % 65_521 + 1
+        return int((raw * weights).sum())
+
+    # ---- experts ------------------------------------------------------------------------------------------
+    def expert_flat(self, moe_index: int, expert_id: int) -> Tensor:
+        """The packed expert in its home pages, as [numel] of the model dtype (a view)."""
+        layout = self.expert_layout
+        start = self.arena.home_pages(moe_index, expert_id).start * self.arena.config.page_bytes
+        return self.data[start : start + layout.expert_bytes].view(layout.dtype)
+
+    def expert_weights(self, moe_index: int, expert_id: int) -> ExpertWeights:
+        """Views of a resident expert's weights in its home pages (garbage once its pages are KV)."""
+        return self.expert_layout.weights(self.expert_flat(moe_index, expert_id))
+
+    def store_expert(self, moe_index: int, expert_id: int, packed: Tensor) -> None:
+        """Write a packed expert ([numel], any device) into its home pages."""
+        self.expert_flat(moe_index, expert_id).copy_(packed)
+
+
+def pack_experts(model: MoECausalLM, layout: ExpertLayout, pin: bool) -> Tensor:
+    """Host copy of every routed expert: [M, E, numel] in the model dtype on the CPU (pinned when ``pin``), each
+    row ``gate_up.flatten() ++ down.flatten()`` — the same packing as the home pages, so staging is one copy.
+    Moves the experts out of the model: each layer's stacked parameters are dropped once copied, so host memory
+    never holds more than the copy plus one layer's originals."""
+    host = torch.empty(len(layout.moe_layer_ids), layout.num_experts, layout.numel, dtype=layout.dtype,
+                       pin_memory=pin)
+    for m, layer_id in enumerate(layout.moe_layer_ids):
+        experts = model.layers[layer_id].mlp.experts
+        host[m, :, : layout.gate_up_numel].copy_(experts.gate_up_proj.detach().reshape(layout.num_experts, -1))
+        host[m, :, layout.gate_up_numel :].copy_(experts.down_proj.detach().reshape(layout.num_experts, -1))
+        empty = torch.empty(0, dtype=layout.dtype, device=experts.gate_up_proj.device)
+        experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
+        experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)
+    return host

@@ -1,0 +1,99 @@
+"""``moetide generate`` and ``moetide bench-engine``: JSON shape, agreement with the engine's greedy output,
+seeded sampling, counters under a tight budget, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moetide.cli import main
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+def generate(model, *extra: str) -> int:
+    return main(["generate", "--model", str(model), "--threads", "1", *extra])
+
+
+def test_json_output_matches_the_engine_and_decodes_with_the_tokenizer(tiny_checkpoint, tmp_path, capsys):
+    import transformers
+
+    from moetide.engine.runner import Engine
+
+    model = tiny_checkpoint("qwen3_moe")
+    out = tmp_path / "out.json"
+    assert generate(model, "--prompt", "Prefix caching keeps", "--max-tokens", "6", "--ignore-eos",
+                    "--kv-budget-mib", "1", "--json", str(out)) == 0
+    printed = capsys.readouterr().out.splitlines()
+    report = json.loads(out.read_text())
+    [entry] = report["outputs"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    assert entry["prompt"] == "Prefix caching keeps"
+    assert entry["prompt_token_ids"] == tokenizer.encode("Prefix caching keeps")
+    engine = Engine(model, kv_budget_mib=1, ignore_eos=True)
+    assert entry["token_ids"] == engine.generate([entry["prompt_token_ids"]], 6).outputs[0].token_ids
+    assert entry["text"] == tokenizer.decode(entry["token_ids"], skip_special_tokens=True)
+    assert entry["finish_reason"] == "length"
+    assert {"prefix_evictions", "preemptions", "experts_offloaded", "prefix_hit_tokens", "steps",
+            "recomputed_tokens"} <= set(report["stats"])
+    assert printed[0] == json.dumps(entry["text"]) and printed[1].startswith("steps 6, prefix evictions 0")
+
+
+def test_prompts_file_under_a_tight_budget_reports_the_counters(tiny_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    lines = ["The scheduler compares the cost of evicting a prefix", "", "Linear attention keeps a state",
+             "The scheduler compares the cost of preempting a request", "Numbers matter too: 0 1 2 3 4 5 6 7"]
+    prompts.write_text("\n".join(lines) + "\n")
+    rc = generate(tiny_checkpoint("mixtral"), "--prompts-file", str(prompts), "--max-tokens", "24",
+                  "--ignore-eos", "--kv-budget-mib", str(16 / 1024), "--block-size", "4", "--max-offload-ratio",
+                  "0.25", "--static-offload", "--max-num-batched-tokens", "32", "--json", "-")
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [o["prompt"] for o in report["outputs"]] == [line for line in lines if line]
+    assert all(len(o["token_ids"]) == 24 for o in report["outputs"])
+    stats = report["stats"]
+    assert stats["experts_offloaded"] == 2 and stats["preemptions"] > 0 and stats["prefix_evictions"] > 0
+
+
+def test_sampling_is_seeded(tiny_checkpoint, capsys):
+    def texts(seed: str) -> list[str]:
+        assert generate(tiny_checkpoint("mixtral"), "--prompt", "Mixture", "--max-tokens", "10", "--ignore-eos",
+                        "--temperature", "1.0", "--seed", seed, "--kv-budget-mib", "1", "--json", "-") == 0
+        return [o["token_ids"] for o in json.loads(capsys.readouterr().out)["outputs"]]
+
+    assert texts("3") == texts("3") != texts("4")
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--kv-budget-mib", "0.001"], "holds no KV block"),
+    (["--policy", "nope"], "unknown policy"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--prompt", "  "], "the prompt is empty"),
+    (["--prompts-file", "/no/such/file"], "cannot read"),
+    (["--static-offload"], "static_offload needs max_offload_ratio"),
+])
+def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, capsys, extra, message):
+    args = ["--max-tokens", "2", "--prompt", "hi", *extra]
+    if "--prompts-file" in extra:
+        args.remove("--prompt"), args.remove("hi")
+    assert generate(tiny_checkpoint("mixtral"), *args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and err.startswith("moetide generate: error:")
+
+
+def test_missing_model_dir_is_a_user_error(tmp_path, capsys):
+    assert generate(tmp_path / "absent", "--prompt", "hi", "--max-tokens", "2") == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_bench_engine_prints_one_json_line_per_batch_size(tiny_checkpoint, capsys):
+    rc = main(["bench-engine", "--model", str(tiny_checkpoint("mixtral")), "--threads", "1", "--kv-budget-mib", "1",
+               "--batch-sizes", "1", "3", "--prompt-tokens", "6", "--decode-tokens", "3", "--repeats", "2",
+               "--warmup", "0"])
+    assert rc == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["batch"] for line in lines] == [1, 3]
+    for line in lines:
+        assert line["prefill_tokens_per_s"]["median"] > 0 and line["decode_tokens_per_s"]["min"] > 0

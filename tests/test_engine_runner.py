@@ -1,0 +1,238 @@
+"""The engine against transformers: greedy output token for token, under a roomy KV budget and under budgets so
+small that prefix eviction, preemption (by recompute) and expert offload all happen — by static offload at start,
+and by a pressure policy's ``OffloadExperts`` action through the engine's expert line. Counters prove each
+mechanism ran; equality with transformers proves none of them changed a token.
+
+Qwen3-Next (hybrid) runs with prefix caching off (a linear state cannot be rebuilt from a cached prefix), so it
+never evicts a prefix; its preempted requests recompute from token 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from moetide.core.pressure import OffloadExperts  # noqa: E402
+from moetide.core.pressure.vllm import VllmPolicy  # noqa: E402
+from moetide.engine.runner import Engine  # noqa: E402
+from moetide.errors import UserError  # noqa: E402
+from moetide.engine.testmodel import ARCHS as ENGINE_ARCHS  # noqa: E402
+
+MAX_TOKENS = 64
+PROMPT_LENGTHS = (5, 9, 14, 17, 21, 26, 33, 40)
+SHARED_PREFIX_TOKENS = 12  # odd-numbered prompts start with the same 12 tokens (prefix hits, then evictions)
+PAGE_BYTES = 8192  # tiny experts are 24 KiB: 3 pages each, so the KV budget moves in small steps
+BLOCK_SIZE = 4
+TIGHT = dict(page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE, max_num_batched_tokens=64, ignore_eos=True)
+# KV pages (of 8 KiB) that make every mechanism fire for N=64 while the largest request still fits alone
+STATIC_PAGES = {"qwen3_moe": 10, "mixtral": 6, "qwen3_next": 4}
+POLICY_PAGES = {"qwen3_moe": 16, "mixtral": 8, "qwen3_next": 6}
+
+
+def parity_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    shared = torch.randint(1, 512, (SHARED_PREFIX_TOKENS,), generator=generator).tolist()
+    return [(shared if i % 2 else []) + torch.randint(1, 512, (n,), generator=generator).tolist()
+            for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model):
+    """``hf_reference(arch)``: transformers' greedy continuations of the parity prompts, one prompt at a time."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            model = hf_model(arch)
+            with torch.no_grad():
+                cache[arch] = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                               for p in parity_prompts()]
+        return cache[arch]
+
+    return get
+
+
+class OffloadOnPressure:
+    """A stand-in for a VAMP-like policy: on pressure, offload the residency's next cold expert (one per call,
+    ``max_offloads`` times), then behave like ``vllm``. ``residency`` is set once the engine exists."""
+
+    name = "offload-on-pressure"
+
+    def __init__(self, max_offloads: int) -> None:
+        self.max_offloads, self.residency, self.num_offload_actions = max_offloads, None, 0
+        self.fallback = VllmPolicy()
+
+    def relieve(self, view):
+        if self.num_offload_actions < self.max_offloads:
+            region = self.residency.next_offload_region(max_experts=1)
+            if region:
+                self.num_offload_actions += 1
+                return [OffloadExperts(tuple(region))]
+        return self.fallback.relieve(view)
+
+
+def check_books(engine: Engine) -> None:
+    kv = engine.scheduler.kv
+    kv.check_invariants()
+    engine.storage.arena.check_invariants()
+    engine.residency.check_invariants()
+    assert kv.pool.num_used_blocks == 0, "a finished generate must release every block"
+    assert sorted(kv.pool.block_ids()) == engine.storage.arena.kv_block_ids()
+
+
+def assert_complete(result) -> None:
+    assert all(o.finish_reason == "length" and len(o.token_ids) == MAX_TOKENS for o in result.outputs)
+    assert [o.prompt_token_ids for o in result.outputs] == parity_prompts()
+
+
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+def test_roomy_budget_matches_transformers(arch, tiny_checkpoint, hf_reference):
+    engine = Engine(tiny_checkpoint(arch), kv_budget_mib=4, ignore_eos=True)
+    result = engine.generate(parity_prompts(), MAX_TOKENS)
+    assert [o.token_ids for o in result.outputs] == hf_reference(arch)
+    assert_complete(result)
+    stats = result.stats
+    assert (stats.prefix_evictions, stats.preemptions, stats.experts_offloaded) == (0, 0, 0)
+    assert stats.prefill_tokens == stats.prompt_tokens == sum(map(len, parity_prompts()))
+    check_books(engine)
+
+
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+def test_tight_budget_with_static_offload_matches_transformers(arch, tiny_checkpoint, hf_reference):
+    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
+                    static_offload=True, **TIGHT)
+    offloaded_at_start = engine.residency.num_offloaded
+    result = engine.generate(parity_prompts(), MAX_TOKENS)
+    assert [o.token_ids for o in result.outputs] == hf_reference(arch)
+    assert_complete(result)
+    stats = result.stats
+    assert offloaded_at_start == stats.experts_offloaded == engine.residency.max_num_offloaded > 0
+    assert stats.preemptions > 0 and stats.recomputed_tokens > 0
+    if arch == "qwen3_next":  # no prefix caching for hybrid models: nothing cached, nothing to evict
+        assert stats.prefix_evictions == 0 and stats.prefix_hit_tokens == 0
+    else:
+        assert stats.prefix_evictions > 0 and stats.prefix_hit_tokens > 0
+    assert engine.parts.experts.stager.num_staged > 0, "offloaded experts were routed, so they were staged"
+    check_books(engine)
+
+
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+def test_offload_by_policy_action_matches_transformers(arch, tiny_checkpoint, hf_reference):
+    """The path a VAMP policy takes: ``OffloadExperts`` returned on pressure, carried out by the expert line."""
+    policy = OffloadOnPressure(max_offloads=2)
+    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=POLICY_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.5,
+                    policy=policy, **TIGHT)
+    policy.residency = engine.residency
+    blocks_at_start = engine.scheduler.kv.pool.num_blocks
+    result = engine.generate(parity_prompts(), MAX_TOKENS)
+    assert [o.token_ids for o in result.outputs] == hf_reference(arch)
+    assert_complete(result)
+    stats = result.stats
+    assert policy.num_offload_actions == 2 and stats.experts_offloaded == 2
+    assert stats.kv_blocks == blocks_at_start + engine.parts.expert_line.num_new_blocks > blocks_at_start
+    assert stats.preemptions > 0
+    assert (stats.prefix_evictions > 0) == (arch != "qwen3_next")
+    assert engine.residency.offloaded_experts(0) or engine.residency.offloaded_experts(1)
+    check_books(engine)
+
+
+@pytest.mark.parametrize(("arch", "block_size"), [("qwen3_moe", 16), ("qwen3_next", 32)])
+def test_blocks_larger_than_pages_match_transformers(arch, block_size, tiny_checkpoint, hf_reference):
+    """4 KiB pages: a 12 KiB qwen3_moe block spans 3 pages, an 8 KiB qwen3_next block 2 (and its 17 KiB of
+    linear state 3 blocks); converting a 24 KiB expert completes groups that straddle its neighbours."""
+    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=6 * 4096, page_bytes=4096, block_size=block_size,
+                    max_offload_ratio=0.5, static_offload=True, max_num_batched_tokens=64, ignore_eos=True)
+    assert engine.storage.arena.config.pages_per_block > 1
+    result = engine.generate(parity_prompts(), MAX_TOKENS)
+    assert [o.token_ids for o in result.outputs] == hf_reference(arch)
+    assert_complete(result)
+    assert result.stats.preemptions > 0 and result.stats.experts_offloaded > 0
+    check_books(engine)
+
+
+def test_routing_statistics_reach_the_residency(tiny_checkpoint):
+    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1, ignore_eos=True)
+    engine.generate(parity_prompts()[:2], 4)
+    hotness = [engine.residency.hotness(m, e) for m in range(2) for e in range(4)]
+    assert sum(hotness) > 0 and all(h >= 0 for h in hotness)
+
+
+def test_prefix_cache_persists_across_generate_calls(tiny_checkpoint, hf_reference):
+    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_budget_mib=1, block_size=4, ignore_eos=True)
+    prompts = parity_prompts()
+    first = engine.generate(prompts[:1], MAX_TOKENS)
+    again = engine.generate(prompts[:1], MAX_TOKENS)
+    assert first.outputs == again.outputs and first.outputs[0].token_ids == hf_reference("qwen3_moe")[0]
+    assert first.stats.prefix_hit_tokens == 0 and again.stats.prefix_hit_tokens == 4  # 5 tokens: 1 full block
+
+
+def test_sampling_is_seeded_and_independent_of_the_batch(tiny_checkpoint):
+    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1, ignore_eos=True)
+    prompts = parity_prompts()[:3]
+    a = engine.generate(prompts, 12, temperature=1.0, seed=7)
+    b = engine.generate(prompts, 12, temperature=1.0, seed=7)
+    c = engine.generate(prompts, 12, temperature=1.0, seed=8)
+    alone = engine.generate(prompts[:1], 12, temperature=1.0, seed=7)
+    assert a.outputs == b.outputs and a.outputs != c.outputs
+    assert alone.outputs[0] == a.outputs[0]
+    greedy = engine.generate(prompts, 12, temperature=0.0)
+    assert greedy.outputs == engine.generate(prompts, 12).outputs
+
+
+def test_an_eos_token_stops_a_request(tiny_checkpoint, hf_reference):
+    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1)
+    assert engine.parts.eos_token_ids == {0}  # config.json's eos_token_id
+    reference = hf_reference("mixtral")[0]
+    stop = reference[5]
+    engine.parts.eos_token_ids = frozenset({stop})
+    out = engine.generate(parity_prompts()[:1], MAX_TOKENS).outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == reference[: reference.index(stop) + 1]
+
+
+def test_a_request_that_can_never_fit_fails_alone(tiny_checkpoint):
+    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_bytes=PAGE_BYTES, **TIGHT)  # 16 blocks: 64 tokens
+    result = engine.generate([[5] * 100, [6] * 3], 4)
+    assert [o.finish_reason for o in result.outputs] == ["failed", "length"]
+    assert result.outputs[0].token_ids == [] and len(result.outputs[1].token_ids) == 4
+    assert result.stats.failed_requests == 1
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(kv_budget_bytes=100, page_bytes=PAGE_BYTES), "holds no KV block"),
+    (dict(), "needs a KV budget"),
+    (dict(kv_budget_mib=1, policy="no-such-policy"), "unknown policy"),
+    (dict(kv_budget_mib=1, block_size=0), "block_size must be a positive integer"),
+    (dict(kv_budget_mib=1, static_offload=True), "static_offload needs max_offload_ratio"),
+    (dict(kv_budget_mib=1, device="tpu"), "device must be one of"),
+])
+def test_bad_options_are_user_errors(tiny_checkpoint, options, message):
+    with pytest.raises(UserError, match=message):
+        Engine(tiny_checkpoint("mixtral"), **options)
+
+
+def test_missing_model_dir_and_hybrid_prefix_caching_are_user_errors(tmp_path, tiny_checkpoint):
+    with pytest.raises(UserError, match="not a checkpoint directory"):
+        Engine(tmp_path / "nope", kv_budget_mib=1)
+    with pytest.raises(UserError, match="prefix caching is not supported for hybrid"):
+        Engine(tiny_checkpoint("qwen3_next"), kv_budget_mib=1, enable_prefix_caching=True)
+    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1)
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        engine.generate([[1, 2, 10**6]], 2)
+    with pytest.raises(UserError, match="empty"):
+        engine.generate([[]], 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+def test_cuda_tight_budget_matches_transformers(arch, tiny_checkpoint, hf_reference):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
+                    static_offload=True, device="cuda", **TIGHT)
+    assert engine.parts.experts.stager.host.is_pinned()
+    result = engine.generate(parity_prompts(), MAX_TOKENS)
+    assert [o.token_ids for o in result.outputs] == hf_reference(arch)
+    assert result.stats.preemptions > 0 and result.stats.experts_offloaded > 0

@@ -20,6 +20,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "make-test-model": ("make_test_model", "write a tiny random checkpoint and tokenizer made by transformers"),
     "plan-split": ("plan_split", "modeled WriteScope CPU/GPU split of host-spilled KV against four baselines"),
     "replay": ("replay", "replay a recorded trace (or the built-in agent sessions) on modeled hardware"),
+    "compare": ("compare", "replay one workload under several memory policies and compare them"),
+    "sweep": ("sweep", "replay one workload at several max offload ratios"),
+    "generate": ("generate", "generate text with the engine under a KV budget (greedy, or seeded sampling)"),
+    "bench-engine": ("bench_engine", "measured prefill and decode tokens/s of the engine at several batch sizes"),
 }
 
 

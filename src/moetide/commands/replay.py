@@ -29,7 +29,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="one seed for everything random (default 0)")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio: bool = True) -> None:
     defaults = ReplayConfig()
     parser.add_argument("--model", default=defaults.model, help="model preset or config.json (default %(default)s)")
     parser.add_argument("--gpu", default=defaults.gpu, help="GPU preset or hardware file (default %(default)s)")
@@ -43,8 +43,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--state-checkpoints", action="store_true",
                         help="hybrid models: charge a linear-attention state checkpoint per cached block")
-    parser.add_argument("--max-offload-ratio", type=float, default=defaults.max_offload_ratio,
-                        help="cap on the offloaded share of routed-expert bytes (default %(default)s)")
+    if with_offload_ratio:
+        parser.add_argument("--max-offload-ratio", type=float, default=defaults.max_offload_ratio,
+                            help="cap on the offloaded share of routed-expert bytes (default %(default)s)")
     parser.add_argument("--staging", choices=["touched", "segment"], default=defaults.staging_mode,
                         help="stage the offloaded experts a step touches, or the whole segment (default %(default)s)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,

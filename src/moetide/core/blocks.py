@@ -205,12 +205,13 @@ class BlockPool:
         """The session whose request registered this cached block, if it said."""
         return self._owner_of.get(block_id)
 
-    def registered_descendants(self, block_id: int) -> list[int]:
-        """Registered blocks whose chains pass through this one: what evicting it invalidates besides itself."""
+    def registered_descendants(self, block_id: int, limit: int | None = None) -> list[int]:
+        """Registered blocks whose chains pass through this one: what evicting it invalidates besides itself
+        (the first ``limit`` found, when given: a caller that only needs to know whether there are enough)."""
         block_hash = self._hash_of.get(block_id)
         stack = list(self._children.get(block_hash, ())) if block_hash is not None else []
         out = []
-        while stack:
+        while stack and (limit is None or len(out) < limit):
             child = stack.pop()
             out.append(child)
             stack.extend(self._children.get(self._hash_of[child], ()))

@@ -106,7 +106,9 @@ class VampPolicy:
         for block_id in pool.peek_victims(view.shortfall_blocks, view.protected_blocks):
             if block_id in counted:
                 continue
-            lost = [block_id] + [b for b in pool.registered_descendants(block_id) if b not in counted]
+            # every lost block costs the same per block, so counting past the shortfall changes no decision
+            more = pool.registered_descendants(block_id, limit=max(view.shortfall_blocks - len(counted), 1))
+            lost = [block_id] + [b for b in more if b not in counted]
             counted.update(lost)
             yield self._p_reuse(view, pool.owner_of(block_id)) * token_s, len(lost), block_id
 
@@ -121,7 +123,8 @@ class VampPolicy:
         steps = p.horizon_s / (view.recent_step_s or p.decode_step_s) * (view.num_running + 1)
         offloaded = residency.num_offloaded
         taken = 0
-        for key in residency.next_offload_region(max_experts=room):
+        wanted = -(-view.shortfall_blocks * line.block_bytes // line.expert_bytes) + 1  # enough to cover it
+        for key in residency.next_offload_region(max_experts=min(room, wanted)):
             gained = line.blocks_gained(taken + 1) - line.blocks_gained(taken)
             cost = steps * (p.staging_s_per_step(offloaded + 1) - p.staging_s_per_step(offloaded))
             cost += p.remap_s_per_expert

@@ -48,6 +48,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
                             help="cap on the offloaded share of routed-expert bytes (default %(default)s)")
     parser.add_argument("--staging", choices=["touched", "segment"], default=defaults.staging_mode,
                         help="stage the offloaded experts a step touches, or the whole segment (default %(default)s)")
+    parser.add_argument("--routing-zipf-s", type=float, default=defaults.routing_zipf_s,
+                        help="expert popularity skew (Zipf exponent) for staging; 0 = uniform (default)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
                         help="vamp: seconds an offload is expected to persist (default %(default)s)")
     parser.add_argument("--vamp-reuse-tau-s", type=float, default=defaults.vamp_reuse_tau_s,
@@ -92,7 +94,8 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_budget_gib=args.kv_budget_gib,
         enable_prefix_caching=not args.no_prefix_caching, state_checkpoints=args.state_checkpoints, seed=args.seed,
-        max_offload_ratio=args.max_offload_ratio, staging_mode=args.staging, vamp_horizon_s=args.vamp_horizon_s,
+        max_offload_ratio=getattr(args, "max_offload_ratio", 0.0), staging_mode=args.staging,
+        routing_zipf_s=args.routing_zipf_s, vamp_horizon_s=args.vamp_horizon_s,
         vamp_reuse_tau_s=args.vamp_reuse_tau_s,
     )
 

@@ -40,6 +40,7 @@ class ReplayConfig:
     state_checkpoints: bool = False  # hybrid models: charge a state checkpoint per cached block (vLLM's option)
     max_offload_ratio: float = 0.15  # cap on the offloaded share of routed-expert bytes (vamp, static-offload)
     staging_mode: str = "touched"  # "touched" experts per step, or the whole offloaded "segment" (the paper)
+    routing_zipf_s: float = 0.0  # expert popularity skew for staging (0: uniform routing, the pessimistic case)
     vamp_horizon_s: float = 60.0
     vamp_reuse_tau_s: float = 300.0
     seed: int = 0
@@ -55,6 +56,8 @@ class ReplayConfig:
             raise UserError(f"--kv-budget-gib must be positive, got {self.kv_budget_gib}")
         if not 0 <= self.max_offload_ratio <= 1:
             raise UserError(f"--max-offload-ratio must be in [0, 1], got {self.max_offload_ratio}")
+        if self.routing_zipf_s < 0:
+            raise UserError(f"--routing-zipf-s must be >= 0, got {self.routing_zipf_s}")
         if self.staging_mode not in ("touched", "segment"):
             raise UserError(f"--staging must be 'touched' or 'segment', got {self.staging_mode!r}")
 
@@ -87,7 +90,8 @@ def build_replay(
     kv = KVCacheManager(pool, config.block_size, num_state_blocks_per_request=budget.state_blocks_per_request)
     step_model = StepTimeModel(model, gpu, tp=config.tp)
     line = _expert_line(model, config, pool, budget)
-    staging = StagingModel(model, gpu, tp=config.tp, config=StagingConfig(mode=config.staging_mode))
+    staging = StagingModel(model, gpu, tp=config.tp,
+                           config=StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s))
     policy = _policy(config, step_model, staging, line)
     if getattr(policy, "offload_at_start", False):
         line.offload(line.residency.next_offload_region(max_experts=line.residency.max_num_offloaded))

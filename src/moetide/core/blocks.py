@@ -205,14 +205,17 @@ class BlockPool:
         """The session whose request registered this cached block, if it said."""
         return self._owner_of.get(block_id)
 
-    def registered_descendants(self, block_id: int, limit: int | None = None) -> list[int]:
-        """Registered blocks whose chains pass through this one: what evicting it invalidates besides itself
-        (the first ``limit`` found, when given: a caller that only needs to know whether there are enough)."""
+    def registered_descendants(self, block_id: int, limit: int | None = None,
+                               skip: Collection[int] = ()) -> list[int]:
+        """Registered blocks whose chains pass through this one: what evicting it invalidates besides itself.
+        Stops after ``limit`` blocks when given; does not enter blocks in ``skip`` (already accounted for)."""
         block_hash = self._hash_of.get(block_id)
         stack = list(self._children.get(block_hash, ())) if block_hash is not None else []
         out = []
         while stack and (limit is None or len(out) < limit):
             child = stack.pop()
+            if child in skip:
+                continue
             out.append(child)
             stack.extend(self._children.get(self._hash_of[child], ()))
         return out

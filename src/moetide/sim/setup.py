@@ -68,6 +68,7 @@ class BuiltReplay:
     budget: MemoryBudget
     config: ReplayConfig
     expert_line: ExpertLine
+    step_time: StepTimeWithStaging
 
 
 def build_replay(
@@ -96,14 +97,13 @@ def build_replay(
     if getattr(policy, "offload_at_start", False):
         line.offload(line.residency.next_offload_region(max_experts=line.residency.max_num_offloaded))
     scheduler = Scheduler(scheduler_config, kv, policy, expert_line=line)
-    step_time = _step_time_with_staging(step_model, staging, line, model.num_layers)
+    step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers)
     replay = Replay(workload, scheduler, step_time, progress=progress,
                     offloaded_ratio=lambda: line.residency.offloaded_ratio)
-    replay.staging_counter = step_time
-    return BuiltReplay(replay, budget, config, line)
+    return BuiltReplay(replay, budget, config, line, step_time)
 
 
-class _StepTime:
+class StepTimeWithStaging:
     """Modeled step time plus the exposed staging of the experts offloaded at that moment; counts staged bytes."""
 
     def __init__(self, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine, num_layers: int) -> None:
@@ -117,10 +117,6 @@ class _StepTime:
         staged, exposed = self.staging.step(num_tokens, self.line.offloaded_per_layer, base / self.num_layers)
         self.staged_bytes += staged
         return base + exposed
-
-
-def _step_time_with_staging(step_model, staging, line, num_layers) -> _StepTime:
-    return _StepTime(step_model, staging, line, num_layers)
 
 
 def _expert_line(model, config: ReplayConfig, pool: BlockPool, budget: MemoryBudget) -> ExpertLine:
@@ -170,7 +166,7 @@ def run_replay(
     collector (per-request samples, for plots)."""
     built = build_replay(workload, config, progress)
     metrics = built.replay.run()
-    metrics.staged_bytes = built.replay.staging_counter.staged_bytes
+    metrics.staged_bytes = built.step_time.staged_bytes
     metrics.offloads = built.expert_line.num_offloads
     metrics.reclaims = built.expert_line.num_reclaims
     return {"config": describe_config(workload, built), "metrics": metrics.to_dict()}, metrics

@@ -107,8 +107,8 @@ class VampPolicy:
             if block_id in counted:
                 continue
             # every lost block costs the same per block, so counting past the shortfall changes no decision
-            more = pool.registered_descendants(block_id, limit=max(view.shortfall_blocks - len(counted), 1))
-            lost = [block_id] + [b for b in more if b not in counted]
+            more = pool.registered_descendants(block_id, max(view.shortfall_blocks - len(counted), 1), counted)
+            lost = [block_id, *more]
             counted.update(lost)
             yield self._p_reuse(view, pool.owner_of(block_id)) * token_s, len(lost), block_id
 

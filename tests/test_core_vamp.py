@@ -24,7 +24,7 @@ def make_line(pool, max_ratio=0.25):
 
 def params(staging_per_expert_s, prefill_s_per_token=1e-3, **kw):
     return VampParams(prefill_s_per_token=prefill_s_per_token, decode_step_s=0.01,
-                      staging_s_per_step=lambda n: n * staging_per_expert_s, block_size=BS, horizon_s=10.0, **kw)
+                      staging_s_per_step=lambda n, tokens: n * staging_per_expert_s, block_size=BS, horizon_s=10.0, **kw)
 
 
 def cached_prefix(pool, session, num_blocks, seed):

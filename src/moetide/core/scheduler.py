@@ -104,6 +104,7 @@ class Scheduler:
         self._blocked: tuple[Request, int, int] | None = None
         self._step_start_s = 0.0
         self.recent_step_s: float | None = None  # EWMA of step durations (weight 0.05), for cost estimates
+        self.recent_step_tokens: float | None = None  # EWMA of tokens per step, same weight
 
     # ---- requests in and out ------------------------------------------------------------------------------
     def add_request(self, request: Request, now_s: float | None = None) -> None:
@@ -210,7 +211,7 @@ class Scheduler:
                            if r.request_id not in scheduled_ids and r is not request]
             view = PressureView(shortfall, request, is_running, preemptible, kv.pool, frozenset(hits), self.now_s,
                                 self.sessions, self.expert_line, len(self.running), self.running, len(self.waiting),
-                                self.recent_step_s)
+                                self.recent_step_s, self.recent_step_tokens)
             actions = self.policy.relieve(view)
             if not actions or not self._apply(actions, hits, out):
                 return False
@@ -306,6 +307,9 @@ class Scheduler:
             if duration > 0:
                 prev = self.recent_step_s
                 self.recent_step_s = duration if prev is None else prev + 0.05 * (duration - prev)
+                tokens = out.total_num_scheduled_tokens
+                prev = self.recent_step_tokens
+                self.recent_step_tokens = tokens if prev is None else prev + 0.05 * (tokens - prev)
         sampled = sampled or {}
         emitted: list[Request] = []
         finished: list[Request] = []

@@ -149,13 +149,13 @@ def vamp_params(config: ReplayConfig, step_model: StepTimeModel, staging: Stagin
     num_layers = len(line.offloaded_per_layer)
     per_layer_compute_s = decode_s / max(num_layers, 1)
 
-    def staging_s_per_step(num_offloaded: int) -> float:
+    def staging_s_per_step(num_offloaded: int, num_tokens: int) -> float:
         base, extra = divmod(num_offloaded, num_layers)
         per_layer = [base + (1 if i < extra else 0) for i in range(num_layers)]
-        return staging.step(batch, per_layer, per_layer_compute_s)[1]
+        return staging.step(num_tokens, per_layer, per_layer_compute_s)[1]
 
     return VampParams(prefill_s_per_token=prefill_s, decode_step_s=decode_s, staging_s_per_step=staging_s_per_step,
-                      block_size=config.block_size, horizon_s=config.vamp_horizon_s,
+                      block_size=config.block_size, horizon_s=config.vamp_horizon_s, reference_step_tokens=batch,
                       reuse_tau_s=config.vamp_reuse_tau_s)
 
 

@@ -66,6 +66,7 @@ class PressureView:
     running: Sequence[Request] = ()
     num_waiting: int = 0
     recent_step_s: float | None = None  # measured (engine) or modeled (replay) mean step time, if known yet
+    recent_step_tokens: float | None = None  # mean tokens per step, likewise
 
 
 class PressurePolicy(Protocol):

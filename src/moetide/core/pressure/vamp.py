@@ -35,8 +35,10 @@ from moetide.core.pressure.base import Action, EvictPrefix, OffloadExperts, Pree
 class VampParams:
     prefill_s_per_token: float  # re-prefill cost of one token (a full prefill chunk's modeled time / its tokens)
     decode_step_s: float  # a typical decode step's modeled time
-    staging_s_per_step: Callable[[int], float]  # exposed staging seconds per step with n experts offloaded
+    # exposed staging seconds per step with n experts offloaded, for steps of T tokens: (n, T) -> s
+    staging_s_per_step: Callable[[int, int], float]
     block_size: int
+    reference_step_tokens: int = 32  # T to price staging at until the scheduler has seen steps
     horizon_s: float = 60.0  # how long an offload is expected to persist (without reclaim: the rest of the run)
     reuse_tau_s: float = 300.0  # idle time after which a session's prefix is e^-1 as likely to be reused
     p_reuse_unknown: float = 0.5  # cached blocks no session claims
@@ -122,11 +124,12 @@ class VampPolicy:
         # every running request (and the requester) pays the exposed staging on every step of the horizon
         steps = p.horizon_s / (view.recent_step_s or p.decode_step_s) * (view.num_running + 1)
         offloaded = residency.num_offloaded
+        tokens = round(view.recent_step_tokens or p.reference_step_tokens)  # prefill-heavy steps stage more
         taken = 0
         wanted = -(-view.shortfall_blocks * line.block_bytes // line.expert_bytes) + 1  # enough to cover it
         for key in residency.next_offload_region(max_experts=min(room, wanted)):
             gained = line.blocks_gained(taken + 1) - line.blocks_gained(taken)
-            cost = steps * (p.staging_s_per_step(offloaded + 1) - p.staging_s_per_step(offloaded))
+            cost = steps * (p.staging_s_per_step(offloaded + 1, tokens) - p.staging_s_per_step(offloaded, tokens))
             cost += p.remap_s_per_expert
             taken += 1
             offloaded += 1

@@ -34,7 +34,10 @@ def plot_runs(runs: Mapping[str, tuple[dict, MetricsCollector]], path: Path) -> 
         if ttft:
             ax_cdf.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name)
         if metrics.kv_usage:
-            ax_kv.plot([t for t, _ in metrics.kv_usage], [u for _, u in metrics.kv_usage], label=name)
+            line, = ax_kv.plot([t for t, _ in metrics.kv_usage], [u for _, u in metrics.kv_usage], label=name)
+            if any(r for _, r in metrics.offload_usage):  # the line's other side: experts offloaded to host
+                ax_kv.plot([t for t, _ in metrics.offload_usage], [r for _, r in metrics.offload_usage], ls="--",
+                           color=line.get_color(), label=f"{name}: offloaded expert share")
         tpot = sorted(metrics.tpot)
         if tpot:
             ax_tpot.plot(tpot, [(i + 1) / len(tpot) for i in range(len(tpot))], label=name)
@@ -43,7 +46,7 @@ def plot_runs(runs: Mapping[str, tuple[dict, MetricsCollector]], path: Path) -> 
     ax_cdf.set(xscale="log", xlabel="TTFT (s, modeled)", ylabel="share of requests", title="TTFT CDF")
     ax_tpot.set(xscale="log", xlabel="TPOT (s, modeled)", ylabel="share of requests", title="TPOT CDF")
     ax_bar.set(ylabel="requests / s (modeled)", title="request throughput")
-    ax_kv.set(xlabel="simulated time (s)", ylabel="used share of KV blocks", title="KV usage", ylim=(0, 1.05))
+    ax_kv.set(xlabel="simulated time (s)", ylabel="used share of KV blocks", title="KV usage and offloaded experts", ylim=(0, 1.05))
     for ax in (ax_cdf, ax_tpot, ax_kv):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -18,8 +18,9 @@ class VllmPolicy:
     name = "vllm"
 
     def relieve(self, view: PressureView) -> list[Action]:
-        evictable = view.pool.num_cached_free_blocks - view.pool.num_free_among(view.protected_blocks)
-        if evictable >= view.shortfall_blocks:
+        cached_free = view.pool.num_cached_free_blocks
+        enough = cached_free - len(view.protected_blocks) >= view.shortfall_blocks  # without counting (O(1))
+        if enough or cached_free - view.pool.num_free_among(view.protected_blocks) >= view.shortfall_blocks:
             return [EvictPrefix(view.shortfall_blocks)]
         if view.requester_is_running:
             victim = view.preemptible[-1] if view.preemptible else view.requester

@@ -97,3 +97,13 @@ def test_bench_engine_prints_one_json_line_per_batch_size(tiny_checkpoint, capsy
     assert [line["batch"] for line in lines] == [1, 3]
     for line in lines:
         assert line["prefill_tokens_per_s"]["median"] > 0 and line["decode_tokens_per_s"]["min"] > 0
+
+
+def test_vamp_is_refused_clearly_until_the_engine_derives_its_coefficients(tmp_path, capsys):
+    from moetide.cli import main
+    from moetide.engine.testmodel import TinyModelArgs, make_test_model
+
+    model_dir = tmp_path / "m"
+    make_test_model(TinyModelArgs(arch="qwen3_moe", num_layers=1), model_dir)
+    assert main(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "2", "--policy", "vamp"]) == 2
+    assert "not wired into the engine yet" in capsys.readouterr().err

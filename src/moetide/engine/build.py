@@ -23,7 +23,7 @@ from moetide.core.arena import Arena
 from moetide.core.blocks import BlockPool
 from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.kv_manager import KVCacheManager
-from moetide.core.pressure import PressurePolicy, get_policy
+from moetide.core.pressure import NEEDS_VAMP_PARAMS, PressurePolicy, get_policy
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.engine.attention import PagedAttentionBackend
 from moetide.engine.experts import ArenaExpertLine, StagedExpertProvider
@@ -111,6 +111,9 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
 def _policy(policy: str | PressurePolicy, params: dict[str, object]) -> PressurePolicy:
     if not isinstance(policy, str):
         return policy
+    if policy.lower() in NEEDS_VAMP_PARAMS and "params" not in params:
+        raise UserError(f"--policy {policy} is not wired into the engine yet (its cost coefficients come from the "
+                        f"replay's perf model); use --policy vllm, optionally with --static-offload")
     try:
         return get_policy(policy, **params)
     except (ValueError, TypeError) as exc:

@@ -136,3 +136,25 @@ def test_unknown_policy_is_a_clear_error():
 def test_config_validation():
     with pytest.raises(ValueError, match="max_num_seqs must be positive"):
         SchedulerConfig(max_num_seqs=0)
+
+
+def test_a_waiting_request_is_offered_no_victims_and_a_rogue_preempt_is_refused():
+    """Regression: a Preempt for a waiting requester put the victim at the queue head and popped it instead."""
+    from moetide.core.pressure import Preempt
+
+    class Rogue:
+        name = "rogue"
+
+        def relieve(self, view):
+            if view.requester_is_running:
+                return []
+            assert view.preemptible == []
+            return [Preempt(sched.running[0].request_id)]
+
+    pool = BlockPool(range(2))
+    sched = Scheduler(SchedulerConfig(), KVCacheManager(pool, BS), Rogue())
+    sched.add_request(req("a", list(range(8)), out=4))
+    step(sched)
+    sched.add_request(req("b", list(range(100, 108)), out=4))
+    with pytest.raises(RuntimeError, match="did not offer"):
+        sched.schedule()

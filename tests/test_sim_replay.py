@@ -90,16 +90,30 @@ def test_more_memory_never_hurts_the_hit_rate():
     assert roomy["metrics"]["ttft_s"]["p90"] < tight["metrics"]["ttft_s"]["p90"]
 
 
-@pytest.mark.parametrize("budget_gib", [3.0, 16.0])
-def test_decode_fast_path_is_exact(budget_gib):
+@pytest.mark.parametrize("budget_gib,policy", [(3.0, "vllm"), (16.0, "vllm"), (3.0, "vamp-reclaim")])
+def test_decode_fast_path_is_exact(budget_gib, policy):
     """Runs of identical decode steps are skipped without per-step scheduling: every metric must be the same."""
     from moetide.sim.setup import build_replay
 
     results = []
     for fast in (False, True):
-        built = build_replay(generate_agent_sessions(2, num_sessions=5), ReplayConfig(kv_budget_gib=budget_gib))
+        built = build_replay(generate_agent_sessions(2, num_sessions=5),
+                             ReplayConfig(kv_budget_gib=budget_gib, policy=policy))
         built.replay.fast_forward = fast
         metrics = built.replay.run()
         results.append((metrics.to_dict(), list(metrics.ttft), list(metrics.itl), metrics.kv_usage))
     assert results[0] == results[1]
     assert results[0][0]["steps"] > 1000
+
+
+def test_ttft_counts_from_the_send_time_not_the_next_step():
+    """Regression: a request sent during a step was timed from that step's end, shortening its TTFT."""
+    sessions = (
+        Session(session_id="a", start_s=0.0, turns=(turn("a", 40, 1, arrival=0.0),), parent_session_id=None,
+                key_scope=""),
+        Session(session_id="b", start_s=0.5, turns=(turn("b", 40, 1, arrival=0.5),), parent_session_id=None,
+                key_scope=""),
+    )
+    metrics = replay(Workload("t", "test", "open", None, sessions), step_s=1.0)
+    # a runs 0 -> 1 s; b, sent at 0.5 s, is scheduled at 1 s and emits at 2 s: TTFT 1.5 s, not 1.0 s
+    assert sorted(metrics.ttft) == [1.0, 1.5]

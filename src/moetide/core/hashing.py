@@ -34,11 +34,6 @@ def scope_hash(scope: str) -> int:
     return int.from_bytes(hashlib.blake2b(scope.encode(), digest_size=8).digest(), "little")
 
 
-def hash_block(parent_hash: int, key: object) -> int:
-    """Hash of one block given its parent's hash and its own content key (a tuple of ints)."""
-    return hash((parent_hash, key))
-
-
 def hash_token_blocks(
     token_ids: Sequence[int], block_size: int, parent_hash: int = ROOT_HASH, start_block: int = 0
 ) -> list[int]:

@@ -169,7 +169,7 @@ class Scheduler:
             request = self.waiting[0]
             blocked = self._blocked
             if (blocked is not None and blocked[0] is request and blocked[1] == self.kv.pool.free_version
-                    and budget >= blocked[2] and (self.running or out.scheduled)):
+                    and budget >= blocked[2] and self.running):
                 break
             hits: list[int] = []
             num_computed = 0
@@ -179,7 +179,7 @@ class Scheduler:
             n = self._chunk(request, budget)
             if not self._allocate(request, n, hits, False, len(self.running), out):
                 request.num_computed_tokens = 0
-                if self.running or out.scheduled:
+                if self.running:
                     self._blocked = (request, self.kv.pool.free_version, budget)
                     break  # FCFS: wait for running requests to release memory
                 self._fail(request, out)  # nothing holds memory and it still does not fit: it never will
@@ -206,19 +206,19 @@ class Scheduler:
             if new is not None:
                 return True
             shortfall = kv.num_blocks_short(request.request_id, n, request.num_computed_tokens, len(hits))
-            scheduled_ids = {r.request_id for r, _ in out.scheduled}
-            preemptible = [r for r in self.running[index + 1 if is_running else 0 :]
-                           if r.request_id not in scheduled_ids and r is not request]
+            # only running requests not yet scheduled in this step, and only for a running requester (FCFS)
+            preemptible = self.running[index + 1 :] if is_running else []
             view = PressureView(shortfall, request, is_running, preemptible, kv.pool, frozenset(hits), self.now_s,
                                 self.sessions, self.expert_line, len(self.running), self.running, len(self.waiting),
                                 self.recent_step_s, self.recent_step_tokens)
             actions = self.policy.relieve(view)
-            if not actions or not self._apply(actions, hits, out):
+            if not actions or not self._apply(actions, hits, out, request, preemptible):
                 return False
             if is_running and request.status is RequestStatus.PREEMPTED:
                 return False  # the policy preempted the requester itself
 
-    def _apply(self, actions: list, hits: list[int], out: SchedulerOutput) -> bool:
+    def _apply(self, actions: list, hits: list[int], out: SchedulerOutput, requester: Request,
+               preemptible: list[Request]) -> bool:
         """Carry out a plan; False if it freed nothing (so the caller stops asking)."""
         free_before = self.kv.pool.num_uncached_free_blocks
         preempted_any = False
@@ -228,7 +228,11 @@ class Scheduler:
                 out.num_evicted_blocks += len(evicted)
                 self.num_evicted_blocks += len(evicted)
             elif isinstance(action, Preempt):
-                self._preempt(self._running_by_id(action.request_id), out)
+                victim = self._running_by_id(action.request_id)
+                if victim is not requester and victim not in preemptible:
+                    raise RuntimeError(f"policy {self.policy.name!r} preempted {action.request_id!r}, which the "
+                                       f"view did not offer")
+                self._preempt(victim, out)
                 preempted_any = True
             elif isinstance(action, OffloadExperts):
                 if self.expert_line is None:
@@ -265,6 +269,8 @@ class Scheduler:
         running = self.running
         if not running or len(running) > self.config.max_num_batched_tokens:
             return 0
+        if getattr(self.policy, "reads_every_step", False):
+            return 0  # the policy keeps per-step state (step-time averages, reclaim clocks): step normally
         if self.waiting and len(running) < self.config.max_num_seqs:
             blocked = self._blocked
             if (blocked is None or blocked[0] is not self.waiting[0]

@@ -111,7 +111,6 @@ class MetricsCollector:
         self.prompt_tokens += request.num_prompt_tokens
         self.cached_prompt_tokens += request.num_cached_prompt_tokens or 0
         self.recomputed_tokens += request.num_recomputed_tokens
-        self.preemptions += request.num_preemptions
 
     def step(self, now_s: float, duration_s: float, used_share: float, offloaded_ratio: float = 0.0) -> None:
         self.steps += 1

@@ -83,7 +83,8 @@ class Replay:
             if not sched.has_work:
                 self.now_s = max(self.now_s, events[0][0])
             while events and events[0][0] <= self.now_s:
-                self._send(heapq.heappop(events)[3])
+                send_s, _, _, ctx = heapq.heappop(events)
+                self._send(ctx, send_s)
             if self.fast_forward and self._decode_run():
                 continue
             out = sched.schedule(self.now_s)
@@ -146,7 +147,9 @@ class Replay:
         sched.advance_decode(k)
         return k
 
-    def _send(self, ctx: _Context) -> None:
+    def _send(self, ctx: _Context, send_s: float) -> None:
+        """Hand the next turn to the scheduler. Its clock starts at its send time even when the engine only sees
+        it at the end of the step during which it was sent (TTFT as a client measures it)."""
         turn = ctx.session.turns[ctx.next_turn]
         keys = turn.block_keys
         reuse: list[int] = []
@@ -162,9 +165,9 @@ class Replay:
         request = Request(
             turn.request_id, num_prompt_tokens=turn.prompt_tokens, max_output_tokens=max(turn.output_tokens, 1),
             block_size=self.block_size, block_hashes=list(hashes), session_id=ctx.session.session_id,
-            arrival_s=self.now_s, salt=self._salt,
+            arrival_s=send_s, salt=self._salt,
         )
-        self.metrics.arrived(self.now_s)
+        self.metrics.arrived(send_s)
         self.scheduler.add_request(request, self.now_s)
 
     def _turn_done(self, request: Request) -> None:

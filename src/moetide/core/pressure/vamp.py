@@ -44,7 +44,7 @@ class VampParams:
     p_reuse_unknown: float = 0.5  # cached blocks no session claims
     remap_s_per_expert: float = 50e-6  # cuMemUnmap/cuMemMap of an expert's pages and the block-table update
     reclaim: bool = False
-    reclaim_free_share: float = 0.25  # uncached free share of the pool that must persist before a reclaim
+    reclaim_free_share: float = 0.25  # free share of the pool (cached-free included) that must persist
     reclaim_patience_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -57,6 +57,7 @@ class VampParams:
 
 class VampPolicy:
     name = "vamp"
+    reads_every_step = True  # step-time averages and the reclaim clock: the replay must not skip steps
 
     def __init__(self, params: VampParams) -> None:
         self.params = params
@@ -112,7 +113,9 @@ class VampPolicy:
             more = pool.registered_descendants(block_id, max(view.shortfall_blocks - len(counted), 1), counted)
             lost = [block_id, *more]
             counted.update(lost)
-            yield self._p_reuse(view, pool.owner_of(block_id)) * token_s, len(lost), block_id
+            freed = sum(1 for b in lost if pool.is_free(b))  # in-use descendants are uncached, not freed
+            if freed:
+                yield self._p_reuse(view, pool.owner_of(block_id)) * token_s * len(lost) / freed, freed, block_id
 
     def _offload_units(self, view: PressureView):
         line = view.expert_line

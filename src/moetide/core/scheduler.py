@@ -100,7 +100,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_evicted_blocks = 0
         # (request, pool free_version, token budget) of the last failed admission: until blocks are freed, the
-        # same head with no smaller budget fails again, so it is not retried (it would cost O(context) per step)
+        # same head with no smaller budget fails again, so it is not retried (it would cost O(context) per step).
+        # Exact for `vllm`; for a policy whose answer also moves with time (vamp's wait cost, p(reuse)) the head
+        # is asked again only after the next free — a known approximation.
         self._blocked: tuple[Request, int, int] | None = None
         self._step_start_s = 0.0
         self.recent_step_s: float | None = None  # EWMA of step durations (weight 0.05), for cost estimates

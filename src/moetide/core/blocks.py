@@ -154,28 +154,17 @@ class BlockPool:
 
         Returns False and changes nothing if caching is off, the hash is already held by another block, or the
         parent hash is not registered (an eviction broke the chain: the block could never be hit)."""
-        if not self.enable_caching or block_hash in self._block_of:
-            return False
-        if block_id in self._hash_of:
-            raise ValueError(f"block {block_id} is already cached under another hash")
-        if parent_hash is not None and parent_hash not in self._block_of:
-            return False
-        self._hash_of[block_id] = block_hash
-        self._parent_of[block_id] = parent_hash
-        self._block_of[block_hash] = block_id
-        if parent_hash is not None:
-            self._children.setdefault(parent_hash, set()).add(block_id)
-        if self._ref_cnt[block_id] == 0:  # caching a free block: it moves to the cached queue's tail
-            del self._uncached_free[block_id]
-            self._cached_free[block_id] = None
-        return True
+        if parent_hash is None:
+            return self.cache_chain([block_id], [block_hash], 0, 1) == 1
+        return self.cache_chain([block_id, block_id], [parent_hash, block_hash], 1, 2) == 1
 
     def cache_chain(self, block_ids: Sequence[int], block_hashes: Sequence[int], start: int, end: int,
-                    owner: str | None = None) -> None:
-        """``cache_block`` for blocks ``start..end-1`` of one request's chain (block i under hash i, parent i-1):
-        the scheduler's hot path, with the same outcome block by block."""
+                    owner: str | None = None) -> int:
+        """Register blocks ``start..end-1`` of one chain (block i under hash i, parent hash i-1, none for i = 0),
+        each as ``cache_block`` describes; returns how many were registered. The scheduler's hot path."""
         if not self.enable_caching:
-            return
+            return 0
+        registered = 0
         block_of, hash_of, parent_of, ref_cnt = self._block_of, self._hash_of, self._parent_of, self._ref_cnt
         children = self._children
         for i in range(start, end):
@@ -200,6 +189,8 @@ class BlockPool:
             if ref_cnt[block_id] == 0:
                 del self._uncached_free[block_id]
                 self._cached_free[block_id] = None
+            registered += 1
+        return registered
 
     def owner_of(self, block_id: int) -> str | None:
         """The session whose request registered this cached block, if it said."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from moetide.core.hashing import extend_salted_hashes, hash_token_blocks
+from moetide.core.hashing import ROOT_HASH, extend_salted_hashes, hash_token_blocks
 
 
 class RequestStatus(enum.Enum):
@@ -95,12 +95,9 @@ class Request:
         if self.token_ids is not None:
             self.token_ids.append(token_id if token_id is not None else 0)
             if num_full > len(self.block_hashes):
-                parent = self.block_hashes[-1] if self.block_hashes else None
-                start = len(self.block_hashes)
-                self.block_hashes.extend(
-                    hash_token_blocks(self.token_ids, self.block_size, start_block=start, **(
-                        {"parent_hash": parent} if parent is not None else {}))
-                )
+                parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+                self.block_hashes.extend(hash_token_blocks(
+                    self.token_ids, self.block_size, parent_hash=parent, start_block=len(self.block_hashes)))
         elif num_full > len(self.block_hashes):
             extend_salted_hashes(self.block_hashes, num_full, self.salt)
         if token_id is not None and token_id in self.eos_token_ids:

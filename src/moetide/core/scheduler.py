@@ -74,7 +74,7 @@ class SessionState:
     num_finished: int = 0
 
 
-class ExpertLine(Protocol):
+class ExpertLineBackend(Protocol):
     """What carries out ``OffloadExperts`` (``core.expert_line`` in replay, the engine's arena-backed line in the
     engine); absent when the line never moves."""
 
@@ -87,7 +87,7 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         policy: PressurePolicy,
-        expert_line: ExpertLine | None = None,
+        expert_line: ExpertLineBackend | None = None,
     ) -> None:
         self.config = config
         self.kv = kv

@@ -24,6 +24,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "sweep": ("sweep", "replay one workload at several max offload ratios"),
     "generate": ("generate", "generate text with the engine under a KV budget (greedy, or seeded sampling)"),
     "bench-engine": ("bench_engine", "measured prefill and decode tokens/s of the engine at several batch sizes"),
+    "calibrate": ("calibrate", "measure this machine (DRAM, CPU attention, host-to-device) and write a host file"),
 }
 
 

@@ -26,6 +26,7 @@ from moetide.core.splits import (
 )
 from moetide.errors import UserError
 from moetide.perf.attention import AttentionCostModel, HostKVLayout
+from moetide.perf.calibrate import offload_efficiency_for_host
 from moetide.perf.budget import GiB, cdiv
 from moetide.perf.offload import OffloadStepModel, SeqTokens, vram_layout
 from moetide.perf.step import StepShape, StepTimeModel
@@ -127,7 +128,8 @@ def build_setup(args: argparse.Namespace) -> Setup:
     kv_layout = HostKVLayout(block_size=args.block_size, blocks_per_transfer=args.blocks_per_transfer,
                              ring_bytes=args.ring_mib * MiB, ring_slots=args.ring_slots)
     try:
-        attention = AttentionCostModel(model, gpu, host, layout=kv_layout)
+        attention = AttentionCostModel(model, gpu, host, layout=kv_layout,
+                                       offload=offload_efficiency_for_host(args.cpu))
     except ValueError as exc:
         raise UserError(f"--model: {exc}") from None
     layout = vram_layout(model, vram_bytes=vram, device_kv_bytes=int(args.device_kv_gib * GiB),

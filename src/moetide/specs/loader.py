@@ -2,9 +2,12 @@
 
 Presets are data (``presets/*.toml``, read with tomllib through importlib.resources so they work from a wheel),
 never Python literals, so every number sits next to its source. A user's own model is an HF ``config.json``;
-a user's own GPU or host is a small flat TOML or JSON file with the same fields as a preset table. Names are
-matched case-insensitively (with aliases such as ``h100`` for ``h100-sxm``); an argument that names an existing
-file, or contains a path separator, or ends in .json/.toml, is a path.
+a user's own GPU or host is a small flat TOML or JSON file with the same fields as a preset table. A host file may
+also carry the two tables ``moetide calibrate`` writes: ``[offload_efficiency]`` (the attention model's fitted
+factors, read with ``get_host_calibration``) and ``[measured]`` (the raw measurements, for the record); they are not
+HostSpec fields and ``get_host`` skips them. Names are matched case-insensitively (with aliases such as ``h100`` for
+``h100-sxm``); an argument that names an existing file, or contains a path separator, or ends in .json/.toml, is a
+path.
 
 Every failure is a ``UserError`` naming the file and field, or listing the valid preset names.
 """
@@ -28,6 +31,7 @@ from moetide.specs.model import ModelSpec
 SpecT = TypeVar("SpecT", HardwareSpec, HostSpec)
 _PRESET_META_KEYS = ("source", "aliases", "null_fields")
 _PRESET_FILES = {"model": "models.toml", "gpu": "gpus.toml", "host": "hosts.toml"}
+HOST_CALIBRATION_TABLES = ("offload_efficiency", "measured")  # tables a host file may hold beside its fields
 
 
 @cache
@@ -145,6 +149,23 @@ def _read_hardware_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def _split_host_tables(data: dict[str, Any], origin: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(the HostSpec fields, the calibration tables) of a host file; each calibration table must be a table of
+    numbers, strings or booleans."""
+    fields = {k: v for k, v in data.items() if k not in HOST_CALIBRATION_TABLES}
+    tables: dict[str, dict[str, Any]] = {}
+    for name in HOST_CALIBRATION_TABLES:
+        table = data.get(name, {})
+        if not isinstance(table, dict):
+            raise UserError(f"{origin}: '{name}' must be a table ([{name}]), got {table!r}")
+        for key, value in table.items():
+            if not isinstance(value, (int, float, str, bool)):
+                raise UserError(f"{origin}: field '{name}.{key}': expected a number, string or boolean, "
+                                f"got {value!r}")
+        tables[name] = dict(table)
+    return fields, tables
+
+
 def _get_hardware(cls: type[SpecT], kind: str, name_or_path: str) -> SpecT:
     file_name = _PRESET_FILES[kind]
     canonical = _alias_map(file_name).get(name_or_path.lower())
@@ -153,7 +174,10 @@ def _get_hardware(cls: type[SpecT], kind: str, name_or_path: str) -> SpecT:
         return spec_from_table(cls, table, canonical, f"preset '{canonical}' (presets/{file_name})")
     if _looks_like_path(name_or_path):
         path = Path(name_or_path)
-        return spec_from_table(cls, _read_hardware_file(path), path.stem, str(path))
+        data = _read_hardware_file(path)
+        if cls is HostSpec:
+            data = _split_host_tables(data, str(path))[0]
+        return spec_from_table(cls, data, path.stem, str(path))
     raise _unknown(kind, name_or_path, "a .toml or .json file with the same fields")
 
 
@@ -165,6 +189,18 @@ def get_gpu(name_or_path: str) -> HardwareSpec:
 def get_host(name_or_path: str) -> HostSpec:
     """A preset host CPU by name (case-insensitive), or a user's TOML/JSON file by path."""
     return _get_hardware(HostSpec, "host", name_or_path)
+
+
+def get_host_calibration(name_or_path: str) -> dict[str, dict[str, Any]]:
+    """The calibration tables of a host file, ``{"offload_efficiency": {...}, "measured": {...}}`` (empty tables
+    when the file has none); both empty for a preset, which is not a measurement. The HostSpec fields are checked
+    too, so a file this accepts is one ``get_host`` accepts. Values are checked for type only: which names
+    ``offload_efficiency`` may hold is ``moetide.perf.calibrate``'s business."""
+    get_host(name_or_path)
+    if _alias_map("hosts.toml").get(name_or_path.lower()) is not None:
+        return {name: {} for name in HOST_CALIBRATION_TABLES}
+    path = Path(name_or_path)
+    return _split_host_tables(_read_hardware_file(path), str(path))[1]
 
 
 def all_models() -> list[ModelSpec]:

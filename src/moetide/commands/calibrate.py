@@ -1,0 +1,260 @@
+"""``moetide calibrate``: measure this machine (DRAM bandwidth, fp32 GEMM rate, CPU attention, host-to-device copies
+where a CUDA device exists), fit the CPU-attention factors of ``perf.attention``, and write a host file.
+
+The file (``--out FILE``, TOML) holds HostSpec fields, so ``moetide plan-split --cpu FILE`` reads it like any host
+file, plus ``[offload_efficiency]`` (the fitted factors; ``perf.calibrate.offload_efficiency_for_host`` reads them)
+and ``[measured]`` (the raw figures), each commented with when and how it was measured. ``moetide.perf.calibrate``
+measures and fits; this module parses arguments, prints, and renders and writes the file. torch is imported only
+when the verb runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+from moetide.errors import UserError
+from moetide.perf.calibrate import (
+    ATTENTION_KERNEL,
+    CALIBRATION_KV_TOKENS,
+    CALIBRATION_QUERIES,
+    HEAD_DIM,
+    MiB,
+    Calibration,
+    attention_summary,
+    calibrate,
+    model_cpu_s,
+    offload_efficiency_for_host,
+)
+from moetide.report.tables import format_table
+from moetide.specs import get_host
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", metavar="FILE.toml", help="write the calibrated host file here")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller buffers, fewer shapes and repeats: a few seconds, rougher figures")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="torch threads to measure with (default: torch's default, usually every core)")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="time on the wall clock (default), or on this thread's CPU time (needs --threads 1): "
+                             "on a shared machine, leaves out the time other processes hold the core")
+    parser.add_argument("--name", metavar="NAME", help="the host's name in the file (default calibrated-HOSTNAME)")
+    parser.add_argument("--dram-channels", type=int, metavar="N",
+                        help="with --dram-mts: the real DRAM configuration, so the file's efficiency is "
+                             "measured / peak (default: unknown; the file encodes the measured bandwidth)")
+    parser.add_argument("--dram-mts", type=int, metavar="MT/S", help="DDR speed grade, with --dram-channels")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for flag, value in (("--threads", args.threads), ("--dram-channels", args.dram_channels),
+                        ("--dram-mts", args.dram_mts)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+    if args.clock == "thread" and args.threads != 1:
+        raise UserError("--clock thread times only the calling thread: it needs --threads 1")
+    if (args.dram_channels is None) != (args.dram_mts is None):
+        raise UserError("--dram-channels and --dram-mts go together: give both or neither")
+    if args.name is not None and not args.name.strip():
+        raise UserError("--name must not be empty")
+    if args.out is not None:
+        _check_out(Path(args.out))
+
+
+def _check_out(path: Path) -> None:
+    """Fail before measuring, not after."""
+    if path.suffix.lower() != ".toml":
+        raise UserError(f"--out {path}: the host file is TOML and its name must end in .toml")
+    if path.is_dir():
+        raise UserError(f"--out {path}: is a directory; give a file name such as {path / 'host.toml'}")
+    if not path.parent.is_dir():
+        raise UserError(f"--out {path}: directory {path.parent} does not exist")
+
+
+def _default_name() -> str:
+    node = re.sub(r"[^A-Za-z0-9._-]+", "-", platform.node()).strip("-")
+    return f"calibrated-{node}" if node else "calibrated"
+
+
+# ---- the host file ----------------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        text = f"{value:.6g}"
+        return text if any(ch in text for ch in ".en") else text + ".0"
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + "".join(ch if ch.isprintable() else " " for ch in text) + '"'
+
+
+def _line(key: str, value: Any, comment: str = "") -> str:
+    text = f"{key} = {_toml_value(value)}"
+    return f"{text:<43} # {comment}" if comment else text
+
+
+def dram_fields(measured_bytes_per_s: float, channels: int | None,
+                mega_transfers: int | None) -> tuple[int, int, float, str]:
+    """(num_memory_channels, dram_mega_transfers_per_s, dram_efficiency, comment) that make HostSpec's sustained
+    bandwidth the measured one. With the machine's real DRAM configuration, efficiency = measured / peak. Without
+    it (a VM does not say), one channel at the MT/s that just covers the measurement: efficiency ~1."""
+    if channels is None or mega_transfers is None:
+        mts = math.ceil(measured_bytes_per_s / 8e6)
+        return (1, mts, measured_bytes_per_s / (mts * 8e6),
+                "DRAM configuration not known: 1 channel x MT/s x 8 B encodes the MEASURED triad bandwidth")
+    peak = channels * mega_transfers * 8e6
+    if measured_bytes_per_s > peak:
+        raise UserError(f"the measured triad bandwidth ({measured_bytes_per_s / 1e9:.1f} GB/s) exceeds the peak of "
+                        f"--dram-channels {channels} x --dram-mts {mega_transfers} ({peak / 1e9:.1f} GB/s); "
+                        f"check those figures")
+    return channels, mega_transfers, measured_bytes_per_s / peak, "MEASURED triad / peak of the given DRAM"
+
+
+def _how(cal: Calibration) -> str:
+    flags = (" --quick" if cal.quick else "") + (f" --clock {cal.clock}" if cal.clock != "wall" else "")
+    return (f"moetide calibrate{flags}, {cal.measured_at}, {cal.num_threads} torch thread(s), {cal.clock} clock, "
+            f"torch {cal.torch_version}")
+
+
+def _spec_lines(cal: Calibration, name: str, dram: tuple[int, int, float, str]) -> list[str]:
+    channels, mts, efficiency, dram_note = dram
+    return [
+        f"# Host file written by `{_how(cal).split(',')[0]}` on {cal.measured_at}. MEASURED on this machine:",
+        f"#   {cal.cpu_model}, {cal.num_threads} of {cal.logical_cpus} logical CPUs used (torch threads),",
+        f"#   torch {cal.torch_version}. Medians of repeated timings; moetide.perf.calibrate describes the method.",
+        "# Read by: moetide plan-split --cpu THIS_FILE (and any verb that takes a host file).",
+        "",
+        _line("name", name),
+        _line("cpu_model", cal.cpu_model),
+        _line("num_cores", cal.num_threads, "threads the measurements ran on, not the socket's cores"),
+        _line("num_memory_channels", channels, dram_note),
+        _line("dram_mega_transfers_per_s", mts),
+        _line("dram_efficiency", efficiency),
+        _line("fp32_flops_per_s", cal.gemm_flops_per_s, f"MEASURED fp32 GEMM {cal.gemm_n}^3 (torch.mm), not the "
+                                                        f"FMA peak"),
+        _line("dram_bytes", cal.dram_bytes, "installed memory (sysconf)"),
+        _line("source", _how(cal)),
+    ]
+
+
+def _efficiency_lines(cal: Calibration) -> list[str]:
+    fit = cal.fit
+    heads = sorted({(s.shape.num_heads, s.shape.num_kv_heads) for s in cal.attention})
+    lines = [
+        "",
+        f"# perf.attention's CPU factors, FITTED to the {len(cal.attention)} attention timings (heads "
+        f"{', '.join(f'{h}/{k}' for h, k in heads)}, head_dim {HEAD_DIM},",
+        f"# {' and '.join(map(str, CALIBRATION_QUERIES))} query tokens, KV of "
+        f"{', '.join(map(str, CALIBRATION_KV_TOKENS[cal.quick]))} tokens, fp32 and bf16) against the DRAM",
+        f"# bandwidth (channels x MT/s x 8 B x efficiency) and fp32_flops_per_s above. The fit's error on those "
+        f"same shapes:",
+        f"# median {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}.",
+        "[offload_efficiency]",
+        _line("cpu_memory", fit.cpu_memory, "share of the triad bandwidth the attention kernel reaches"),
+        _line("cpu_compute", fit.cpu_compute, "share of the GEMM rate the attention kernel reaches"),
+        _line("cpu_sync_s", fit.cpu_sync_s, "per layer: the fixed cost of one kernel call"),
+    ]
+    if "latency_s" in cal.host_to_device:
+        lines.append(_line("transfer_latency_s", cal.host_to_device["latency_s"],
+                           "MEASURED: 4 KiB pinned copy + synchronize"))
+    return lines
+
+
+def _measured_lines(cal: Calibration) -> list[str]:
+    d, h2d = cal.dram, cal.host_to_device
+    lines = ["", "# Raw measurements, for the record (the model does not read them).", "[measured]",
+             _line("measured_at", cal.measured_at), _line("num_threads", cal.num_threads),
+             _line("clock", cal.clock, "wall: elapsed; thread: this thread's CPU time"),
+             _line("logical_cpus", cal.logical_cpus), _line("torch_version", cal.torch_version),
+             _line("last_level_cache_bytes", cal.llc_bytes),
+             _line("dram_buffer_bytes", d.buffer_bytes, "each of 3 fp32 buffers"),
+             _line("dram_triad_bytes_per_s", d.triad_bytes_per_s, "a = b + s c, 12 B per element"),
+             _line("dram_copy_bytes_per_s", d.copy_bytes_per_s, "a = b, 8 B per element"),
+             _line("dram_read_bytes_per_s", d.read_bytes_per_s, "sum(c), 4 B per element"),
+             _line("fp32_gemm_flops_per_s", cal.gemm_flops_per_s), _line("attention_kernel", ATTENTION_KERNEL)]
+    lines += [_line(label, rate, "median over the fit shapes of this kind")
+              for label, rate in attention_summary(cal.attention).items()]
+    if "bytes_per_s" in h2d:
+        lines.append(_line("host_to_device_bytes_per_s", h2d["bytes_per_s"],
+                           f"MEASURED pinned copy of {h2d['copy_bytes'] // MiB} MiB to {h2d['device']}: "
+                           f"a GPU file's host_link_bandwidth_bytes_per_s"))
+    else:
+        lines.append(_line("host_to_device_skipped", h2d.get("skipped", "not measured")))
+    return lines
+
+
+def host_file_text(cal: Calibration, *, name: str, dram_channels: int | None = None,
+                   dram_mega_transfers: int | None = None) -> str:
+    """The TOML host file: HostSpec fields (``moetide plan-split --cpu FILE`` reads them), the fitted
+    ``[offload_efficiency]`` and the raw ``[measured]`` figures, each commented with how it was measured."""
+    dram = dram_fields(cal.dram.triad_bytes_per_s, dram_channels, dram_mega_transfers)
+    return "\n".join(_spec_lines(cal, name, dram) + _efficiency_lines(cal) + _measured_lines(cal)) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"--out {path}: cannot write: {exc.strerror or exc}") from None
+    get_host(str(path))  # what was written must read back; a failure here is a bug, not the user's
+    offload_efficiency_for_host(str(path))
+
+
+# ---- output -----------------------------------------------------------------------------------------------
+
+
+def _attention_table(cal: Calibration) -> str:
+    d, fit = cal.dram, cal.fit
+    rows = []
+    for s in cal.attention:
+        sh = s.shape
+        model = model_cpu_s(sh, d.triad_bytes_per_s, cal.gemm_flops_per_s, **fit.efficiency())
+        rows.append([f"{sh.num_heads}/{sh.num_kv_heads}", sh.num_seqs, sh.num_queries, f"{sh.kv_tokens:,}",
+                     sh.kv_dtype, f"{s.seconds * 1e3:.3f}", f"{sh.kv_bytes / s.seconds / 1e9:.2f}",
+                     f"{sh.flops / s.seconds / 1e9:.1f}", f"{model * 1e3:.3f}", f"{model / s.seconds - 1:+.1%}"])
+    table = format_table(["heads", "seqs", "queries", "KV tokens", "KV", "ms", "KV GB/s", "GFLOP/s", "fit ms",
+                          "fit error"], rows)
+    medians = ", ".join(f"{k.removeprefix('attention_')} {v / 1e9:.2f}"
+                        for k, v in attention_summary(cal.attention).items())
+    return (f"CPU attention ({ATTENTION_KERNEL}, which returns the log-sum-exp)\n{table}\n"
+            f"medians, in units of 1e9 per second: {medians}")
+
+
+def _text(cal: Calibration, out: str | None) -> str:
+    d, fit, h2d = cal.dram, cal.fit, cal.host_to_device
+    head = (f"MEASURED on {cal.cpu_model}: {cal.num_threads} torch thread(s) of {cal.logical_cpus} logical CPUs, "
+            f"{cal.clock} clock, torch {cal.torch_version}, {cal.measured_at}{' (--quick)' if cal.quick else ''}")
+    memory = (f"DRAM, 3 x {d.buffer_bytes / MiB:.0f} MiB fp32 buffers (last-level cache {cal.llc_bytes / MiB:.0f} "
+              f"MiB), median: triad {d.triad_bytes_per_s / 1e9:.1f} GB/s, copy {d.copy_bytes_per_s / 1e9:.1f} GB/s, "
+              f"read {d.read_bytes_per_s / 1e9:.1f} GB/s\nfp32 GEMM {cal.gemm_n}^3: "
+              f"{cal.gemm_flops_per_s / 1e9:.1f} GFLOP/s")
+    fitted = (f"fitted: cpu_memory {fit.cpu_memory:.3f}, cpu_compute {fit.cpu_compute:.3f}, cpu_sync_s "
+              f"{fit.cpu_sync_s * 1e6:.1f} us; error on these same shapes: median {fit.median_abs_rel_error:.1%}, "
+              f"max {fit.max_abs_rel_error:.1%} (benchmarks/cpu_attention_model.py evaluates other shapes)")
+    link = (f"host-to-device: {h2d['bytes_per_s'] / 1e9:.1f} GB/s pinned, {h2d['latency_s'] * 1e6:.1f} us per small "
+            f"copy ({h2d['device']})" if "bytes_per_s" in h2d else f"host-to-device: skipped: {h2d['skipped']}")
+    written = f"wrote {out}" if out else "no file written (--out FILE.toml writes one)"
+    return "\n\n".join([head, memory, _attention_table(cal), fitted, link, written])
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    cal = calibrate(quick=args.quick, num_threads=args.threads, clock=args.clock)
+    text = host_file_text(cal, name=args.name or _default_name(), dram_channels=args.dram_channels,
+                          dram_mega_transfers=args.dram_mts)  # UserError for an impossible DRAM peak, before writing
+    if args.out is not None:
+        _write(Path(args.out), text)
+    if args.json:
+        print(json.dumps({**cal.as_dict(), "out": args.out}, indent=2))
+    else:
+        print(_text(cal, args.out))
+    return 0

@@ -1,0 +1,425 @@
+"""Calibration: measure this machine, and fit the CPU-attention factors of ``perf.attention`` to it.
+
+MEASURED, on the machine that runs it (everything else in ``perf`` is modeled):
+
+- sustained DRAM bandwidth, STREAM-like: triad (a = b + s c), copy and a read-only sum over fp32 buffers of at
+  least 4x the last-level cache each, median of repeats. Triad is the figure the model uses, counted as STREAM
+  counts it (two reads and one write per element; write-allocate traffic is not counted);
+- the fp32 GEMM rate (``torch.mm`` on square matrices): the compute ceiling that ``cpu_compute`` is a share of.
+  It is what a tuned kernel reaches on this machine, not the datasheet FMA peak;
+- CPU attention with torch's CPU flash attention, the kernel that also returns the log-sum-exp a split merge needs
+  (``aten::_scaled_dot_product_flash_attention_for_cpu``). GQA runs as one problem per KV head: queries
+  [B, H_kv, G x Q, d] (the G query heads that share a KV head, times Q query tokens, are rows) against keys and
+  values [B, H_kv, N, d]. Host KV precedes a prefill chunk, so there is no mask. Before every timed call a buffer
+  of twice the last-level cache is read, so the KV comes from DRAM, as host KV does in serving;
+- the pinned host-to-device copy rate and a small copy's latency, when a CUDA device exists.
+
+Times are wall-clock by default. On a shared machine, ``clock="thread"`` (one torch thread only) times the calling
+thread's CPU time instead, which leaves out the time other processes hold the core; it does not remove their
+pressure on the shared cache and DRAM.
+
+The fit. ``perf.attention`` charges one layer's CPU attention as
+
+    t = cpu_sync_s + bytes x max(1 / (D x cpu_memory), f / (C x cpu_compute))
+
+with D the triad bandwidth, C the GEMM rate and f the FLOPs per KV byte (``model_cpu_s`` is that formula for one
+``AttentionShape``; a test pins it to ``AttentionCostModel``). ``fit_cpu_efficiency`` picks cpu_memory,
+cpu_compute and cpu_sync_s that minimise the squared log error over the measured shapes, by a grid search that is
+then refined. A roofline takes the slower of memory and compute; a kernel that pays for both (small GEMMs, the
+softmax's exponentials) does not fit it exactly, and the fit's own error says by how much. Judge the model on
+shapes it was not fitted to (``benchmarks/cpu_attention_model.py``).
+
+torch is imported inside the measuring functions only: the fit and ``offload_efficiency_for_host`` are stdlib, so a
+core install can read and check a calibrated host file (``moetide.commands.calibrate`` renders and writes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetide.errors import UserError
+from moetide.perf.attention import OffloadEfficiency
+from moetide.specs.loader import get_host_calibration
+
+MiB = 2**20
+KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DEFAULT_LLC_BYTES = 32 * MiB  # when sysfs does not say
+ATTENTION_KERNEL = "aten::_scaled_dot_product_flash_attention_for_cpu"
+FITTED_FIELDS = ("cpu_memory", "cpu_compute", "cpu_sync_s")
+MIN_EFFICIENCY = 1e-3
+MAX_SYNC_S = 1e-3
+# wall: elapsed time, what serving sees. thread: the calling thread's CPU time (1 torch thread only), which leaves
+# out the time other processes hold the core: on a shared machine, closer to what the core alone would do.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+# ---- shapes and the model ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """One CPU attention call: ``num_seqs`` sequences of one layer, each ``num_queries`` new tokens attending
+    ``kv_tokens`` host-resident tokens of ``kv_dtype`` KV (the queries have the same dtype)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_queries: int
+    kv_tokens: int
+    kv_dtype: str
+    num_seqs: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_dim", "num_queries", "kv_tokens", "num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"AttentionShape.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"AttentionShape: {self.num_heads} query heads are not a multiple of "
+                             f"{self.num_kv_heads} KV heads")
+        if self.kv_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"AttentionShape.kv_dtype must be one of {list(KV_DTYPE_BYTES)}, got {self.kv_dtype!r}")
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_seqs * 2 * self.num_kv_heads * self.kv_tokens * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def flops(self) -> int:
+        """QK^T and PV: 2 d each per query head, query token and key."""
+        return self.num_seqs * 4 * self.num_heads * self.head_dim * self.num_queries * self.kv_tokens
+
+    @property
+    def flops_per_kv_byte(self) -> float:
+        return self.flops / self.kv_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSample:
+    shape: AttentionShape
+    seconds: float  # median over the timed calls
+    seconds_min: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.shape.as_dict(), "kv_bytes": self.shape.kv_bytes, "flops": self.shape.flops,
+                "seconds": self.seconds, "seconds_min": self.seconds_min,
+                "kv_bytes_per_s": self.shape.kv_bytes / self.seconds, "flops_per_s": self.shape.flops / self.seconds}
+
+
+def model_cpu_s(shape: AttentionShape, dram_bytes_per_s: float, flops_per_s: float, *, cpu_memory: float,
+                cpu_compute: float, cpu_sync_s: float) -> float:
+    """perf.attention's CPU time for one call of ``shape`` (module docstring), hand-off included."""
+    per_byte = max(1.0 / (dram_bytes_per_s * cpu_memory), shape.flops_per_kv_byte / (flops_per_s * cpu_compute))
+    return cpu_sync_s + shape.kv_bytes * per_byte
+
+
+@dataclass(frozen=True, slots=True)
+class CpuFit:
+    """Fitted factors and the fit's error on the shapes it was fitted to (relative: model / measured - 1)."""
+
+    cpu_memory: float
+    cpu_compute: float
+    cpu_sync_s: float
+    median_abs_rel_error: float
+    max_abs_rel_error: float
+
+    def efficiency(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in FITTED_FIELDS}
+
+
+def _log_grid(low: float, high: float, num: int) -> list[float]:
+    return [math.exp(math.log(low) + (math.log(high) - math.log(low)) * i / (num - 1)) for i in range(num)]
+
+
+def fit_cpu_efficiency(samples: Sequence[AttentionSample], dram_bytes_per_s: float,
+                       flops_per_s: float) -> CpuFit:
+    """cpu_memory, cpu_compute in [1e-3, 1] and cpu_sync_s in [0, 1 ms] minimising sum (log model - log measured)^2
+    (module docstring): a coarse grid, then two finer grids around the best point. Deterministic."""
+    if not samples:
+        raise ValueError("fit_cpu_efficiency needs at least one sample")
+    rows = [(s.shape.kv_bytes, s.shape.flops_per_kv_byte, math.log(s.seconds)) for s in samples]
+
+    def loss(e_m: float, e_c: float, sync: float) -> float:
+        mem, comp = 1.0 / (dram_bytes_per_s * e_m), 1.0 / (flops_per_s * e_c)
+        return sum((math.log(sync + b * max(mem, f * comp)) - lt) ** 2 for b, f, lt in rows)
+
+    effs = _log_grid(MIN_EFFICIENCY, 1.0, 25)
+    syncs = [0.0, *_log_grid(1e-6, MAX_SYNC_S, 13)]
+    best = min(((loss(m, c, s), m, c, s) for m in effs for c in effs for s in syncs))
+    step = 10 ** (1 / 8)  # the coarse grid's spacing
+    for _ in range(2):
+        _, m0, c0, s0 = best
+        ms = [min(1.0, max(MIN_EFFICIENCY, m0 * step ** (i / 4))) for i in range(-4, 5)]
+        cs = [min(1.0, max(MIN_EFFICIENCY, c0 * step ** (i / 4))) for i in range(-4, 5)]
+        ss = sorted({0.0, *(min(MAX_SYNC_S, s0 * step ** (i / 2)) for i in range(-4, 5))})
+        best = min(best, *((loss(m, c, s), m, c, s) for m in ms for c in cs for s in ss))
+        step = step ** 0.25
+    _, e_m, e_c, sync = best
+    errors = [abs(model_cpu_s(s.shape, dram_bytes_per_s, flops_per_s, cpu_memory=e_m, cpu_compute=e_c,
+                              cpu_sync_s=sync) / s.seconds - 1) for s in samples]
+    return CpuFit(e_m, e_c, sync, statistics.median(errors), max(errors))
+
+
+# ---- the machine ------------------------------------------------------------------------------------------
+
+
+def llc_bytes() -> int:
+    """The largest CPU cache sysfs reports (the last-level cache), or DEFAULT_LLC_BYTES."""
+    sizes = []
+    for size_file in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size_file.read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 1024, "M": MiB}.get(text[-1:], 1)
+        digits = text.rstrip("KMB")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=DEFAULT_LLC_BYTES)
+
+
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def installed_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1
+
+
+def _check_clock(clock: str, num_threads: int) -> None:
+    if clock not in CLOCKS:
+        raise UserError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
+    if clock == "thread" and num_threads != 1:
+        raise UserError(f"the thread clock counts only the calling thread's CPU time: it needs 1 torch thread, "
+                        f"not {num_threads}")
+
+
+def _time_calls(call: Callable[[], object], repeats: int, before: Callable[[], object] | None = None,
+                clock: str = "wall") -> tuple[float, float]:
+    """(median, min) seconds of ``call`` on ``clock`` over ``repeats`` timed calls after one untimed warm-up."""
+    now = CLOCKS[clock]
+    call()
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = now()
+        call()
+        times.append(now() - start)
+    return statistics.median(times), min(times)
+
+
+@dataclass(frozen=True, slots=True)
+class DramResult:
+    buffer_bytes: int  # each of the three buffers
+    triad_bytes_per_s: float
+    copy_bytes_per_s: float
+    read_bytes_per_s: float
+
+
+def measure_dram(buffer_bytes: int, repeats: int, clock: str = "wall") -> DramResult:
+    import torch
+
+    n = buffer_bytes // 4
+    a, b, c = torch.zeros(n), torch.ones(n), torch.full((n,), 2.0)
+    triad, _ = _time_calls(lambda: torch.add(b, c, alpha=3.0, out=a), repeats, clock=clock)
+    copy, _ = _time_calls(lambda: a.copy_(b), repeats, clock=clock)
+    read, _ = _time_calls(lambda: torch.sum(c), repeats, clock=clock)
+    return DramResult(n * 4, 3 * 4 * n / triad, 2 * 4 * n / copy, 4 * n / read)
+
+
+def measure_gemm(n: int, repeats: int, clock: str = "wall") -> float:
+    """fp32 FLOP/s of an n x n x n matrix product (median)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x, y, z = torch.rand(n, n, generator=gen), torch.rand(n, n, generator=gen), torch.empty(n, n)
+    median, _ = _time_calls(lambda: torch.mm(x, y, out=z), repeats, clock=clock)
+    return 2 * n**3 / median
+
+
+def attention_kernel() -> Callable:
+    import torch
+
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None:
+        raise UserError(f"torch {torch.__version__} has no {ATTENTION_KERNEL}; calibrate needs torch >= 2.3")
+    return op
+
+
+def time_attention(shape: AttentionShape, repeats: int, flush_bytes: int, seed: int = 0,
+                   clock: str = "wall") -> AttentionSample:
+    """Time ``ATTENTION_KERNEL`` on ``shape`` (module docstring), reading ``flush_bytes`` before each call."""
+    import torch
+
+    op = attention_kernel()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[shape.kv_dtype]
+    gen = torch.Generator().manual_seed(seed)
+    group = shape.num_heads // shape.num_kv_heads
+    B, Hkv, N, d = shape.num_seqs, shape.num_kv_heads, shape.kv_tokens, shape.head_dim
+
+    def rand(*size: int) -> torch.Tensor:
+        return (torch.rand(*size, generator=gen) * 2 - 1).to(dtype)
+
+    q, k, v = rand(B, Hkv, group * shape.num_queries, d), rand(B, Hkv, N, d), rand(B, Hkv, N, d)
+    flush = torch.ones(max(1, flush_bytes // 4))
+    scale = d**-0.5
+    out, lse = op(q, k, v, scale=scale)
+    if tuple(lse.shape) != (B, Hkv, group * shape.num_queries):  # the merge needs one lse per query row
+        raise RuntimeError(f"{ATTENTION_KERNEL} returned a log-sum-exp of shape {tuple(lse.shape)}")
+    median, least = _time_calls(lambda: op(q, k, v, scale=scale), repeats, before=lambda: torch.sum(flush),
+                                clock=clock)
+    return AttentionSample(shape, median, least)
+
+
+def measure_host_to_device(repeats: int, num_bytes: int = 256 * MiB) -> dict[str, Any]:
+    """{"bytes_per_s", "latency_s", "device"} of pinned copies, or {"skipped": reason} without a CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)"}
+    src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    small_src, small_dst = src[:4096], dst[:4096]
+
+    def copy(s: torch.Tensor, d: torch.Tensor) -> None:
+        d.copy_(s, non_blocking=True)
+        torch.cuda.synchronize()
+
+    big, _ = _time_calls(lambda: copy(src, dst), repeats)
+    small, _ = _time_calls(lambda: copy(small_src, small_dst), max(repeats, 20))
+    return {"bytes_per_s": num_bytes / big, "latency_s": small, "device": torch.cuda.get_device_name(0),
+            "copy_bytes": num_bytes}
+
+
+# ---- the whole calibration --------------------------------------------------------------------------------
+
+# Fit shapes: head_dim 128 (as the evaluated models), GQA groups 8 and 4, but 16 query heads — not the 32 of the
+# models benchmarks/cpu_attention_model.py evaluates — and KV lengths it does not use.
+CALIBRATION_HEADS = ((16, 2), (16, 4))
+CALIBRATION_QUERIES = (1, 16)
+# by --quick; the short 256 pins cpu_sync_s
+CALIBRATION_KV_TOKENS = {True: (256, 2048, 8192), False: (256, 2048, 8192, 24576)}
+HEAD_DIM = 128
+
+
+def seqs_for_threads(num_kv_heads: int, num_threads: int) -> int:
+    """Sequences per call so the kernel has at least two (sequence, KV head) work items per thread."""
+    return max(1, math.ceil(2 * num_threads / num_kv_heads))
+
+
+def calibration_shapes(quick: bool, num_threads: int) -> list[AttentionShape]:
+    return [AttentionShape(h, hkv, HEAD_DIM, q, n, dtype, seqs_for_threads(hkv, num_threads))
+            for h, hkv in CALIBRATION_HEADS for q in CALIBRATION_QUERIES for n in CALIBRATION_KV_TOKENS[quick]
+            for dtype in KV_DTYPE_BYTES]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    measured_at: str  # ISO 8601, UTC
+    quick: bool
+    clock: str
+    torch_version: str
+    num_threads: int
+    logical_cpus: int
+    cpu_model: str
+    dram_bytes: int
+    llc_bytes: int
+    dram: DramResult
+    gemm_n: int
+    gemm_flops_per_s: float
+    attention: tuple[AttentionSample, ...]
+    fit: CpuFit
+    host_to_device: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        nested = ("attention", "dram", "fit")
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in nested}
+        doc.update(measured=True, dram=dataclasses.asdict(self.dram), attention_kernel=ATTENTION_KERNEL,
+                   attention=[s.as_dict() for s in self.attention], fit=dataclasses.asdict(self.fit))
+        return doc
+
+
+def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall") -> Calibration:
+    """Run every measurement (module docstring) on ``num_threads`` torch threads (default: torch's) and fit,
+    timing on ``clock`` (``CLOCKS``; host-to-device copies are always timed on the wall clock)."""
+    try:
+        import torch
+    except ImportError:
+        raise UserError("calibrate measures with torch, which is not installed: pip install 'moetide[engine]'") \
+            from None
+    previous = torch.get_num_threads()
+    threads = num_threads or previous
+    _check_clock(clock, threads)
+    torch.set_num_threads(threads)
+    try:
+        llc = llc_bytes()
+        repeats = 3 if quick else 7
+        dram = measure_dram((4 if quick else 8) * llc, repeats, clock)
+        gemm_n = 1024 if quick else 2048
+        gemm = measure_gemm(gemm_n, repeats, clock)
+        samples = tuple(time_attention(s, repeats, 2 * llc, clock=clock) for s in calibration_shapes(quick, threads))
+        h2d = measure_host_to_device(repeats)
+    finally:
+        torch.set_num_threads(previous)
+    return Calibration(
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), quick=quick,
+        clock=clock, torch_version=torch.__version__, num_threads=threads, logical_cpus=os.cpu_count() or threads,
+        cpu_model=cpu_model_name(), dram_bytes=installed_memory_bytes(), llc_bytes=llc, dram=dram, gemm_n=gemm_n,
+        gemm_flops_per_s=gemm, attention=samples, fit=fit_cpu_efficiency(samples, dram.triad_bytes_per_s, gemm),
+        host_to_device=h2d)
+
+
+# ---- summaries, and reading a calibrated host file ---------------------------------------------------------
+
+
+def attention_summary(samples: Sequence[AttentionSample]) -> dict[str, float]:
+    """Median achieved KV bytes/s and FLOP/s per (decode or prefill, dtype) group of samples."""
+    groups: dict[str, list[AttentionSample]] = {}
+    for s in samples:
+        kind = "decode" if s.shape.num_queries == 1 else "prefill"
+        groups.setdefault(f"attention_{kind}_{s.shape.kv_dtype}", []).append(s)
+    out: dict[str, float] = {}
+    for key, group in groups.items():
+        out[f"{key}_kv_bytes_per_s"] = statistics.median(s.shape.kv_bytes / s.seconds for s in group)
+        out[f"{key}_flops_per_s"] = statistics.median(s.shape.flops / s.seconds for s in group)
+    return out
+
+
+def offload_efficiency_for_host(name_or_path: str) -> OffloadEfficiency:
+    """``OffloadEfficiency`` with a host file's ``[offload_efficiency]`` values over the defaults (the defaults
+    alone for a preset or a file without that table); ``UserError`` naming the file and field when it is bad."""
+    values = get_host_calibration(name_or_path)["offload_efficiency"]
+    valid = [f.name for f in dataclasses.fields(OffloadEfficiency)]
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise UserError(f"{name_or_path}: [offload_efficiency]: unknown field(s) {unknown}; valid fields: {valid}")
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{name_or_path}: field 'offload_efficiency.{key}': expected a number, got {value!r}")
+    try:
+        return OffloadEfficiency(**values)
+    except ValueError as exc:
+        raise UserError(f"{name_or_path}: [offload_efficiency]: {exc}") from None

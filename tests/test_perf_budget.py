@@ -14,6 +14,7 @@ from moetide.perf import (
     weights_per_gpu,
 )
 from moetide.specs import all_models, get_gpu, get_model
+from moetide.perf.budget import default_block_size, hybrid_block_size
 
 GiB = 2**30
 
@@ -129,3 +130,27 @@ def test_describe_shows_the_arithmetic():
     assert rows["KV blocks"] == "277,727 (= 54,603,431,577 // 196,608)"
     assert rows["state per sequence"] == "20,054,016 B = 102 blocks (ceil(20,054,016 / 196,608))"
     assert "74.25 GiB" in rows["weights per GPU"]
+
+
+def test_default_block_size_is_vllms_hybrid_page_alignment():
+    """vLLM raises a hybrid model's attention block size until one attention page (block_size tokens of one
+    full-attention layer) holds one linear-attention layer's state, rounded up to a multiple of 16.
+    Qwen3-Next at TP=2: state per layer (16 v-heads x 128 x 128 + conv 4096 x 4) x 2 B = 557,056 B; one token of
+    one attention layer 2 x 1 KV head x 256 x 2 B = 1,024 B -> 544 tokens (vLLM logs 544 for this model)."""
+    nxt = get_model("qwen3-next-80b-a3b")
+    assert hybrid_block_size(nxt, tp=2) == 544 == default_block_size(nxt, tp=2)
+    assert default_block_size(nxt, tp=4) == 272  # half the state per GPU, one KV head still replicated
+    for name in ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite"):
+        assert hybrid_block_size(get_model(name)) is None and default_block_size(get_model(name)) == 16
+    budget = memory_budget(nxt, get_gpu("h200"), tp=2, block_size=544)
+    assert budget.state_blocks_per_request == 3  # 36 linear layers' state = 3 pages of 12 attention layers
+
+
+def test_replay_config_records_the_block_size_it_used():
+    from moetide.sim.setup import ReplayConfig, build_replay
+    from moetide.workloads import generate_agent_sessions
+    built = build_replay(generate_agent_sessions(0, num_sessions=1),
+                         ReplayConfig(model="qwen3-next-80b-a3b", gpu="h200", tp=2))
+    assert built.config.block_size == 544 and built.replay.scheduler.kv.block_size == 544
+    built = build_replay(generate_agent_sessions(0, num_sessions=1), ReplayConfig(block_size=32))
+    assert built.config.block_size == 32

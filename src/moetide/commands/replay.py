@@ -37,7 +37,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--kv-budget-gib", type=float, help="KV cache per GPU in GiB (default: what is left of "
                         "--gpu-memory-utilization x HBM after weights and activations)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
-    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size,
+                        help="tokens per KV block (default: vLLM's, 16, or for hybrid models the size that fits one "
+                        "layer's linear-attention state in a page: 544 for Qwen3-Next-80B at TP 1-2)")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")

@@ -23,9 +23,13 @@ Blocks. A block is ``block_size`` tokens over all full-attention layers of one G
 linear-attention layers) also keep a fixed state per running sequence (conv + recurrent state, split ``tp`` ways
 by heads); as in vLLM's hybrid allocator it is carved from the same pool:
 ``state_blocks_per_request = ceil(state_bytes_per_gpu / block_bytes)``. vLLM makes the two page sizes equal by
-raising the attention block size (it logs e.g. "Setting attention block size to 1568 tokens to ensure that
-attention page size is >= mamba page size"); here the block size stays the user's and the state takes several
-blocks, which charges the same bytes. Prefix caching for hybrid models needs the state at every cached block
+raising the attention block size (``_align_hybrid_block_size`` in vllm/platforms/interface.py logs "Setting
+attention block size to N tokens to ensure that attention page size is >= mamba page size"):
+``N = a x ceil(mamba_page / (a x attn_page_1_token))`` with a = 16 (the attention kernels' block alignment),
+mamba_page = one linear-attention layer's state on one GPU, attn_page_1_token = one full-attention layer's KV
+for one token on one GPU. ``default_block_size`` applies that rule (Qwen3-Next-80B-A3B: 544 tokens at TP=1 and
+2, 272 at TP=4) and 16, vLLM's default, for other models; a user's ``--block-size`` wins. With any block size
+the state takes ``state_blocks_per_request`` whole blocks, which charges the same bytes. Prefix caching for hybrid models needs the state at every cached block
 boundary (vLLM's ``mamba_cache_mode``); ``state_checkpoints=True`` models that by charging every block
 ``block_bytes + state_bytes``, which with small blocks cuts the pool by orders of magnitude — that is the point of
 showing it.
@@ -43,6 +47,7 @@ from moetide.specs import LINEAR_ATTENTION, HardwareSpec, ModelSpec
 
 GiB = 2**30
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block_size
+VLLM_KERNEL_BLOCK_ALIGNMENT = 16  # vLLM: attention kernels take blocks in multiples of 16 (hybrid block size rounding)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM v1's default token budget for online serving
 # Activation reserve (vLLM subtracts the peak memory of a profiling forward pass of max_num_batched_tokens).
@@ -165,6 +170,23 @@ def kv_bytes_per_token_per_gpu(model: ModelSpec, *, tp: int = 1, kv_dtype_bytes:
 def state_bytes_per_seq_per_gpu(model: ModelSpec, *, tp: int = 1, state_dtype_bytes: int = 2) -> int:
     """Linear-attention state (conv + recurrent) of one sequence on one GPU: split tp ways by heads; 0 if none."""
     return cdiv(model.linear_state_bytes_per_seq(state_dtype_bytes), tp)
+
+
+def hybrid_block_size(model: ModelSpec, *, tp: int = 1, kv_dtype_bytes: int = 2, state_dtype_bytes: int = 2,
+                      alignment: int = VLLM_KERNEL_BLOCK_ALIGNMENT) -> int | None:
+    """The attention block size vLLM picks for a hybrid model so one attention page holds one linear-attention
+    layer's state (its ``_align_hybrid_block_size``, mamba_cache_mode none/align); None for other models."""
+    num_linear = len(model.linear_attention_layer_ids) if model.linear_attention is not None else 0
+    if not num_linear or model.mla is not None:
+        return None
+    mamba_page = state_bytes_per_seq_per_gpu(model, tp=tp, state_dtype_bytes=state_dtype_bytes) // num_linear
+    attn_page_1_token = 2 * kv_heads_per_gpu(model, tp) * model.head_dim * kv_dtype_bytes
+    return alignment * cdiv(mamba_page, alignment * attn_page_1_token)
+
+
+def default_block_size(model: ModelSpec, *, tp: int = 1) -> int:
+    """vLLM's block size for this model: 16, or the hybrid page-aligned size (``hybrid_block_size``)."""
+    return hybrid_block_size(model, tp=tp) or DEFAULT_BLOCK_SIZE
 
 
 def block_bytes_per_gpu(model: ModelSpec, block_size: int, tp: int = 1, kv_dtype_bytes: int = 2) -> int:

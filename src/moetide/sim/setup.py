@@ -8,7 +8,7 @@ blocks per request), so ``core`` never imports ``perf``. Everything a replay's r
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import KVCacheManager
@@ -17,7 +17,7 @@ from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.errors import UserError
-from moetide.perf import MemoryBudget, StepTimeModel, memory_budget, weights_per_gpu
+from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
 from moetide.perf.staging import StagingConfig, StagingModel
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
@@ -31,7 +31,7 @@ class ReplayConfig:
     gpu: str = "h100"
     tp: int = 1
     policy: str = "vllm"
-    block_size: int = 16
+    block_size: int | None = None  # None: vLLM's (16, or the hybrid page-aligned size; perf.budget)
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.9
@@ -48,7 +48,7 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.tp <= 0:
             raise UserError(f"--tp must be a positive integer, got {self.tp}")
-        if self.block_size <= 0:
+        if self.block_size is not None and self.block_size <= 0:
             raise UserError(f"--block-size must be positive, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -75,6 +75,8 @@ def build_replay(
     workload: Workload, config: ReplayConfig, progress: Callable[[int, int], None] | None = None
 ) -> BuiltReplay:
     model, gpu = get_model(config.model), get_gpu(config.gpu)
+    if config.block_size is None:  # the result's config records the size used
+        config = replace(config, block_size=default_block_size(model, tp=config.tp))
     budget = memory_budget(
         model, gpu, tp=config.tp, block_size=config.block_size, gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_budget_gib=config.kv_budget_gib,

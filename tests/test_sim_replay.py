@@ -4,12 +4,14 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import get_policy
 from moetide.core.scheduler import Scheduler, SchedulerConfig
-from moetide.sim.metrics import percentile, summary
+from moetide.sim.metrics import percentile, summary, weighted_summary
 from moetide.sim.replay import Replay
 from moetide.sim.setup import ReplayConfig, run_replay
 from moetide.workloads import BlockKeys, Session, Turn, Workload, generate_agent_sessions
@@ -101,7 +103,8 @@ def test_decode_fast_path_is_exact(budget_gib, policy):
                              ReplayConfig(kv_budget_gib=budget_gib, policy=policy))
         built.replay.fast_forward = fast
         metrics = built.replay.run()
-        results.append((metrics.to_dict(), list(metrics.ttft), list(metrics.itl), metrics.kv_usage))
+        results.append((metrics.to_dict(), list(metrics.ttft), list(metrics.itl), list(metrics.itl_weight),
+                        metrics.kv_usage))
     assert results[0] == results[1]
     assert results[0][0]["steps"] > 1000
 
@@ -117,3 +120,13 @@ def test_ttft_counts_from_the_send_time_not_the_next_step():
     metrics = replay(Workload("t", "test", "open", None, sessions), step_s=1.0)
     # a runs 0 -> 1 s; b, sent at 0.5 s, is scheduled at 1 s and emits at 2 s: TTFT 1.5 s, not 1.0 s
     assert sorted(metrics.ttft) == [1.0, 1.5]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e-6, 1e3, allow_nan=False), st.integers(1, 40)), min_size=1, max_size=60))
+def test_weighted_summary_equals_the_expanded_summary_exactly(pairs):
+    """ITL is stored as (gap, how many requests had it); its summary must equal the per-token one bit for bit."""
+    values = [v for v, _ in pairs]
+    weights = [w for _, w in pairs]
+    expanded = [v for v, w in pairs for _ in range(w)]
+    assert weighted_summary(values, weights) == summary(expanded)

@@ -109,6 +109,18 @@ class KVCacheManager:
         self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens, owner)
         return new_blocks
 
+    def append_slot(self, request_id: str, num_tokens: int, block_hashes: Sequence[int], owner: str | None = None,
+                    ) -> bool:
+        """Decode fast path: True when the request's held blocks already have room for ``num_tokens`` tokens
+        (registering a block that this step fills, exactly as ``allocate_slots`` would); False changes nothing
+        and the caller takes ``allocate_slots``."""
+        blocks = self._blocks.get(request_id)
+        if blocks is None or num_tokens > len(blocks) * self.block_size:
+            return False
+        if num_tokens // self.block_size > self._num_registered.get(request_id, 0):
+            self._register_full_blocks(request_id, blocks, block_hashes, num_tokens, owner)
+        return True
+
     def _check_hits(self, hits: Sequence[int], block_hashes: Sequence[int]) -> None:
         """Hits looked up earlier must still be cached under the same hashes (nothing evicted them since).
 

@@ -103,6 +103,18 @@ class Request:
         if token_id is not None and token_id in self.eos_token_ids:
             self.stopped = True
 
+    def append_outputs(self, num_tokens: int) -> None:
+        """Record ``num_tokens`` sampled tokens at once (replay, where only counts exist): the same state as that
+        many ``append_output(None)`` calls, with the block hashes extended once."""
+        if self.token_ids is not None:
+            for _ in range(num_tokens):
+                self.append_output(None)
+            return
+        self.num_output_tokens += num_tokens
+        num_full = (self.num_prompt_tokens + self.num_output_tokens) // self.block_size
+        if num_full > len(self.block_hashes):
+            extend_salted_hashes(self.block_hashes, num_full, self.salt)
+
     @property
     def is_done(self) -> bool:
         """Generated its last token (length or a stop token)."""

@@ -150,8 +150,17 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
+        append_slot = self.kv.append_slot
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            computed = request.num_computed_tokens
+            if (computed + 1 == request.num_prompt_tokens + request.num_output_tokens  # decode: one token, room
+                    and append_slot(request.request_id, computed + 1, request.block_hashes, request.session_id)):
+                out.scheduled.append((request, 1))
+                out.num_computed_before.append(computed)
+                budget -= 1
+                i += 1
+                continue
             n = self._chunk(request, budget)
             if n <= 0:
                 i += 1
@@ -295,8 +304,7 @@ class Scheduler:
         """Apply ``num_steps`` decode steps (as certified by ``max_decode_run``) to every running request."""
         kv = self.kv
         for request in self.running:
-            for _ in range(num_steps):
-                request.append_output(None)
+            request.append_outputs(num_steps)
             request.num_computed_tokens += num_steps
             if request.num_computed_tokens > request.max_computed_tokens:
                 request.max_computed_tokens = request.num_computed_tokens

@@ -29,6 +29,47 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
+def _two_product(a: float, b: float) -> tuple[float, float]:
+    """a x b = hi + lo exactly (Dekker's split; no fma in Python 3.11)."""
+    hi = a * b
+    a_hi = a * 134217729.0 - (a * 134217729.0 - a)
+    b_hi = b * 134217729.0 - (b * 134217729.0 - b)
+    a_lo, b_lo = a - a_hi, b - b_hi
+    return hi, ((a_hi * b_hi - hi) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
+
+
+def weighted_summary(values: Sequence[float], weights: Sequence[int]) -> dict[str, float | None]:
+    """``summary`` of the multiset holding each value ``weight`` times, without expanding it: same percentiles
+    (ranks found by cumulative weight) and the same correctly rounded mean (fsum of exact products)."""
+    total = sum(weights)
+    if not total:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    order = sorted(range(len(values)), key=values.__getitem__)
+    terms: list[float] = []
+    for v, w in zip(values, weights):
+        terms.extend(_two_product(v, float(w)) if w != 1 else (v,))
+    ranks = {}
+    for q in (50, 90, 99):
+        pos = (total - 1) * q / 100.0
+        lo = math.floor(pos)
+        ranks[q] = (pos, lo, min(lo + 1, total - 1))
+    wanted = sorted({r for _, lo, hi in ranks.values() for r in (lo, hi)})
+    at: dict[int, float] = {}
+    seen = 0
+    k = 0
+    for i in order:
+        seen += weights[i]
+        while k < len(wanted) and wanted[k] < seen:
+            at[wanted[k]] = values[i]
+            k += 1
+        if k == len(wanted):
+            break
+    out: dict[str, float | None] = {"mean": math.fsum(terms) / total}
+    for q, (pos, lo, hi) in ranks.items():
+        out[f"p{q}"] = at[lo] + (at[hi] - at[lo]) * (pos - lo)
+    return out
+
+
 def summary(values: Sequence[float]) -> dict[str, float | None]:
     ordered = sorted(values)
     if not ordered:
@@ -51,7 +92,8 @@ class MetricsCollector:
         self.last_token_s: dict[str, float] = {}
         self.ttft = array("d")
         self.tpot = array("d")
-        self.itl = array("d")
+        self.itl = array("d")  # distinct gaps of a step, each with how many requests had it (itl_weight)
+        self.itl_weight = array("q")
         self.e2e = array("d")
         self.first_arrival_s: float | None = None
         self.last_finish_s = 0.0
@@ -78,7 +120,8 @@ class MetricsCollector:
             self.first_arrival_s = arrival_s
 
     def tokens(self, requests: Sequence[Request], now_s: float) -> None:
-        first, last, itl = self.first_token_s, self.last_token_s, self.itl
+        first, last = self.first_token_s, self.last_token_s
+        gaps: dict[float, int] = {}
         for request in requests:
             rid = request.request_id
             prev = last.get(rid)
@@ -86,8 +129,28 @@ class MetricsCollector:
                 first[rid] = now_s
                 self.ttft.append(now_s - request.arrival_s)
             else:
-                itl.append(now_s - prev)
+                gap = now_s - prev
+                gaps[gap] = gaps.get(gap, 0) + 1
             last[rid] = now_s
+        for gap, count in gaps.items():
+            self.itl.append(gap)
+            self.itl_weight.append(count)
+
+    def decode_run(self, requests: Sequence[Request], step_ends_s: Sequence[float]) -> None:
+        """``tokens(requests, t)`` for each t of a run of steps in which the same requests each emit one token:
+        after the first step every request's gap is the step's length, so each step adds one weighted gap."""
+        if not step_ends_s:
+            return
+        self.tokens(requests, step_ends_s[0])
+        n = len(requests)
+        prev = step_ends_s[0]
+        for now_s in step_ends_s[1:]:
+            self.itl.append(now_s - prev)
+            self.itl_weight.append(n)
+            prev = now_s
+        last = self.last_token_s
+        for request in requests:
+            last[request.request_id] = prev
 
     def finished(self, request: Request, now_s: float) -> None:
         rid = request.request_id
@@ -131,7 +194,7 @@ class MetricsCollector:
         return {
             "ttft_s": summary(self.ttft),
             "tpot_s": summary(self.tpot),
-            "itl_s": summary(self.itl),
+            "itl_s": weighted_summary(self.itl, self.itl_weight),
             "e2e_s": summary(self.e2e),
             "request_throughput_per_s": self.completed / duration,
             "output_tokens_per_s": self.output_tokens / duration,

@@ -137,13 +137,15 @@ class Replay:
         used_share = pool.num_used_blocks / max(pool.num_blocks, 1)
         offloaded = self.offloaded_ratio()
         k = 0
+        ends: list[float] = []
         while k < k_max and not (events and events[0][0] <= self.now_s):
             duration = step_time_s(num_seqs, num_seqs, num_seqs, kv_read, kv_read)
             self.now_s += duration
-            metrics.tokens(running, self.now_s)
+            ends.append(self.now_s)
             metrics.step(self.now_s, duration, used_share, offloaded)
             kv_read += num_seqs
             k += 1
+        metrics.decode_run(running, ends)
         sched.advance_decode(k)
         return k
 

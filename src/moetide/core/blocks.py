@@ -251,25 +251,7 @@ class BlockPool:
         evicted: list[int] = []
         cached_free = self._cached_free
         if not protect:
-            children, hash_of, parent_of, block_of = self._children, self._hash_of, self._parent_of, self._block_of
-            uncached_free = self._uncached_free
-            while len(evicted) < num_blocks and cached_free:
-                block_id = next(iter(cached_free))
-                block_hash = hash_of[block_id]
-                if block_hash in children:  # has registered descendants: the general path
-                    self._uncache_chain(block_id, evicted)
-                    continue
-                del cached_free[block_id], hash_of[block_id], block_of[block_hash]  # a leaf: the common case
-                self._owner_of.pop(block_id, None)
-                parent_hash = parent_of.pop(block_id)
-                if parent_hash is not None:
-                    siblings = children[parent_hash]
-                    siblings.discard(block_id)
-                    if not siblings:
-                        del children[parent_hash]
-                uncached_free[block_id] = None
-                evicted.append(block_id)
-                self.num_evicted_blocks += 1
+            self._evict_from_head(num_blocks, evicted)
             return evicted
         # One snapshot of the queue's head: it holds at most len(protect) protected blocks, and every other
         # block evicts at least itself, so it always holds enough victims (no rescans from the head).
@@ -279,6 +261,34 @@ class BlockPool:
             if block_id in cached_free and block_id not in protect:
                 self._uncache_chain(block_id, evicted)
         return evicted
+
+    def _evict_from_head(self, num_blocks: int, evicted: list[int]) -> None:
+        """Unprotected eviction from the LRU head: leaves (the common case) inline, others through the cascade."""
+        cached_free, children, hash_of, block_of = self._cached_free, self._children, self._hash_of, self._block_of
+        uncached_free, pop_head = self._uncached_free, cached_free.popitem
+        parent_pop, owner_pop, append = self._parent_of.pop, self._owner_of.pop, evicted.append
+        num_leaves = 0
+        while len(evicted) < num_blocks and cached_free:
+            block_id = pop_head(False)[0]
+            block_hash = hash_of[block_id]
+            if block_hash in children:  # registered descendants: back to the head, then the general path
+                cached_free[block_id] = None
+                cached_free.move_to_end(block_id, last=False)
+                self._uncache_chain(block_id, evicted)
+                continue
+            del hash_of[block_id], block_of[block_hash]
+            owner_pop(block_id, None)
+            parent_hash = parent_pop(block_id)
+            if parent_hash is not None:
+                siblings = children[parent_hash]
+                if len(siblings) == 1:
+                    del children[parent_hash]
+                else:
+                    siblings.discard(block_id)
+            uncached_free[block_id] = None
+            append(block_id)
+            num_leaves += 1
+        self.num_evicted_blocks += num_leaves
 
     def _uncache_chain(self, block_id: int, evicted: list[int]) -> None:
         stack = [block_id]

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_right
+from itertools import accumulate
+from operator import mul
 from collections.abc import Sequence
 
 from moetide.core.request import Request
@@ -29,44 +32,26 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def _two_product(a: float, b: float) -> tuple[float, float]:
-    """a x b = hi + lo exactly (Dekker's split; no fma in Python 3.11)."""
-    hi = a * b
-    a_hi = a * 134217729.0 - (a * 134217729.0 - a)
-    b_hi = b * 134217729.0 - (b * 134217729.0 - b)
-    a_lo, b_lo = a - a_hi, b - b_hi
-    return hi, ((a_hi * b_hi - hi) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
-
-
 def weighted_summary(values: Sequence[float], weights: Sequence[int]) -> dict[str, float | None]:
-    """``summary`` of the multiset holding each value ``weight`` times, without expanding it: same percentiles
-    (ranks found by cumulative weight) and the same correctly rounded mean (fsum of exact products)."""
+    """``summary`` of the multiset holding each value ``weight`` times, without expanding it: the same
+    percentiles (ranks located by cumulative weight), and the mean as fsum of value x weight (each product rounded
+    once, so it may differ from the expanded mean in the last bits)."""
     total = sum(weights)
     if not total:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     order = sorted(range(len(values)), key=values.__getitem__)
-    terms: list[float] = []
-    for v, w in zip(values, weights):
-        terms.extend(_two_product(v, float(w)) if w != 1 else (v,))
-    ranks = {}
+    ordered_values = [values[i] for i in order]
+    cumulative = list(accumulate(weights[i] for i in order))  # cumulative[j]: ranks below the j-th value's end
+
+    def at(rank: int) -> float:
+        return ordered_values[bisect_right(cumulative, rank)]
+
+    out: dict[str, float | None] = {"mean": math.fsum(map(mul, values, weights)) / total}
     for q in (50, 90, 99):
         pos = (total - 1) * q / 100.0
         lo = math.floor(pos)
-        ranks[q] = (pos, lo, min(lo + 1, total - 1))
-    wanted = sorted({r for _, lo, hi in ranks.values() for r in (lo, hi)})
-    at: dict[int, float] = {}
-    seen = 0
-    k = 0
-    for i in order:
-        seen += weights[i]
-        while k < len(wanted) and wanted[k] < seen:
-            at[wanted[k]] = values[i]
-            k += 1
-        if k == len(wanted):
-            break
-    out: dict[str, float | None] = {"mean": math.fsum(terms) / total}
-    for q, (pos, lo, hi) in ranks.items():
-        out[f"p{q}"] = at[lo] + (at[hi] - at[lo]) * (pos - lo)
+        lo_value = at(lo)
+        out[f"p{q}"] = lo_value + (at(min(lo + 1, total - 1)) - lo_value) * (pos - lo)
     return out
 
 

@@ -15,6 +15,10 @@ expert, and two buffers alternate between consecutive MoE layers so layer n's co
 n-1 is still reading (the copy for layer n waits on an event recorded when layer n-1 was routed, which covers
 layer n-2's reads of the same buffer). On the CPU the same code runs with synchronous copies and no events.
 Staging buffers live outside the arena: they are the working set of one layer, not a tenant of HBM pages.
+
+Resident experts are also served all at once (``stacked_weights``: the arena's strided [E, ...] views), which
+lets the MoE block run its grouped GEMMs; a layer whose routing just staged an expert gets ``None`` there and
+fetches expert by expert, so a staged expert is always read from the staging buffer, never from its old pages.
 """
 
 from __future__ import annotations
@@ -98,16 +102,26 @@ class StagedExpertProvider:
         }
         self._offloaded: list[list[int]] = [[] for _ in layout.moe_layer_ids]
         self._step_counts: list[tuple[int, Tensor]] = []  # this step's routing, recorded by end_step()
+        self._staged_layer: int | None = None  # MoE layer whose routing (last route()) needed staging
 
     def route(self, layer_id: int, expert_ids: Tensor) -> None:
         m = self.moe_index[layer_id]
         counts = torch.bincount(expert_ids.flatten(), minlength=self.layout.num_experts)  # [E]
         self._step_counts.append((m, counts))
+        self._staged_layer = None
         if self._offloaded[m]:  # only then read the routing back before the layer runs (a sync on CUDA)
             routed = counts.tolist()
             needed = [e for e in self._offloaded[m] if routed[e]]
             if needed:
                 self.stager.stage(m, needed)
+                self._staged_layer = m
+
+    def stacked_weights(self, layer_id: int) -> tuple[Tensor, Tensor] | None:
+        """All experts of the layer as the arena's strided views, unless the last ``route`` staged some of them
+        (then the MoE block fetches expert by expert: ``expert_weights``). An offloaded expert that nobody chose
+        keeps KV bytes in its rows; the grouped path never reads the rows of an unchosen expert."""
+        m = self.moe_index[layer_id]
+        return None if self._staged_layer == m else self.storage.stacked_experts(m)
 
     def end_step(self) -> None:
         """Record the step's routing into the residency (one read-back per step, after the forward)."""

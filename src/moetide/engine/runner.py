@@ -177,8 +177,9 @@ class Engine:
             if id(request) not in running_before:
                 stats.prefix_hit_tokens += computed
         t0 = time.perf_counter()
-        logits = self._forward(out)
-        sampled = self._sample(out, logits, sampler, index_of)
+        with torch.inference_mode():  # no autograd bookkeeping: cheaper small ops
+            logits = self._forward(out)
+            sampled = self._sample(out, logits, sampler, index_of)
         sched.update(out, sampled)
         self.parts.experts.end_step()
         self.residency.end_step()
@@ -198,8 +199,7 @@ class Engine:
         if parts.linear_states is not None:
             parts.linear_states.prepare(batch, [kv.get_state_blocks(rid) for rid in request_ids])
         ctx = StepContext(batch, parts.attention, parts.linear_states, parts.experts)
-        with torch.no_grad():
-            logits = parts.model(torch.tensor(tokens, device=parts.storage.device), ctx)  # [B, V]
+        logits = parts.model(torch.tensor(tokens, device=parts.storage.device), ctx)  # [B, V]
         if parts.linear_states is not None:
             parts.linear_states.commit()
         return logits
@@ -213,7 +213,8 @@ class Engine:
         if not rows:
             return {}
         ids = [out.scheduled[i][0].request_id for i in rows]
-        tokens = sampler.sample(logits[rows], ids, [index_of.get(rid, 0) for rid in ids])
+        logits = logits if len(rows) == logits.shape[0] else logits[rows]
+        tokens = sampler.sample(logits, ids, [index_of.get(rid, 0) for rid in ids])
         return dict(zip(ids, tokens))
 
     @staticmethod

@@ -17,9 +17,13 @@ Layouts (all offsets in bytes from the arena's start; ``page_bytes`` is a multip
   ``slot = b % blocks_per_group`` at ``slot × kv_block_bytes`` inside it (``core.arena``'s rule). The same rule
   as one strided view — ``[num_groups, blocks_per_group, A, 2, block_size, Hkv, D]`` — lets attention gather any
   blocks by (group, slot) index tensors. Linear-attention state blocks use the raw byte view
-  (``[num_groups, blocks_per_group, kv_block_bytes]``, see ``engine.state``).
+  (``[num_groups, blocks_per_group, kv_block_bytes]``, see ``engine.state``). For reading, each layer's K and V
+  are also one *row* view ``[rows, Hkv, D]`` in which every token slot of every block is a row (``kv_rows``,
+  ``key_rows``), so attention gathers a whole step's keys with one ``index_select`` per layer.
 * **Routed expert** (MoE layer m, expert e) lives in ``arena.home_pages(m, e)`` (consecutive pages): its fused
-  ``gate_up`` [2I, H] then ``down`` [H, I], packed with no gap; the pages' tail is padding. Shared experts, dense
+  ``gate_up`` [2I, H] then ``down`` [H, I], packed with no gap; the pages' tail is padding. Home pages are evenly
+  spaced, so all experts of a MoE layer are also one strided view (``stacked_experts``: [E, 2I, H] and
+  [E, H, I]) for the grouped expert GEMMs; an offloaded expert's rows in it hold KV bytes. Shared experts, dense
   MLPs, attention and embeddings are ordinary model parameters outside the arena: they are never offloaded.
 
 The arena is zero-filled once at start, so a block that was never written reads as zeros (attention still
@@ -29,6 +33,7 @@ of any kind — old KV, expert weights, fp32 state read as bf16).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +142,11 @@ class ArenaStorage:
         self.block_bytes_view = self.data.as_strided(  # [G, bpg, kv_block_bytes]
             (cfg.num_groups, cfg.blocks_per_group, cfg.kv_block_bytes), (group_bytes, cfg.kv_block_bytes, 1))
         self._kv_views = self._build_kv_views(cfg, kv)
+        self._row_unit, self._kv_rows = self._build_kv_rows(cfg, kv)
+        unit_bytes = self._row_unit * dtype_bytes(kv.dtype)
+        self._row_geometry = (cfg.blocks_per_group, group_bytes // unit_bytes, cfg.kv_block_bytes // unit_bytes)
+        self._stacked_experts = [self._build_stacked_experts(cfg, experts, m)
+                                 for m in range(len(experts.moe_layer_ids))]
 
     def _build_kv_views(self, cfg: ArenaConfig, kv: KVLayout) -> list[tuple[Tensor, Tensor]]:
         """Per full-attention layer a, (K, V) views [G, bpg, block_size, Hkv, D] over every block position."""
@@ -153,7 +163,49 @@ class ArenaStorage:
             views.append((k, v))
         return views
 
+    def _build_kv_rows(self, cfg: ArenaConfig, kv: KVLayout) -> tuple[int, list[tuple[Tensor, Tensor]]]:
+        """Per full-attention layer a, (K, V) as read views [rows, Hkv, D]: row r starts r·u elements after the
+        layer's first tile, u = gcd(group stride, block stride, Hkv·D), so every token slot of every block starts
+        on a row. Rows overlap when u < Hkv·D: read only (attention gathers keys with one ``index_select``)."""
+        elt = dtype_bytes(kv.dtype)
+        typed = self.data.view(kv.dtype)
+        width, tile = kv.num_kv_heads * kv.head_dim, kv.block_size * kv.num_kv_heads * kv.head_dim
+        unit = math.gcd(cfg.pages_per_block * cfg.page_bytes // elt, cfg.kv_block_bytes // elt, width)
+        views = []
+        for a in range(len(kv.attn_layer_ids)):
+            pair = []
+            for offset in (2 * a * tile, (2 * a + 1) * tile):
+                rows = (typed.numel() - offset - width) // unit + 1
+                pair.append(typed.as_strided((rows, kv.num_kv_heads, kv.head_dim), (unit, kv.head_dim, 1),
+                                             storage_offset=offset))
+            views.append((pair[0], pair[1]))
+        return unit, views
+
+    def _build_stacked_experts(self, cfg: ArenaConfig, experts: ExpertLayout, m: int) -> tuple[Tensor, Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) of MoE layer m over every expert's home pages (expert e's pages
+        start ``pages_per_expert`` pages after expert e-1's: ``core.arena``'s rule)."""
+        elt, typed = dtype_bytes(experts.dtype), self.data.view(experts.dtype)
+        step, base = cfg.pages_per_expert * cfg.page_bytes // elt, m * cfg.num_experts
+        E, I, H = experts.num_experts, experts.intermediate_size, experts.hidden_size
+        gate_up = typed.as_strided((E, 2 * I, H), (step, H, 1), storage_offset=base * step)
+        down = typed.as_strided((E, H, I), (step, I, 1), storage_offset=base * step + experts.gate_up_numel)
+        return gate_up, down
+
     # ---- KV -----------------------------------------------------------------------------------------------
+    def kv_rows(self, attn_index: int) -> tuple[Tensor, Tensor]:
+        """(K, V) read views [rows, Hkv, D] of full-attention layer ``attn_index`` (see ``key_rows``)."""
+        return self._kv_rows[attn_index]
+
+    def key_rows(self, block_ids: list[int]) -> list[int]:
+        """The ``kv_rows`` row of each block's slot 0 (slot o is ``row_step`` × o rows further)."""
+        bpg, group_rows, slot_rows = self._row_geometry
+        return [b // bpg * group_rows + b % bpg * slot_rows for b in block_ids]
+
+    @property
+    def row_step(self) -> int:
+        kv = self.kv_layout
+        return kv.num_kv_heads * kv.head_dim // self._row_unit
+
     def kv_views(self, attn_index: int) -> tuple[Tensor, Tensor]:
         """(K, V) of full-attention layer ``attn_index`` (position in ``KVLayout.attn_layer_ids``)."""
         return self._kv_views[attn_index]
@@ -186,6 +238,11 @@ class ArenaStorage:
     def expert_weights(self, moe_index: int, expert_id: int) -> ExpertWeights:
         """Views of a resident expert's weights in its home pages (garbage once its pages are KV)."""
         return self.expert_layout.weights(self.expert_flat(moe_index, expert_id))
+
+    def stacked_experts(self, moe_index: int) -> tuple[Tensor, Tensor]:
+        """Views (gate_up [E, 2I, H], down [E, H, I]) of every expert of a MoE layer in its home pages (an
+        offloaded expert's rows are KV bytes)."""
+        return self._stacked_experts[moe_index]
 
     def store_expert(self, moe_index: int, expert_id: int, packed: Tensor) -> None:
         """Write a packed expert ([numel], any device) into its home pages."""

@@ -3,12 +3,14 @@
 Each block reproduces the arithmetic of its transformers 5.19 counterpart (same op order, same fp32 upcasts), so
 an engine model and ``AutoModelForCausalLM`` on one checkpoint agree to fp32 round-off. What differs is the data
 flow: the tokens of several sequences are packed into one [T, H] tensor (no batch axis, no padding), attention
-goes through ``StepContext.attention``, and the MoE block runs only the experts its router selected, with explicit
-expert ids, fetching each one's weights from ``StepContext.experts`` (see ``hooks``).
+goes through ``StepContext.attention``, and the MoE block (``moe``) runs only the experts its router selected,
+with explicit expert ids, reaching their weights through ``StepContext.experts`` (see ``hooks``). Per step, the
+work that does not depend on the layer (positions, RoPE tables) is done once, in ``MoECausalLM.forward``.
 
-Parameter names follow transformers' in-memory (v5) names without the ``model.`` prefix: ``layers.3.self_attn.
-q_proj.weight``, ``layers.3.mlp.experts.gate_up_proj`` [E, 2I, H]. ``MoECausalLM.checkpoint_targets`` maps them
-to the names on disk, which for transformers 5.19 checkpoints are the older per-expert ones (see ``loader``).
+Parameter names follow transformers' in-memory (v5) names without the ``model.`` prefix: ``layers.3.mlp.experts.
+gate_up_proj`` [E, 2I, H] — except attention's q/k/v, fused into ``layers.3.self_attn.qkv_proj.weight``.
+``MoECausalLM.checkpoint_targets`` maps them to the names on disk, which for transformers 5.19 checkpoints are
+the older per-expert ones and the three attention projections (see ``loader``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from moetide.engine.models.hooks import (
     StepBatch,
     StepContext,
 )
+from moetide.engine.models.moe import MLP, SparseMoE  # MLP re-exported: the model files import it from here
 from moetide.specs.hf_config import ConfigReader
 
 Rope = tuple[Tensor, Tensor]  # cos, sin: [T, rotary_dim] each
@@ -69,6 +72,14 @@ def require_silu(r: ConfigReader) -> None:
 # ---- layers ------------------------------------------------------------------------------------------------
 
 
+def rms_normalize(x: Tensor, eps: float) -> Tensor:
+    """x / rms(x) over the last dim, computed in fp32 and cast back to x's dtype (no weight), as transformers
+    writes it. (``F.rms_norm`` gives the same bits in fp32 but is no faster on the CPU in torch 2.13: it is a
+    composite of the same ops.)"""
+    x32 = x.float()
+    return (x32 * x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim. ``zero_centered`` (Qwen3-Next) scales by ``1 + weight`` in fp32 and casts last;
     the plain form (Qwen3-MoE, Mixtral) casts the normalized input back first, then scales by ``weight``."""
@@ -79,133 +90,111 @@ class RMSNorm(nn.Module):
         self.eps, self.zero_centered = eps, zero_centered
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.zero_centered:
+            return self.weight * rms_normalize(x, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (normed * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * normed.to(x.dtype)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
 def rope_tables(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> Rope:
-    """cos, sin [T, rotary_dim] for LongTensor[T] positions (transformers' default RoPE, inv_freq on the CPU)."""
+    """cos and *signed* sin [T, rotary_dim] for LongTensor[T] positions (transformers' default RoPE, inv_freq on
+    the CPU); the sin table's first half is negated, so ``apply_rope`` swaps halves without negating them."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
     freqs = positions[:, None].float() * inv_freq.to(positions.device)  # [T, R/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [T, R]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = freqs.sin()
+    return torch.cat([freqs, freqs], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
+
+
+class RopeCache:
+    """``rope_tables`` for positions [0, N), computed once and regrown (doubling) when a sequence gets longer; a
+    step gathers its rows by position. Elementwise the same numbers as computing them per step."""
+
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        self.rotary_dim, self.theta = rotary_dim, theta
+        self._tables: dict[tuple[torch.device, torch.dtype], Rope] = {}
+
+    def lookup(self, positions: Tensor, max_position: int, dtype: torch.dtype) -> Rope:
+        """cos, sin [T, rotary_dim] for ``positions`` (each at most ``max_position``)."""
+        key = (positions.device, dtype)
+        tables = self._tables.get(key)
+        if tables is None or tables[0].shape[0] <= max_position:
+            size = max(256, max_position + 1, 2 * (0 if tables is None else tables[0].shape[0]))
+            with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+                tables = rope_tables(torch.arange(size, device=positions.device), self.rotary_dim, self.theta,
+                                     dtype)
+            self._tables[key] = tables
+        return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
 
 
 def apply_rope(x: Tensor, rope: Rope) -> Tensor:
-    """x [T, h, D]: rotate the first rotary_dim dims (halves convention), pass the rest through."""
+    """x [T, h, D]: rotate the first rotary_dim dims (halves convention), pass the rest through. Bit for bit
+    transformers' ``x * cos + rotate_half(x) * sin``: (-a)·s and a·(-s) are the same float."""
     cos, sin = rope[0][:, None, :], rope[1][:, None, :]
-    rotary_dim = cos.shape[-1]
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+    rotary_dim, half = cos.shape[-1], cos.shape[-1] // 2
+    rot = x[..., :rotary_dim]
+    out = rot * cos + torch.cat([rot[..., half:], rot[..., :half]], dim=-1) * sin
+    return out if rotary_dim == x.shape[-1] else torch.cat([out, x[..., rotary_dim:]], dim=-1)
 
 
 class Attention(nn.Module):
     """GQA attention over the step's packed tokens. Options: per-head q/k RMSNorm (Qwen3), and Qwen3-Next's output
-    gate: q_proj emits [q | gate] per head and the attention output is multiplied by sigmoid(gate)."""
+    gate: q_proj emits [q | gate] per head and the attention output is multiplied by sigmoid(gate).
+
+    q, k and v come from one fused projection, ``qkv_proj`` (rows: q_proj's, then k_proj's, then v_proj's; the
+    checkpoint's three tensors load into its row slices, ``checkpoint_slices``). Without the output gate, the q
+    and k heads are adjacent in its output, so their RMSNorm and RoPE run once over [T, Hq + Hkv, D]."""
 
     def __init__(self, config: Any, layer_id: int, *, qk_norm: bool, output_gate: bool = False,
                  zero_centered_norm: bool = False) -> None:
         super().__init__()
-        self.layer_id, self.output_gate = layer_id, output_gate
+        self.layer_id, self.output_gate, self.qk_norm = layer_id, output_gate, qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_kv_heads,
                                                             config.head_dim)
         hidden, q_width = config.hidden_size, self.num_heads * self.head_dim
         kv_width = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_width * (2 if output_gate else 1), bias=False)
-        self.k_proj = nn.Linear(hidden, kv_width, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.widths = (q_width * (2 if output_gate else 1), kv_width, kv_width)  # q (| gate), k, v rows
+        self.qkv_proj = nn.Linear(hidden, sum(self.widths), bias=False)
         self.o_proj = nn.Linear(q_width, hidden, bias=False)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
-        self.qk_norm = qk_norm
+        self.joint_qk = not output_gate and not zero_centered_norm
+
+    def checkpoint_slices(self) -> dict[str, slice]:
+        """Checkpoint projection name -> its rows of ``qkv_proj.weight``."""
+        q, kv, _ = self.widths
+        return {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
 
     def forward(self, x: Tensor, ctx: StepContext, rope: Rope) -> Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x)  # [T, Hq * D] (or [T, Hq * 2D] with the output gate)
+        T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_proj.weight)  # [T, (Hq (·2) + 2·Hkv) · D]
         gate = None
-        if self.output_gate:
-            q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(T, -1)  # [T, Hq * D]
-        q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = ctx.attention.attend(self.layer_id, q, k, v, ctx.batch, self.head_dim**-0.5)  # [T, Hq, D]
-        out = out.reshape(T, -1)
+        if self.joint_qk:
+            heads = qkv.view(T, Hq + 2 * Hkv, D)
+            qk, v = heads[:, : Hq + Hkv], heads[:, Hq + Hkv :]  # [T, Hq + Hkv, D], [T, Hkv, D]
+            qk = apply_rope(self._norm_qk(qk) if self.qk_norm else qk, rope)
+            q, k = qk[:, :Hq], qk[:, Hq:]
+        else:
+            q, k, v = qkv.split(self.widths, dim=-1)
+            if self.output_gate:
+                q, gate = q.view(T, Hq, 2 * D).chunk(2, dim=-1)
+                gate = gate.reshape(T, -1)  # [T, Hq * D]
+            q, k, v = q.reshape(T, Hq, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = ctx.attention.attend(self.layer_id, q, k, v, ctx.batch, D**-0.5).reshape(T, -1)  # [T, Hq * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return F.linear(out, self.o_proj.weight)
 
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward (dense layers and Qwen3-Next's shared expert)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: Tensor, experts: ExpertProvider | None = None) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Experts(nn.Module):
-    """The routed experts' weights, stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-
-
-class SparseMoE(nn.Module):
-    """Router, then a loop over only the experts the step selected. Routing is transformers 5.19's: softmax over
-    all experts in fp32, top-k, optional renormalization of the k weights (``norm_topk_prob``; Mixtral always, which
-    equals its original top-k-then-softmax). ``cast_weights`` casts the k weights to the activation dtype before
-    use (Qwen3); Mixtral keeps them fp32 until the product is added. Optional shared expert with a sigmoid gate."""
-
-    def __init__(self, config: Any, layer_id: int, *, norm_topk_prob: bool, cast_weights: bool,
-                 shared_intermediate_size: int = 0) -> None:
-        super().__init__()
-        self.layer_id, self.top_k = layer_id, config.num_experts_per_tok
-        self.norm_topk_prob, self.cast_weights = norm_topk_prob, cast_weights
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
-        self.has_shared_expert = shared_intermediate_size > 0
-        if self.has_shared_expert:
-            self.shared_expert = MLP(config.hidden_size, shared_intermediate_size)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        logits = self.gate(x)  # [T, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K], [T, K]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (weights.to(logits.dtype) if self.cast_weights else weights), expert_ids
-
-    def forward(self, x: Tensor, experts: ExpertProvider) -> Tensor:
-        weights, expert_ids = self.route(x)  # [T, K], [T, K]
-        experts.route(self.layer_id, expert_ids)
-        out = torch.zeros_like(x)  # [T, H]
-        for expert_id in expert_ids.unique().tolist():  # ascending, like transformers
-            token_idx, rank = torch.where(expert_ids == expert_id)  # tokens routed here, and at which of their k
-            w = experts.expert_weights(self.layer_id, expert_id)
-            gate, up = F.linear(x.index_select(0, token_idx), w.gate_up).chunk(2, dim=-1)  # [t, I] each
-            y = F.linear(F.silu(gate) * up, w.down) * weights[token_idx, rank, None]  # [t, H]
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        if self.has_shared_expert:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+    def _norm_qk(self, qk: Tensor) -> Tensor:
+        """q_norm on the q heads and k_norm on the k heads of [T, Hq + Hkv, D], in one pass (plain RMSNorm)."""
+        normed = rms_normalize(qk, self.q_norm.eps)  # a new tensor: scaled in place, weight * x as RMSNorm does
+        normed[:, : self.num_heads] *= self.q_norm.weight
+        normed[:, self.num_heads :] *= self.k_norm.weight
+        return normed
 
 
 class DecoderLayer(nn.Module):
@@ -245,11 +234,15 @@ class MoECausalLM(nn.Module):
     def __init__(self, config: Any, layers: list[DecoderLayer]) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # ``_weight`` skips the random init (every weight is loaded next); on the meta device torch 2.13's
+        # ``normal_`` would import torch._dynamo: ~70 MiB of RSS and a second of start-up, measured
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.zero_centered_norm)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
+        self.rope = RopeCache(config.rotary_dim, config.rope_theta)
         self.own_experts = ModuleExpertProvider({i: layer.mlp.experts for i, layer in enumerate(layers)
                                                  if isinstance(layer.mlp, SparseMoE)})
 
@@ -259,12 +252,13 @@ class MoECausalLM(nn.Module):
         if token_ids.shape != (ctx.batch.num_tokens,):
             raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}, the step has {ctx.batch.num_tokens}")
         x = self.embed_tokens(token_ids)  # [T, H]
-        positions = ctx.batch.positions(x.device)
-        rope = rope_tables(positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
+        batch = ctx.batch
+        max_position = max(c + n for c, n in zip(batch.num_computed_tokens, batch.num_new_tokens)) - 1
+        rope = self.rope.lookup(batch.positions(x.device), max_position, x.dtype)  # once per step, for all layers
         experts = ctx.experts if ctx.experts is not None else self.own_experts
         for layer in self.layers:
             x = layer(x, ctx, rope, experts)
-        if not all_logits:
+        if not all_logits and ctx.batch.num_tokens != len(ctx.batch.seq_ids):  # else each token is a last one
             x = x[ctx.batch.last_token_indices(x.device)]  # [B, H]
         x = self.norm(x)
         return F.linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
@@ -300,6 +294,11 @@ class MoECausalLM(nn.Module):
                 continue
             if _ROUTER_PARAM.fullmatch(name) and not fused_experts:
                 name = name.replace(".mlp.", f".{self.legacy_moe_module}.")
+            if name.endswith(".qkv_proj.weight"):  # one fused parameter, three checkpoint tensors
+                attention = self.get_submodule(name.removesuffix(".qkv_proj.weight"))
+                for proj, rows in attention.checkpoint_slices().items():
+                    targets[self.hf_name(name.replace(".qkv_proj.", f".{proj}."))] = param.detach()[rows]
+                continue
             targets[self.hf_name(name)] = param.detach()
         return targets
 

@@ -60,8 +60,10 @@ class StepBatch:
 
     def positions(self, device: torch.device | str = "cpu") -> Tensor:
         """LongTensor[T]: each token's position in its own sequence."""
-        return torch.cat([torch.arange(c, c + n, device=device)
-                          for n, c in zip(self.num_new_tokens, self.num_computed_tokens)])
+        if self.num_tokens == len(self.seq_ids):  # one token each (pure decode)
+            return torch.tensor(self.num_computed_tokens, device=device)
+        return torch.tensor([p for n, c in zip(self.num_new_tokens, self.num_computed_tokens)
+                             for p in range(c, c + n)], device=device)
 
     def last_token_indices(self, device: torch.device | str = "cpu") -> Tensor:
         """LongTensor[B]: index in the step of each sequence's last new token."""
@@ -193,6 +195,11 @@ class ExpertProvider(Protocol):
         """Weights of one expert the step selected, on the compute device, valid until the layer returns."""
         ...
 
+    # Optional: ``stacked_weights(layer_id) -> (gate_up [E, 2I, H], down [E, H, I]) | None``, called after
+    # ``route``: views of all E experts of the layer, valid for every expert routed in this step (rows of experts
+    # nobody chose may hold anything: they are not read), or None when some routed expert is only reachable
+    # through ``expert_weights`` (staged). With it, the MoE block runs the grouped path (``models.moe``).
+
 
 class ModuleExpertProvider:
     """The default ``ExpertProvider``: views into each MoE layer's own stacked parameters (read at call time, so
@@ -207,6 +214,10 @@ class ModuleExpertProvider:
     def expert_weights(self, layer_id: int, expert_id: int) -> ExpertWeights:
         module = self.experts_by_layer[layer_id]
         return ExpertWeights(module.gate_up_proj[expert_id], module.down_proj[expert_id])
+
+    def stacked_weights(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        module = self.experts_by_layer[layer_id]
+        return module.gate_up_proj, module.down_proj
 
 
 @dataclass

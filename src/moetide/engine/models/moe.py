@@ -1,0 +1,152 @@
+"""The feed-forward blocks: SwiGLU MLP, and the sparse MoE block with its two ways of running the routed experts.
+
+Routing is transformers 5.19's (see ``SparseMoE``). What differs from transformers is how the selected experts
+run. Both paths compute, for every (token, rank) pair, ``down(silu(gate) * up) * weight`` and add the pairs of a
+token into its output in ascending expert order — the order transformers' loop adds them — so both paths give the
+same bits (tested):
+
+* **grouped** (``grouped_experts``): sort the step's T·K (token, rank) pairs by expert, gather their inputs once,
+  and run every expert's GEMM in one ``torch._grouped_mm`` call per projection over the stacked ``[E, ...]``
+  weights, with per-expert row offsets (an expert no token chose is an empty group: its weights are not read).
+  A fixed number of torch ops per layer, no host read-back. Needs the provider's ``stacked_weights``: views of all
+  E experts of the layer (the arena's strided expert views, or the module's parameters), which exist only while
+  every routed expert is resident. Used on the CPU, where ``_grouped_mm`` runs any dtype; on CUDA it needs bf16
+  and 16-byte-aligned shapes and has not been run here, so CUDA takes the loop for now.
+* **loop** (``looped_experts``): one Python iteration per selected expert, fetching each expert's weights from
+  the provider (``expert_weights``): the path that serves staged (offloaded) experts, and the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moetide.engine.models.hooks import ExpertProvider
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (dense layers and Qwen3-Next's shared expert)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor, experts: ExpertProvider | None = None) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+@functools.cache
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs here (probed once per device type and dtype; CPU only, see above)."""
+    if device_type != "cpu" or not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a, b = torch.ones(3, 4, dtype=dtype), torch.ones(2, 5, 4, dtype=dtype).transpose(1, 2)
+        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 3], dtype=torch.int32))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return tuple(out.shape) == (3, 5) and bool((out == 4).all())
+
+
+@functools.cache
+def _expert_range(num_experts: int, device: torch.device) -> Tensor:
+    with torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
+        return torch.arange(num_experts, device=device)
+
+
+def grouped_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """x [T, H]; weights, expert_ids [T, K]; gate_up [E, 2I, H], down [E, H, I] (any strides) -> [T, H]."""
+    K = expert_ids.shape[1]
+    # P = T·K pairs, pair p = (token p // K, rank p % K); sorted by expert, then token (stable), so a token's
+    # pairs are added in ascending expert order
+    sorted_ids, order = expert_ids.reshape(-1).sort(stable=True)  # [P]
+    ends = torch.searchsorted(sorted_ids, _expert_range(gate_up.shape[0], x.device), right=True,
+                              out_int32=True)  # [E] where each expert's rows end
+    token_idx = torch.div(order, K, rounding_mode="floor")  # [P]
+    h = torch._grouped_mm(x.index_select(0, token_idx), gate_up.transpose(1, 2), offs=ends)  # [P, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)  # [P, H]
+    y = y * weights.reshape(-1).index_select(0, order)[:, None]
+    return torch.zeros_like(x).index_add_(0, token_idx, y.to(x.dtype))
+
+
+def single_token_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """The same as ``grouped_experts`` for one token (decoding one sequence), where ``_grouped_mm``'s cost per
+    expert (all E groups, chosen or not) dominates: K GEMVs straight from the stacked views. Every expert sees
+    one row, as in the other paths, so the bits are the same."""
+    row, out = expert_ids[0].tolist(), torch.zeros_like(x)  # [1, H]
+    for rank in sorted(range(len(row)), key=row.__getitem__):  # ascending expert, like the other paths
+        gate, up = F.linear(x, gate_up[row[rank]]).chunk(2, dim=-1)  # [1, I] each
+        out += (F.linear(F.silu(gate) * up, down[row[rank]]) * weights[:, rank : rank + 1]).to(out.dtype)
+    return out
+
+
+def looped_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, experts: ExpertProvider,
+                   layer_id: int) -> Tensor:
+    """The same as ``grouped_experts``, one selected expert at a time, weights from ``experts.expert_weights``."""
+    out = torch.zeros_like(x)  # [T, H]
+    for expert_id in expert_ids.unique().tolist():  # ascending, like transformers
+        token_idx, rank = torch.where(expert_ids == expert_id)  # tokens routed here, and at which of their k
+        w = experts.expert_weights(layer_id, expert_id)
+        gate, up = F.linear(x.index_select(0, token_idx), w.gate_up).chunk(2, dim=-1)  # [t, I] each
+        y = F.linear(F.silu(gate) * up, w.down) * weights[token_idx, rank, None]  # [t, H]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
+
+
+class SparseMoE(nn.Module):
+    """Router, then only the experts the step selected (grouped or looped, see the module docstring). Routing is
+    transformers 5.19's: softmax over all experts in fp32, top-k, optional renormalization of the k weights
+    (``norm_topk_prob``; Mixtral always, which equals its original top-k-then-softmax). ``cast_weights`` casts
+    the k weights to the activation dtype before use (Qwen3); Mixtral keeps them fp32 until the product is added.
+    Optional shared expert with a sigmoid gate."""
+
+    def __init__(self, config: Any, layer_id: int, *, norm_topk_prob: bool, cast_weights: bool,
+                 shared_intermediate_size: int = 0) -> None:
+        super().__init__()
+        self.layer_id, self.top_k = layer_id, config.num_experts_per_tok
+        self.norm_topk_prob, self.cast_weights = norm_topk_prob, cast_weights
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.has_shared_expert = shared_intermediate_size > 0
+        if self.has_shared_expert:
+            self.shared_expert = MLP(config.hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        logits = F.linear(x, self.gate.weight)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K], [T, K]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights.to(logits.dtype) if self.cast_weights else weights), expert_ids
+
+    def forward(self, x: Tensor, experts: ExpertProvider) -> Tensor:
+        weights, expert_ids = self.route(x)  # [T, K], [T, K]
+        experts.route(self.layer_id, expert_ids)
+        stacked = getattr(experts, "stacked_weights", None)
+        stacked = stacked(self.layer_id) if stacked is not None else None
+        if stacked is not None and expert_ids.shape[0] == 1 and x.device.type == "cpu":
+            out = single_token_experts(x, weights, expert_ids, *stacked)
+        elif stacked is not None and grouped_mm_supported(x.device.type, x.dtype):
+            out = grouped_experts(x, weights, expert_ids, *stacked)
+        else:
+            out = looped_experts(x, weights, expert_ids, experts, self.layer_id)
+        if self.has_shared_expert:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -4,10 +4,15 @@ Greedy unless ``--temperature`` is given (then seeded by ``--seed``: same argume
 comes from the model directory (local files only). ``--json OUT`` writes::
 
     {"outputs": [{"prompt", "prompt_token_ids", "token_ids", "text", "finish_reason"}, ...],
-     "stats": {"prefix_evictions", "preemptions", "experts_offloaded", "prefix_hit_tokens", "steps", ...}}
+     "stats": {"prefix_evictions", "preemptions", "experts_offloaded", "prefix_hit_tokens", "steps", ...,
+               "kv_host_blocks", "split_policy", "split": {"cpu_blocks", "streamed_blocks", "cpu_s", ...}}}
 
-and stdout gets one line per prompt plus a one-line summary of the counters. torch and transformers are imported
-only when the verb runs.
+and stdout gets one line per prompt plus a one-line summary of the counters (a second one for host KV).
+torch and transformers are imported only when the verb runs.
+
+``--kv-host-mib X`` adds X MiB of host KV blocks (pinned on CUDA) beyond the device budget: KV spills there once
+the device part is full, and attention splits each step between the device, the CPU in place and blocks streamed
+to the device, as ``--split-policy`` chooses (docs/writescope.md, "The engine half").
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from moetide.core.splits import SPLIT_POLICIES
+from moetide.engine.split_plan import DEFAULT_SPLIT_GPU, DEFAULT_SPLIT_HOST
 from moetide.errors import UserError
 
 DEFAULT_KV_BUDGET_MIB = 256.0
@@ -38,6 +45,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default %(default)s)")
     add("--device", choices=("cpu", "cuda"), default="cpu", help="where the arena lives (default %(default)s)")
     add("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    add("--kv-host-mib", type=float, default=0.0, metavar="X",
+        help="host memory for KV blocks that spill past the device budget, MiB (default %(default)s: none)")
+    add("--split-policy", choices=tuple(SPLIT_POLICIES), default="writescope",
+        help="with host KV: who attends the host blocks each step (default %(default)s)")
+    add("--split-fixed-ratio", type=float, default=0.5, metavar="R",
+        help="CPU share of the host blocks under --split-policy fixed-ratio (default %(default)s)")
+    add("--split-gpu", default=DEFAULT_SPLIT_GPU, metavar="NAME|FILE",
+        help="GPU preset or file whose costs the split policy weighs (default %(default)s)")
+    add("--split-host", default=DEFAULT_SPLIT_HOST, metavar="NAME|FILE",
+        help="host preset or file (a `moetide calibrate` file adds its fitted factors) (default %(default)s)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,10 +112,13 @@ def build_engine(args: argparse.Namespace, **overrides: object):
         torch.set_num_threads(args.threads)
     if not args.kv_budget_mib >= 0:
         raise UserError(f"--kv-budget-mib must be >= 0, got {args.kv_budget_mib}")
+    if not args.kv_host_mib >= 0:
+        raise UserError(f"--kv-host-mib must be >= 0, got {args.kv_host_mib}")
     options = dict(kv_budget_mib=args.kv_budget_mib, block_size=args.block_size, policy=args.policy,
                    max_offload_ratio=args.max_offload_ratio, static_offload=args.static_offload,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   device=args.device)
+                   device=args.device, kv_host_mib=args.kv_host_mib, split_policy=args.split_policy,
+                   split_fixed_ratio=args.split_fixed_ratio, split_gpu=args.split_gpu, split_host=args.split_host)
     options.update(overrides)
     return Engine(args.model, **options)
 
@@ -132,6 +152,12 @@ def _emit(json_path: str | None, report: dict) -> None:
     print(f"steps {stats['steps']}, prefix evictions {stats['prefix_evictions']} blocks, preemptions "
           f"{stats['preemptions']}, experts offloaded {stats['experts_offloaded']}, prefix hits "
           f"{stats['prefix_hit_tokens']} tokens, recomputed {stats['recomputed_tokens']} tokens")
+    split = stats.get("split")
+    if split:
+        print(f"host KV ({stats['split_policy']}): {stats['kv_host_blocks']} blocks, {split['host_tokens_written']} "
+              f"tokens written there; over {split['steps']} steps: {split['device_blocks']} device, "
+              f"{split['cpu_blocks']} CPU in place, {split['streamed_blocks']} streamed block-steps; CPU "
+              f"{split['cpu_s'] * 1e3:.1f} ms measured, {split['predicted_cpu_s'] * 1e3:.1f} ms predicted")
     if json_path is not None:
         try:
             Path(json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

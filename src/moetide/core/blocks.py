@@ -25,6 +25,10 @@ How it differs from vLLM's pool, and why:
   refused (``cache_block`` returns False) and that block stays private; it is freed as an uncached block.
 * **Growth and shrink by given ids.** The arena (``core.arena``) decides which block ids exist; the pool adds and
   removes exactly those. Removal is atomic: all free, or nothing changes.
+* **Two tiers, optionally.** With ``preferred_below`` set, every uncached free block with an id below it is
+  allocated before any other: such a block enters the *head* of the uncached queue instead of its tail. The engine
+  numbers its device blocks below its host blocks, so device KV is used first and host KV only once the device
+  part is exhausted (WriteScope's device-first placement, ``core.splits``). Unset, nothing changes.
 
 Atomicity: ``allocate`` either returns all the blocks asked for or returns ``None`` and changes nothing — there is
 no separate "can I?" call whose answer could be stale by the time of "do it".
@@ -40,8 +44,10 @@ from collections.abc import Collection, Iterable, Sequence
 class BlockPool:
     """Reference-counted KV blocks with an LRU prefix cache and separate uncached/cached free queues."""
 
-    def __init__(self, block_ids: Iterable[int], *, enable_caching: bool = True) -> None:
+    def __init__(self, block_ids: Iterable[int], *, enable_caching: bool = True,
+                 preferred_below: int | None = None) -> None:
         self.enable_caching = enable_caching
+        self.preferred_below = preferred_below  # ids below it are allocated first (module docstring: two tiers)
         self._ref_cnt: dict[int, int] = {}
         self._uncached_free: OrderedDict[int, None] = OrderedDict()
         self._cached_free: OrderedDict[int, None] = OrderedDict()
@@ -123,19 +129,19 @@ class BlockPool:
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on each block (cache hits); a free block leaves its free queue."""
-        ref_cnt = self._ref_cnt
+        ref_cnt, hash_of, cached_free, uncached_free = self._ref_cnt, self._hash_of, self._cached_free, self._uncached_free
         for block_id in block_ids:
             count = ref_cnt[block_id]
             if count == 0:
-                if block_id in self._hash_of:
-                    del self._cached_free[block_id]
+                if block_id in hash_of:
+                    del cached_free[block_id]
                 else:
-                    del self._uncached_free[block_id]
+                    del uncached_free[block_id]
             ref_cnt[block_id] = count + 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given; at zero a block joins the tail of its queue."""
-        ref_cnt = self._ref_cnt
+        ref_cnt, prefer = self._ref_cnt, self.preferred_below
         self.free_version += 1
         for block_id in block_ids:
             count = ref_cnt[block_id] - 1
@@ -147,6 +153,8 @@ class BlockPool:
                     self._cached_free[block_id] = None
                 else:
                     self._uncached_free[block_id] = None
+                    if prefer is not None and block_id < prefer:
+                        self._uncached_free.move_to_end(block_id, last=False)
 
     # ---- the prefix cache ---------------------------------------------------------------------------------
     def cache_block(self, block_id: int, block_hash: int, parent_hash: int | None) -> bool:
@@ -166,12 +174,13 @@ class BlockPool:
             return 0
         registered = 0
         block_of, hash_of, parent_of, ref_cnt = self._block_of, self._hash_of, self._parent_of, self._ref_cnt
-        children = self._children
+        children, owner_of = self._children, self._owner_of
+        parent_hash = block_hashes[start - 1] if start else None
         for i in range(start, end):
             block_hash = block_hashes[i]
-            parent_hash = block_hashes[i - 1] if i else None
             block_id = block_ids[i]
             if block_hash in block_of or (parent_hash is not None and parent_hash not in block_of):
+                parent_hash = block_hash
                 continue
             if block_id in hash_of:
                 raise ValueError(f"block {block_id} is already cached under another hash")
@@ -185,11 +194,12 @@ class BlockPool:
                 else:
                     kids.add(block_id)
             if owner is not None:
-                self._owner_of[block_id] = owner
+                owner_of[block_id] = owner
             if ref_cnt[block_id] == 0:
                 del self._uncached_free[block_id]
                 self._cached_free[block_id] = None
             registered += 1
+            parent_hash = block_hash
         return registered
 
     def owner_of(self, block_id: int) -> str | None:
@@ -267,6 +277,7 @@ class BlockPool:
         cached_free, children, hash_of, block_of = self._cached_free, self._children, self._hash_of, self._block_of
         uncached_free, pop_head = self._uncached_free, cached_free.popitem
         parent_pop, owner_pop, append = self._parent_of.pop, self._owner_of.pop, evicted.append
+        prefer = self.preferred_below
         num_leaves = 0
         while len(evicted) < num_blocks and cached_free:
             block_id = pop_head(False)[0]
@@ -286,6 +297,8 @@ class BlockPool:
                 else:
                     siblings.discard(block_id)
             uncached_free[block_id] = None
+            if prefer is not None and block_id < prefer:
+                uncached_free.move_to_end(block_id, last=False)
             append(block_id)
             num_leaves += 1
         self.num_evicted_blocks += num_leaves
@@ -307,12 +320,14 @@ class BlockPool:
             if self._ref_cnt[block_id] == 0:
                 del self._cached_free[block_id]
                 self._uncached_free[block_id] = None
+                if self.preferred_below is not None and block_id < self.preferred_below:
+                    self._uncached_free.move_to_end(block_id, last=False)
                 evicted.append(block_id)
                 self.num_evicted_blocks += 1
 
     # ---- growth and shrink --------------------------------------------------------------------------------
     def add_blocks(self, block_ids: Iterable[int]) -> None:
-        """New block ids join the tail of the uncached free queue."""
+        """New block ids join the tail of the uncached free queue (preferred ids: its head, in the order given)."""
         new_ids = list(block_ids)
         clash = [b for b in new_ids if b in self._ref_cnt]
         if clash or len(set(new_ids)) != len(new_ids):
@@ -320,6 +335,11 @@ class BlockPool:
         for block_id in new_ids:
             self._ref_cnt[block_id] = 0
             self._uncached_free[block_id] = None
+        prefer = self.preferred_below
+        if prefer is not None:
+            for block_id in reversed(new_ids):
+                if block_id < prefer:
+                    self._uncached_free.move_to_end(block_id, last=False)
         self.free_version += 1
 
     def remove_blocks(self, block_ids: Iterable[int]) -> bool:
@@ -351,6 +371,9 @@ class BlockPool:
             if block_id in uncached:
                 assert block_id not in self._hash_of, f"uncached-free block {block_id} has a hash"
         assert uncached | cached <= set(self._ref_cnt), "free queue holds a block the pool does not own"
+        if self.preferred_below is not None:
+            tiers = [b >= self.preferred_below for b in self._uncached_free]
+            assert tiers == sorted(tiers), "a preferred uncached free block sits behind a non-preferred one"
         assert len(self._block_of) == len(self._hash_of) == len(self._parent_of), "hash maps differ in size"
         for block_id, block_hash in self._hash_of.items():
             assert self._block_of[block_hash] == block_id, f"hash of block {block_id} maps elsewhere"

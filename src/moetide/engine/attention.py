@@ -114,6 +114,9 @@ class PagedAttentionBackend:
                                          for j in range(num_q)] for i in rows], device=device)
         return _Group(torch.where(key_valid, key_rows, key_rows[:, :1]).flatten(), num_keys, token_index, attend)
 
+    def end_step(self) -> None:
+        """Nothing to close: the paged backend measures nothing (the split backend does)."""
+
     # ---- per layer ----------------------------------------------------------------------------------------
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, scale: float) -> Tensor:
         plan = self._plan

@@ -9,6 +9,13 @@ model's own stacked expert parameters are dropped, so each routed expert exists 
 Budget: ``kv_budget_bytes`` buys whole KV pages *on top of* the routed experts' pages (the experts are the
 weights every engine must hold anyway; offloading them is how the KV share grows). A budget that leaves no room
 for a single KV block, a missing model directory, an unknown policy or device are ``UserError``s.
+
+Host KV (``kv_host_bytes`` > 0, WriteScope's engine half): that many bytes of whole KV blocks in host memory
+(``engine.host_kv``; pinned on CUDA), numbered after every arena id and added to the same pool, which allocates
+device blocks first (``BlockPool(preferred_below=...)``); the arena sees only its own ids. Attention is then the
+split backend (``engine.split_backend``) under the named split policy, on ``perf``'s costs for ``split_gpu`` and
+``split_host`` (or a ``split_costs`` callable). With host KV the device KV budget may be 0: every block is a host
+block. Without it nothing changes: the paged backend, the arena's blocks only.
 """
 
 from __future__ import annotations
@@ -25,10 +32,20 @@ from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, PressurePolicy, get_policy
 from moetide.core.scheduler import Scheduler, SchedulerConfig
+from moetide.core.splits import SPLIT_POLICIES
 from moetide.engine.attention import PagedAttentionBackend
 from moetide.engine.experts import ArenaExpertLine, StagedExpertProvider
+from moetide.engine.host_kv import ArenaPoolView, HostKVStorage
 from moetide.engine.loader import load_model
 from moetide.engine.models import MoECausalLM
+from moetide.engine.split_backend import SplitAttentionBackend
+from moetide.engine.split_plan import (
+    DEFAULT_SPLIT_GPU,
+    DEFAULT_SPLIT_HOST,
+    PerfSplitCosts,
+    SplitCostSource,
+    SplitStepper,
+)
 from moetide.engine.state import BlockLinearStateStore, StateLayout
 from moetide.engine.storage import (
     ArenaStorage,
@@ -36,6 +53,7 @@ from moetide.engine.storage import (
     KVLayout,
     arena_config,
     default_page_bytes,
+    dtype_bytes,
     pack_experts,
 )
 from moetide.errors import UserError
@@ -46,7 +64,9 @@ DEVICES = ("cpu", "cuda")
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built with. ``enable_prefix_caching=None``: on, except for hybrid models (off:
-    see ``engine.state``). ``page_bytes=None``: ``storage.default_page_bytes``. ``dtype=None``: config.json's."""
+    see ``engine.state``). ``page_bytes=None``: ``storage.default_page_bytes``. ``dtype=None``: config.json's.
+    ``kv_host_bytes`` > 0 adds host KV and split attention (module docstring); ``split_fixed_ratio`` is the CPU
+    share of the ``fixed-ratio`` split policy; ``split_gpu`` / ``split_host``: presets or files for its costs."""
 
     kv_budget_bytes: int
     device: str = "cpu"
@@ -59,11 +79,16 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     page_bytes: int | None = None
     ignore_eos: bool = False
+    kv_host_bytes: int = 0
+    split_policy: str = "writescope"
+    split_fixed_ratio: float = 0.5
+    split_gpu: str = DEFAULT_SPLIT_GPU
+    split_host: str = DEFAULT_SPLIT_HOST
 
     def __post_init__(self) -> None:
-        for name in ("kv_budget_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("kv_budget_bytes", "kv_host_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "kv_budget_bytes"
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name.startswith("kv_")
                                                                                  else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.device not in DEVICES:
@@ -74,19 +99,24 @@ class EngineConfig:
             raise ValueError("static_offload needs max_offload_ratio > 0 (the share of expert bytes to offload)")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes & (self.page_bytes - 1)):
             raise ValueError(f"page_bytes must be a power of two >= 64, got {self.page_bytes!r}")
+        if self.split_policy not in SPLIT_POLICIES:
+            raise ValueError(f"split_policy must be one of {', '.join(SPLIT_POLICIES)}, got {self.split_policy!r}")
+        if not 0.0 <= self.split_fixed_ratio <= 1.0:
+            raise ValueError(f"split_fixed_ratio is a CPU share and must be in [0, 1], got {self.split_fixed_ratio!r}")
 
 
 @dataclass
 class EngineParts:
     model: MoECausalLM
     storage: ArenaStorage
-    attention: PagedAttentionBackend
+    attention: PagedAttentionBackend | SplitAttentionBackend
     linear_states: BlockLinearStateStore | None
     experts: StagedExpertProvider
     expert_line: ArenaExpertLine
     residency: ExpertResidency
     scheduler: Scheduler
     eos_token_ids: frozenset[int]
+    host_kv: HostKVStorage | None = None
 
 
 def _device(name: str) -> torch.device:
@@ -123,7 +153,7 @@ def _policy(policy: str | PressurePolicy, params: dict[str, object]) -> Pressure
 def _arena(kv: KVLayout, experts: ExpertLayout, config: EngineConfig) -> Arena:
     page_bytes = config.page_bytes or default_page_bytes(experts.expert_bytes)
     arena = Arena(arena_config(kv, experts, config.kv_budget_bytes, page_bytes))
-    if arena.num_kv_blocks == 0 and not config.static_offload:
+    if arena.num_kv_blocks == 0 and not config.static_offload and config.kv_host_bytes < kv.block_bytes:
         raise UserError(f"a KV budget of {config.kv_budget_bytes} bytes holds no KV block of {kv.block_bytes} "
                         f"bytes (block_size {kv.block_size} x {kv.bytes_per_token} bytes per token, in pages of "
                         f"{page_bytes} bytes); raise it to at least {-(-kv.block_bytes // page_bytes) * page_bytes}")
@@ -147,15 +177,42 @@ def _place_experts(model: MoECausalLM, storage: ArenaStorage, device: torch.devi
     return host
 
 
+def _host_kv(kv: KVLayout, arena: Arena, config: EngineConfig, device: torch.device) -> HostKVStorage | None:
+    """Host KV blocks numbered after every arena id, or None without a host budget (module docstring)."""
+    if config.kv_host_bytes == 0:
+        return None
+    num_blocks = config.kv_host_bytes // kv.block_bytes
+    if num_blocks == 0:
+        raise UserError(f"a host KV budget of {config.kv_host_bytes} bytes holds no KV block of {kv.block_bytes} "
+                        f"bytes (block_size {kv.block_size} x {kv.bytes_per_token} bytes per token)")
+    return HostKVStorage(kv, num_blocks, arena.config.num_block_ids, pin=device.type == "cuda")
+
+
+def _attention(storage: ArenaStorage, host: HostKVStorage | None, config: EngineConfig, model_dir: Path,
+               split_costs: SplitCostSource | None) -> PagedAttentionBackend | SplitAttentionBackend:
+    if host is None:
+        return PagedAttentionBackend(storage)
+    layout = storage.kv_layout
+    if split_costs is None:
+        split_costs = PerfSplitCosts(model_dir, gpu=config.split_gpu, host=config.split_host,
+                                     kv_dtype_bytes=dtype_bytes(layout.dtype), block_size=layout.block_size)
+    stepper = SplitStepper(config.split_policy, split_costs, layout.block_bytes, config.split_fixed_ratio)
+    return SplitAttentionBackend(storage, host, stepper)
+
+
 def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePolicy,
-                 policy_params: dict[str, object]) -> EngineParts:
+                 policy_params: dict[str, object], split_costs: SplitCostSource | None = None) -> EngineParts:
     device = _device(config.device)
     model = load_model(model_dir, dtype=config.dtype, device="cpu")
     kv_layout, expert_layout = KVLayout.of(model, config.block_size), ExpertLayout.of(model)
     arena = _arena(kv_layout, expert_layout, config)
     shapes = model.linear_state_shapes()
-    pool = BlockPool(arena.kv_block_ids(), enable_caching=_caching(config, bool(shapes)))
-    arena.attach_pool(pool)
+    host_kv = _host_kv(kv_layout, arena, config, device)
+    first_host = arena.config.num_block_ids
+    host_ids = list(host_kv.block_ids) if host_kv is not None else []
+    pool = BlockPool([*arena.kv_block_ids(), *host_ids], enable_caching=_caching(config, bool(shapes)),
+                     preferred_below=first_host if host_ids else None)
+    arena.attach_pool(ArenaPoolView(pool, first_host) if host_ids else pool)
     state_layout = StateLayout.of(shapes, kv_layout.dtype)
     kv = KVCacheManager(pool, config.block_size,
                         num_state_blocks_per_request=state_layout.num_blocks(kv_layout.block_bytes))
@@ -178,6 +235,6 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
     if pool.num_blocks == 0:
         raise UserError(f"the KV budget of {config.kv_budget_bytes} bytes holds no KV block of "
                         f"{kv_layout.block_bytes} bytes, even after static offload")
-    return EngineParts(model, storage, PagedAttentionBackend(storage),
-                       BlockLinearStateStore(storage, state_layout) if shapes else None, provider, line, residency,
-                       scheduler, frozenset() if config.ignore_eos else eos_token_ids(model_dir))
+    return EngineParts(model, storage, _attention(storage, host_kv, config, model_dir, split_costs),
+                       BlockLinearStateStore(storage, state_layout, host_kv) if shapes else None, provider, line,
+                       residency, scheduler, frozenset() if config.ignore_eos else eos_token_ids(model_dir), host_kv)

@@ -37,6 +37,8 @@ from moetide.core.request import Request
 from moetide.core.scheduler import SchedulerOutput
 from moetide.engine.build import EngineConfig, EngineParts, build_engine
 from moetide.engine.models import StepBatch, StepContext
+from moetide.engine.split_backend import SplitAttentionBackend
+from moetide.engine.split_plan import SplitCostSource, SplitCounters
 from moetide.errors import UserError
 
 
@@ -67,6 +69,9 @@ class EngineStats:
     decode_tokens: int = 0
     decode_s: float = 0.0
     wall_s: float = 0.0
+    kv_host_blocks: int = 0  # host KV capacity in blocks (0: no host KV); ``kv_blocks`` counts them too
+    split_policy: str | None = None  # with host KV: the split policy
+    split: dict = field(default_factory=dict)  # with host KV: ``SplitCounters`` of this call
 
 
 @dataclass
@@ -105,10 +110,13 @@ class Engine:
     ``EngineConfig``'s fields; ``policy`` is a registered policy name or a ``PressurePolicy`` instance."""
 
     def __init__(self, model_dir: str | Path, *, kv_budget_mib: float | None = None,
-                 policy: str | PressurePolicy = "vllm", policy_params: Mapping[str, object] | None = None,
+                 kv_host_mib: float | None = None, policy: str | PressurePolicy = "vllm",
+                 policy_params: Mapping[str, object] | None = None, split_costs: SplitCostSource | None = None,
                  **options: object) -> None:
         if kv_budget_mib is not None:
             options["kv_budget_bytes"] = int(kv_budget_mib * 1024 * 1024)
+        if kv_host_mib is not None:
+            options["kv_host_bytes"] = int(kv_host_mib * 1024 * 1024)
         if "kv_budget_bytes" not in options:
             raise UserError("an engine needs a KV budget: kv_budget_bytes or kv_budget_mib")
         try:
@@ -116,7 +124,8 @@ class Engine:
         except (TypeError, ValueError) as exc:
             raise UserError(str(exc)) from None
         self.config = config
-        self.parts: EngineParts = build_engine(Path(model_dir), config, policy, dict(policy_params or {}))
+        self.parts: EngineParts = build_engine(Path(model_dir), config, policy, dict(policy_params or {}),
+                                               split_costs)
         self._next_request = 0
 
     # convenient names for the core objects
@@ -131,6 +140,10 @@ class Engine:
     @property
     def storage(self):
         return self.parts.storage
+
+    @property
+    def host_kv(self):
+        return self.parts.host_kv
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float | None = None,
@@ -148,6 +161,8 @@ class Engine:
         index_of = {r.request_id: i for i, r in enumerate(requests)}
         stats, failed = EngineStats(), set()
         evicted0, preempted0 = self.scheduler.num_evicted_blocks, self.scheduler.num_preemptions
+        if isinstance(self.parts.attention, SplitAttentionBackend):
+            self.parts.attention.counters = SplitCounters()
         start = time.perf_counter()
         while self.scheduler.has_work:
             failed.update(self._step(sampler, index_of, stats))
@@ -181,6 +196,7 @@ class Engine:
             logits = self._forward(out)
             sampled = self._sample(out, logits, sampler, index_of)
         sched.update(out, sampled)
+        self.parts.attention.end_step()
         self.parts.experts.end_step()
         self.residency.end_step()
         self._time_step(out, time.perf_counter() - t0, stats)
@@ -240,6 +256,12 @@ class Engine:
         stats.failed_requests = len(failed)
         stats.prompt_tokens = sum(r.num_prompt_tokens for r in requests)
         stats.generated_tokens = sum(r.num_output_tokens for r in requests)
+        attention = self.parts.attention
+        if isinstance(attention, SplitAttentionBackend):
+            stats.kv_host_blocks = attention.host.num_blocks
+            stats.split_policy = attention.stepper.name
+            attention.counters.correction_factor = attention.stepper.correction_factor
+            stats.split = attention.counters.as_dict()
 
     @staticmethod
     def _output(request: Request, failed: bool) -> RequestOutput:

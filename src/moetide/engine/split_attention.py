@@ -14,6 +14,15 @@ Shapes: q [B, H, Q, Dk]; k [B, Hkv, N, Dk]; v [B, Hkv, N, Dv]; H a multiple of H
 h // (H / Hkv)). ``mask`` (optional, broadcastable to [B, H, Q, N], True = attend) serves the causal part of a
 prefill chunk; host KV precedes the chunk and needs none. MLA in the absorbed form is the case Hkv = 1, Dk = r +
 r_rope, Dv = r.
+
+Kernels. ``partial_attention`` is plain PyTorch (matmul, logsumexp, matmul) and runs anywhere; it is the reference
+and the accelerator's path. ``cpu_partial_attention`` is the CPU's: torch's CPU flash attention
+(``aten._scaled_dot_product_flash_attention_for_cpu``, the kernel ``moetide calibrate`` measures), which returns
+the log-sum-exp itself. Two of its habits are handled here. It wants as many KV heads as query heads, so GQA runs
+as one problem per KV head (the G query heads that share a KV head, times the Q queries, are its rows), or, for a
+long prefill chunk with a mask, with the K/V heads repeated: whichever copies less. And a query row with no key to
+attend comes back with lse = 0; it is set to -inf, so the row drops out of the merge like an empty range.
+``lse_attention`` picks the kernel by device.
 """
 
 from __future__ import annotations
@@ -44,6 +53,52 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     weights = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(q.dtype).min))
     weights = torch.nan_to_num(weights, nan=0.0)  # rows with no keys: exp(-inf - (-inf))
     return torch.matmul(weights, v), lse
+
+
+def cpu_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          mask: torch.Tensor | None = None, row_has_key: torch.Tensor | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial_attention`` on CPU tensors with torch's CPU flash kernel (module docstring); same shapes, same
+    result to rounding; ``out`` in fp32 (or wider). Inputs of one dtype (the KV's); ``mask`` is bool.
+    ``row_has_key`` ([B, 1, Q] bool, optional) says which query rows attend any key, when the caller knows it
+    more cheaply than ``mask.any(-1)``."""
+    batch, num_heads, num_queries, _ = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    out_shape = (batch, num_heads, num_queries, v.shape[-1])
+    if num_keys == 0:
+        return (q.new_zeros(out_shape, dtype=_widen(q).dtype),
+                q.new_full((batch, num_heads, num_queries), float("-inf"), dtype=torch.float32))
+    group = num_heads // num_kv_heads
+    q = q.to(k.dtype)
+    bias = None if mask is None else torch.where(mask, 0.0, float("-inf")).to(k.dtype)  # additive, [B, 1, Q, N]
+    if bias is not None and group > 1 and num_queries * (group - 1) > 2 * group * k.shape[-1]:
+        # a long chunk: G copies of its mask cost more than G copies of the keys and values (query head h reads
+        # KV head h // G, transformers' repeat_kv)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        rows = q
+    else:
+        rows = q.reshape(batch, num_kv_heads, group * num_queries, q.shape[-1])  # row g·Q + j is query j's
+        if bias is not None and group > 1:
+            bias = bias.expand(batch, 1, num_queries, num_keys).repeat(1, 1, group, 1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(rows, k, v, attn_mask=bias, scale=scale)
+    out, lse = _widen(out).reshape(out_shape), lse.reshape(batch, num_heads, num_queries).float()
+    if mask is not None:
+        empty = ~(row_has_key if row_has_key is not None else mask.any(dim=-1))  # [B, 1, Q]; kernel: lse = 0
+        if bool(empty.any()):
+            lse = lse.masked_fill(empty, float("-inf"))
+            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def lse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  mask: torch.Tensor | None = None, row_has_key: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one KV range with the kernel of the tensors' device (module docstring)."""
+    if q.device.type == "cpu" or k.shape[2] == 0:  # the CPU kernel also gives any device's empty result
+        return cpu_partial_attention(q, k, v, scale, mask, row_has_key)
+    return partial_attention(q, k, v, scale, mask)
 
 
 def merge_partials(partials: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,11 @@ every earlier token), so for hybrid models the engine disables prefix caching an
 from token 0 (vLLM does the same for Mamba-style layers without state checkpoints). The scheduler then always
 reports ``num_computed_tokens == 0`` for a (re)started request, and the model ignores the contents of a state
 whose sequence has no computed tokens, so recycled blocks need no clearing.
+
+With host KV (``engine.host_kv``) a state block may be a host block (the pool hands out device blocks first, but
+a request admitted once the device part is full gets host blocks). Such a block is gathered from the host tensor
+into the same scratch (CUDA: one copy to the device) and scattered back there at ``commit``; the layout is the
+same, so nothing else changes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moetide.engine.host_kv import HostKVStorage
 from moetide.engine.models import LinearState, LinearStateShape, StepBatch
 from moetide.engine.storage import ArenaStorage, dtype_bytes
 
@@ -79,11 +85,12 @@ class BlockLinearStateStore:
     """``LinearStateStore`` over pool blocks: ``prepare`` (gather) before the forward, ``commit`` (scatter)
     after it. See the module docstring."""
 
-    def __init__(self, storage: ArenaStorage, layout: StateLayout) -> None:
+    def __init__(self, storage: ArenaStorage, layout: StateLayout, host: HostKVStorage | None = None) -> None:
         if storage.arena.config.kv_block_bytes % 4:  # scratch rows must start fp32-aligned
             raise ValueError(f"kv_block_bytes={storage.arena.config.kv_block_bytes} must be a multiple of 4 to "
                              f"hold fp32 linear-attention state")
-        self.storage, self.layout = storage, layout
+        self.storage, self.layout, self.host = storage, layout, host
+        self._host_index: tuple[Tensor, Tensor, Tensor] | None = None  # (device pos, host pos, host blocks)
         self.num_blocks = layout.num_blocks(storage.arena.config.kv_block_bytes)
         self._rows: dict[int, int] = {}
         self._scratch: Tensor | None = None  # [B, num_blocks * kv_block_bytes] uint8
@@ -96,13 +103,37 @@ class BlockLinearStateStore:
             if len(table) != self.num_blocks:
                 raise ValueError(f"a sequence holds {len(table)} state blocks, the layout needs {self.num_blocks}")
         flat = [b for table in state_tables for b in table]
-        groups, slots = self.storage.block_coords(flat)
         device = self.storage.device
-        shape = (len(state_tables), self.num_blocks)
-        self._index = (torch.tensor(groups, device=device).view(shape), torch.tensor(slots, device=device).view(shape))
-        self._scratch = self.storage.block_bytes_view[self._index].reshape(len(state_tables), -1)
+        self._host_index = None
+        if self.host is not None and any(self.host.is_host(b) for b in flat):
+            self._prepare_tiered(flat, len(state_tables))
+        else:
+            groups, slots = self.storage.block_coords(flat)
+            shape = (len(state_tables), self.num_blocks)
+            self._index = (torch.tensor(groups, device=device).view(shape),
+                           torch.tensor(slots, device=device).view(shape))
+            self._scratch = self.storage.block_bytes_view[self._index].reshape(len(state_tables), -1)
         self._rows = {seq_id: row for row, seq_id in enumerate(batch.seq_ids)}
         self._views = {}
+
+    def _prepare_tiered(self, flat: list[int], num_seqs: int) -> None:
+        """Gather state blocks of which some are host blocks (module docstring)."""
+        host, device = self.host, self.storage.device
+        on_host = [host.is_host(b) for b in flat]
+        dev_pos = [i for i, h in enumerate(on_host) if not h]
+        host_pos = [i for i, h in enumerate(on_host) if h]
+        scratch = torch.empty(len(flat), self.storage.arena.config.kv_block_bytes, dtype=torch.uint8, device=device)
+        groups, slots = self.storage.block_coords([flat[i] for i in dev_pos])
+        self._index = (torch.tensor(groups, device=device, dtype=torch.long),
+                       torch.tensor(slots, device=device, dtype=torch.long))
+        dev_pos_t = torch.tensor(dev_pos, device=device, dtype=torch.long)
+        if dev_pos:
+            scratch[dev_pos_t] = self.storage.block_bytes_view[self._index]
+        host_blocks = torch.tensor(host.index_of(flat[i] for i in host_pos), dtype=torch.long)
+        host_pos_t = torch.tensor(host_pos, device=device, dtype=torch.long)
+        scratch[host_pos_t] = host.block_bytes_view[host_blocks].to(device)
+        self._host_index = (dev_pos_t, host_pos_t, host_blocks)
+        self._scratch = scratch.view(num_seqs, -1)
 
     def state(self, layer_id: int, seq_id: int) -> LinearState:
         key = (layer_id, seq_id)
@@ -124,5 +155,12 @@ class BlockLinearStateStore:
         if self._scratch is None or self._index is None:
             return
         rows = self._scratch.shape[0]
-        self.storage.block_bytes_view[self._index] = self._scratch.view(rows, self.num_blocks, -1)
-        self._scratch, self._index, self._views = None, None, {}
+        if self._host_index is None:
+            self.storage.block_bytes_view[self._index] = self._scratch.view(rows, self.num_blocks, -1)
+        else:
+            dev_pos, host_pos, host_blocks = self._host_index
+            flat = self._scratch.view(rows * self.num_blocks, -1)
+            if dev_pos.numel():
+                self.storage.block_bytes_view[self._index] = flat[dev_pos]
+            self.host.block_bytes_view[host_blocks] = flat[host_pos].to(host_blocks.device)
+        self._scratch, self._index, self._views, self._host_index = None, None, {}, None

@@ -142,6 +142,7 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given; at zero a block joins the tail of its queue."""
         ref_cnt, prefer = self._ref_cnt, self.preferred_below
+        hash_of, cached_free, uncached_free = self._hash_of, self._cached_free, self._uncached_free
         self.free_version += 1
         for block_id in block_ids:
             count = ref_cnt[block_id] - 1
@@ -149,12 +150,12 @@ class BlockPool:
                 raise ValueError(f"block {block_id} freed more times than it was taken")
             ref_cnt[block_id] = count
             if count == 0:
-                if block_id in self._hash_of:
-                    self._cached_free[block_id] = None
+                if block_id in hash_of:
+                    cached_free[block_id] = None
                 else:
-                    self._uncached_free[block_id] = None
+                    uncached_free[block_id] = None
                     if prefer is not None and block_id < prefer:
-                        self._uncached_free.move_to_end(block_id, last=False)
+                        uncached_free.move_to_end(block_id, last=False)
 
     # ---- the prefix cache ---------------------------------------------------------------------------------
     def cache_block(self, block_id: int, block_hash: int, parent_hash: int | None) -> bool:

@@ -92,21 +92,53 @@ def test_more_memory_never_hurts_the_hit_rate():
     assert roomy["metrics"]["ttft_s"]["p90"] < tight["metrics"]["ttft_s"]["p90"]
 
 
-@pytest.mark.parametrize("budget_gib,policy", [(3.0, "vllm"), (16.0, "vllm"), (3.0, "vamp-reclaim")])
-def test_decode_fast_path_is_exact(budget_gib, policy):
-    """Runs of identical decode steps are skipped without per-step scheduling: every metric must be the same."""
+def long_prompt_sessions(num_sessions=8, turns=3, base=6000, key_block=64):
+    """Agent-like sessions whose turns grow by ``base`` tokens: long chunked prefills next to decoding requests."""
+    sessions = []
+    for s in range(num_sessions):
+        turns_ = []
+        for t in range(turns):
+            prompt = base * (t + 1) + 37 * s
+            turns_.append(Turn(prompt_tokens=prompt, output_tokens=150 + 10 * s,
+                               block_keys=BlockKeys.from_keys([s * 1000 + i for i in range(prompt // key_block)]),
+                               arrival_s=0.3 * s if t == 0 else None, think_time_s=0.5, cached_tokens=None,
+                               request_id=f"s{s}t{t}"))
+        sessions.append(Session(session_id=f"s{s}", start_s=0.3 * s, turns=tuple(turns_), parent_session_id=None,
+                                key_scope=f"s{s}"))
+    return Workload("long", "test", "closed", key_block, tuple(sessions))
+
+
+@pytest.mark.parametrize("workload,budget_gib,policy,token_budget,block_size", [
+    ("generator", 3.0, "vllm", 8192, 16), ("generator", 16.0, "vllm", 8192, 16),
+    ("generator", 3.0, "vamp-reclaim", 8192, 16),
+    # long chunked prefills beside decodes, with eviction and preemption: prefill runs (core.runs) are taken
+    ("long", 2.0, "vllm", 512, 64), ("long", 4.0, "vllm", 1024, 128), ("long", 3.0, "static-offload", 512, 64),
+    ("long", 8.0, "vllm", 2048, 16),
+])
+def test_fast_paths_are_exact(workload, budget_gib, policy, token_budget, block_size, monkeypatch):
+    """Runs of identical decode steps, and runs of one full-chunk prefill beside decodes (core.runs), are skipped
+    without per-step scheduling: every metric and every book must be the same as stepping one by one."""
+    from moetide.core import runs
     from moetide.sim.setup import build_replay
 
+    taken = []
+    real_finish = runs.finish
+    monkeypatch.setattr(runs, "finish", lambda sched, run, k: (taken.append(k), real_finish(sched, run, k)))
     results = []
     for fast in (False, True):
-        built = build_replay(generate_agent_sessions(2, num_sessions=5),
-                             ReplayConfig(kv_budget_gib=budget_gib, policy=policy))
+        wl = generate_agent_sessions(2, num_sessions=5) if workload == "generator" else long_prompt_sessions()
+        built = build_replay(wl, ReplayConfig(kv_budget_gib=budget_gib, policy=policy, block_size=block_size,
+                                              max_num_batched_tokens=token_budget))
         built.replay.fast_forward = fast
         metrics = built.replay.run()
+        pool = built.replay.scheduler.kv.pool
+        pool.check_invariants()
         results.append((metrics.to_dict(), list(metrics.ttft), list(metrics.itl), list(metrics.itl_weight),
-                        metrics.kv_usage))
+                        metrics.kv_usage, pool.num_evicted_blocks, pool.cached_free_block_ids()))
     assert results[0] == results[1]
-    assert results[0][0]["steps"] > 1000
+    assert results[0][0]["steps"] > (1000 if workload == "generator" else 500)
+    if workload == "long":
+        assert sum(taken) > 30  # prefill runs were taken
 
 
 def test_ttft_counts_from_the_send_time_not_the_next_step():

@@ -20,6 +20,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from moetide.core import runs
 from moetide.core.hashing import external_block_hashes, scope_hash
 from moetide.core.request import Request
 from moetide.core.scheduler import Scheduler
@@ -85,7 +86,7 @@ class Replay:
             while events and events[0][0] <= self.now_s:
                 send_s, _, _, ctx = heapq.heappop(events)
                 self._send(ctx, send_s)
-            if self.fast_forward and self._decode_run():
+            if self.fast_forward and (self._decode_run() or self._prefill_run()):
                 continue
             out = sched.schedule(self.now_s)
             for request in out.failed:
@@ -147,6 +148,37 @@ class Replay:
             k += 1
         metrics.decode_run(running, ends)
         sched.advance_decode(k)
+        return k
+
+    def _prefill_run(self) -> int:
+        """Run the steps ``core.runs`` certifies as one long prefill beside decodes, up to the next send; same
+        times, tokens and books as stepping one by one."""
+        sched = self.scheduler
+        run = runs.prefill_run(sched)
+        if run is None:
+            return 0
+        decoders, chunk, prefiller = run.decoders, run.chunk, run.prefiller
+        num_decode = len(decoders)
+        num_tokens = num_decode + chunk
+        kv_read = sum(r.num_computed_tokens for r in decoders) + num_decode
+        events, metrics, step_time_s = self._events, self.metrics, self.step_time_s
+        offloaded = self.offloaded_ratio()
+        pool = sched.kv.pool
+        k = 0
+        ends: list[float] = []
+        while k < run.max_steps and not (events and events[0][0] <= self.now_s):
+            start = prefiller.num_computed_tokens
+            if not runs.step(sched, run):
+                break
+            duration = step_time_s(num_tokens, num_decode + 1, num_decode, kv_read + start + chunk,
+                                   kv_read + chunk * start + chunk * (chunk + 1) // 2)
+            self.now_s += duration
+            ends.append(self.now_s)
+            metrics.step(self.now_s, duration, pool.num_used_blocks / max(pool.num_blocks, 1), offloaded)
+            kv_read += num_decode
+            k += 1
+        metrics.decode_run(decoders, ends)
+        runs.finish(sched, run, k)
         return k
 
     def _send(self, ctx: _Context, send_s: float) -> None:

@@ -16,6 +16,9 @@ from moetide.core.pressure.base import Action, EvictPrefix, Preempt, PressureVie
 
 class VllmPolicy:
     name = "vllm"
+    # For a running requester with no prefix hits: evicts exactly the shortfall whenever cached-free blocks cover
+    # it, and reads nothing else of the view; core.runs relies on this to take prefill runs without asking.
+    evicts_when_it_can = True
 
     def relieve(self, view: PressureView) -> list[Action]:
         cached_free = view.pool.num_cached_free_blocks

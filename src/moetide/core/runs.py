@@ -1,0 +1,97 @@
+"""Runs of predictable steps that replay may execute without the per-request, per-step scheduling work.
+
+``Scheduler.max_decode_run`` covers steps in which every running request decodes. This module covers the other
+common shape of a loaded agent workload: one request prefilling a long prompt in full chunks, behind running
+requests that each decode one token. Such a step is fixed by a handful of numbers, so replay executes k of them
+with O(1) work per step for the decoders and applies their k tokens at the end (``finish``), as
+``advance_decode`` does.
+
+A *prefill run* of k steps is certified (``prefill_run``) when, for each of the next k steps, ``schedule()`` and
+``update()`` would certainly do exactly this:
+
+* the running list is D decoders followed by one prefilling request P (the newest, last in FCFS order); each
+  decoder is scheduled for one token in blocks it already holds and does not finish;
+* P is scheduled for ``budget - D`` tokens, a full chunk that does not reach the end of its prompt, so it emits
+  nothing and the token budget is spent: no waiting request is considered;
+* P's blocks are found as the ``vllm`` policy finds them (``evicts_when_it_can``): from uncached free blocks, else
+  by evicting that many cached-free blocks in LRU order. ``step`` does exactly that and returns False, changing
+  nothing, when eviction could not cover the step (the policy would preempt): the run ends before that step and
+  replay takes it the ordinary way.
+
+Why deferring the decoders is exact: a decoder holds every block of its chain, so P's evictions (cached-free
+blocks and their registered descendants) can never reach a decoder's blocks, and registering a decoder's newly
+full blocks at the end instead of step by step leaves the same books. ``tests/test_sim_replay.py`` checks replay
+with and without runs metric for metric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetide.core.request import Request
+from moetide.core.scheduler import Scheduler
+
+
+@dataclass
+class PrefillRun:
+    prefiller: Request
+    decoders: list[Request]
+    chunk: int  # P's tokens per step
+    max_steps: int
+
+
+def prefill_run(sched: Scheduler) -> PrefillRun | None:
+    """The prefill run that starts now (module docstring), or None when the next steps are not certain."""
+    running, config = sched.running, sched.config
+    if len(running) < 2 or config.long_prefill_token_threshold or not getattr(sched.policy, "evicts_when_it_can",
+                                                                               False):
+        return None
+    prefiller, decoders = running[-1], running[:-1]
+    chunk = config.max_num_batched_tokens - len(decoders)
+    remaining = prefiller.num_tokens - prefiller.num_computed_tokens
+    if chunk <= 0 or prefiller.num_computed_tokens + 1 >= prefiller.num_tokens:
+        return None
+    k = (remaining - 1) // chunk  # steps whose chunk is full and stops short of the prompt's end
+    block_size = sched.kv.block_size
+    for request in decoders:
+        if request.num_computed_tokens + 1 != request.num_tokens:
+            return None
+        room = sched.kv.num_held_blocks(request.request_id) * block_size - request.num_computed_tokens
+        left = request.max_output_tokens - request.num_output_tokens - 1
+        k = min(k, room, left)
+    return PrefillRun(prefiller, list(decoders), chunk, k) if k >= 2 else None
+
+
+def step(sched: Scheduler, run: PrefillRun) -> bool:
+    """Allocate P's next chunk as the ``vllm`` policy would; False (nothing changed) if that needs a preemption."""
+    kv, request = sched.kv, run.prefiller
+    shortfall = kv.num_blocks_short(request.request_id, run.chunk, request.num_computed_tokens)
+    if shortfall:
+        if kv.pool.num_cached_free_blocks < shortfall:
+            return False
+        evicted = kv.pool.evict(shortfall, protect=frozenset())
+        sched.num_evicted_blocks += len(evicted)
+    new = kv.allocate_slots(request.request_id, run.chunk, request.block_hashes,
+                            num_computed_tokens=request.num_computed_tokens, owner=request.session_id)
+    if new is None:  # cannot happen after the eviction above; fail loudly rather than diverge from schedule()
+        raise RuntimeError(f"prefill run: allocation for {request.request_id!r} failed after eviction")
+    start = request.num_computed_tokens
+    end = start + run.chunk
+    if start < request.max_computed_tokens:
+        request.num_recomputed_tokens += min(end, request.max_computed_tokens) - start
+    request.num_computed_tokens = end
+    if end > request.max_computed_tokens:
+        request.max_computed_tokens = end
+    return True
+
+
+def finish(sched: Scheduler, run: PrefillRun, num_steps: int) -> None:
+    """Give each decoder the ``num_steps`` tokens of the run (``Scheduler.advance_decode`` for a subset)."""
+    kv = sched.kv
+    for request in run.decoders:
+        request.append_outputs(num_steps)
+        request.num_computed_tokens += num_steps
+        if request.num_computed_tokens > request.max_computed_tokens:
+            request.max_computed_tokens = request.num_computed_tokens
+        kv.allocate_slots(request.request_id, 0, request.block_hashes,
+                          num_computed_tokens=request.num_computed_tokens, owner=request.session_id)

@@ -42,8 +42,11 @@ def cases(full: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="whole traces instead of subsets")
+    parser.add_argument("--only", default="", help="run only the workloads whose name contains this")
     args = parser.parse_args()
     for name, make, config in cases(args.full):
+        if args.only not in name:
+            continue
         workload = make()
         start, cpu_start = time.perf_counter(), time.process_time()
         result, _ = run_replay(workload, config)

@@ -9,7 +9,7 @@ from moetide.core.hashing import hash_token_blocks
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import EvictPrefix, OffloadExperts, Preempt, PressureView, VampParams, get_policy
 from moetide.core.request import Request
-from moetide.core.scheduler import Scheduler, SchedulerConfig, SessionState
+from moetide.core.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 BLOCK_BYTES = 100
@@ -22,58 +22,131 @@ def make_line(pool, max_ratio=0.25):
     return ExpertLine(residency, pool, block_bytes=BLOCK_BYTES, first_block_id=1000)
 
 
-def params(staging_per_expert_s, prefill_s_per_token=1e-3, **kw):
-    return VampParams(prefill_s_per_token=prefill_s_per_token, decode_step_s=0.01,
-                      staging_s_per_step=lambda n, tokens: n * staging_per_expert_s, block_size=BS, horizon_s=10.0, **kw)
+class FakeSteps:
+    """StepStats with a fixed staging share per offloaded expert; ``busy`` is set by a test."""
+
+    def __init__(self, share_per_expert):
+        self.share_per_expert = share_per_expert
+        self.busy = 0.0
+
+    def busy_s(self):
+        return self.busy
+
+    def staging_share(self, num_offloaded):
+        return num_offloaded * self.share_per_expert
+
+
+def params(staging_per_expert, prefill_s_per_token=1e-3, **kw):
+    """``staging_per_expert``: exposed staging per second of step time that each offloaded expert adds."""
+    return VampParams(prefill_s_per_token=prefill_s_per_token, steps=FakeSteps(staging_per_expert),
+                      block_size=BS, horizon_s=10.0, **kw)
 
 
 def cached_prefix(pool, session, num_blocks, seed):
-    """A finished request's cached-free chain, registered by ``session``."""
+    """A finished request's cached-free chain, registered by ``session``; returns its hashes."""
     kv = KVCacheManager(pool, BS)
     tokens = [seed] * (num_blocks * BS)
-    kv.allocate_slots(f"done-{seed}", len(tokens), hash_token_blocks(tokens, BS), owner=session)
+    hashes = hash_token_blocks(tokens, BS)
+    kv.allocate_slots(f"done-{seed}", len(tokens), hashes, owner=session)
     kv.free(f"done-{seed}")
+    return hashes
 
 
-def request(rid, computed, session=None):
-    r = Request(rid, num_prompt_tokens=max(computed, 1), max_output_tokens=8, block_size=BS, block_hashes=[],
-                session_id=session)
+def request(rid, computed, session=None, hashes=()):
+    r = Request(rid, num_prompt_tokens=max(computed, len(hashes) * BS, 1), max_output_tokens=8, block_size=BS,
+                block_hashes=list(hashes), session_id=session)
     r.num_computed_tokens = computed
     return r
 
 
-def view(pool, line, shortfall, requester, running=False, preemptible=(), sessions=None, now=1000.0, nrun=1):
-    return PressureView(shortfall, requester, running, list(preemptible), pool, frozenset(), now, sessions or {},
-                        line, nrun, list(preemptible), 0, 0.01)
+def view(pool, line, shortfall, requester, running=False, preemptible=(), now=1000.0, nrun=1, hits=()):
+    return PressureView(shortfall, requester, running, list(preemptible), pool, frozenset(hits), now, {}, line, nrun,
+                        list(preemptible), 0, 0.01)
 
 
-def test_idle_sessions_prefix_is_evicted_rather_than_moving_the_line():
+def evicted_then_back(policy, pool, line, now, seed, running=()):
+    """A prefix is evicted through the policy, then asked for again by a waiting request (a ghost hit);
+    returns the policy's answer to that request."""
+    hashes = cached_prefix(pool, "s", 2, seed)
+    plan = policy.relieve(view(pool, line, 2, request(f"new-{seed}", 0), preemptible=running, now=now))
+    assert plan == [EvictPrefix(2)]
+    pool.evict(2)
+    return policy.relieve(view(pool, line, 1, request(f"back-{seed}", 0, hashes=hashes), preemptible=running,
+                               now=now + 0.5))
+
+
+def test_without_measured_reuse_the_line_stays_and_lru_eviction_covers():
     pool = BlockPool(range(8))
-    cached_prefix(pool, "idle", 4, seed=1)
-    line = make_line(pool)
-    sessions = {"idle": SessionState(last_active_s=0.0)}  # idle for 1000 s: p(reuse) = e^-(1000/300)
-    plan = get_policy("vamp", params=params(staging_per_expert_s=1e-3)).relieve(
-        view(pool, line, 2, request("new", 0), sessions=sessions))
+    cached_prefix(pool, "s", 4, seed=1)
+    plan = get_policy("vamp", params=params(1e-7)).relieve(view(pool, make_line(pool), 2, request("new", 0)))
     assert plan == [EvictPrefix(2)]
 
 
-def test_cold_experts_go_when_the_prefix_is_hot_and_staging_is_cheap():
-    pool = BlockPool(range(8))
-    cached_prefix(pool, "active", 4, seed=1)
-    line = make_line(pool)
-    sessions = {"active": SessionState(last_active_s=999.0, num_in_flight=1)}  # its next turn is running
-    plan = get_policy("vamp", params=params(staging_per_expert_s=1e-7)).relieve(
-        view(pool, line, 3, request("new", 0), sessions=sessions))
-    assert plan == [OffloadExperts(((0, 0), (1, 0)))]  # two experts (4 blocks), spread over the two layers
-
-
-def test_a_request_that_just_started_is_preempted_before_anything_costly():
+def test_cold_experts_go_once_evicted_prefixes_are_seen_to_come_back():
     pool = BlockPool(range(8))
     line = make_line(pool)
-    fresh = request("fresh", computed=4)  # 4 tokens to recompute
-    old = request("old", computed=400)
-    plan = get_policy("vamp", params=params(staging_per_expert_s=1e-2)).relieve(
-        view(pool, line, 1, old, running=True, preemptible=[fresh], nrun=2))
+    policy = get_policy("vamp", params=params(1e-7))
+    running = [request("running", 4)]
+    # nothing is cached any more and no review has allowed the line to move yet: the returning request waits
+    assert evicted_then_back(policy, pool, line, 1000.0, seed=1, running=running) == []
+    # the next review (one horizon on) finds the ghost hits worth more than the staging: the line moves
+    cached_prefix(pool, "s", 2, seed=2)
+    plan = policy.relieve(view(pool, line, 1, request("next", 0), preemptible=running, now=1011.0))
+    assert plan == [OffloadExperts(((0, 0),))]  # one expert (two blocks) covers the shortfall of one
+
+
+def test_the_last_window_stays_while_requests_keep_hitting_the_pools_lru_tail():
+    """The ghost list prices the next window; what the last one is worth is measured by hits on the blocks a
+    smaller pool would have lost (the head of the LRU queue). While those go on, the allowance holds."""
+    pool = BlockPool(range(8))
+    line = make_line(pool)  # W = 1 block, one expert
+    policy = get_policy("vamp", params=params(1e-5))
+    steps, running = policy.params.steps, [request("running", 4)]
+    evicted_then_back(policy, pool, line, 1000.0, seed=1, running=running)
+    lru = BlockPool(range(8))
+    hashes = cached_prefix(lru, "x", 1, seed=9)  # the only cached block: the next victim
+    block = lru.lookup_chain(hashes)
+
+    def ask(t, rid):
+        steps.busy = t - 1000.0  # busy all along
+        return policy.relieve(view(lru, line, 1, request(rid, BS, hashes=hashes), preemptible=running, now=t,
+                                   hits=block))
+
+    assert ask(1011.0, "grown") == [OffloadExperts(((0, 0),))]  # the review at 1010 s grew the allowance
+    for t in range(1012, 1100):  # no more ghost hits, but the tail is hit every second
+        ask(float(t), f"tail-{t}")
+    assert ask(1100.5, "still") == [OffloadExperts(((0, 0),))]
+    for t in range(1101, 1200):  # nothing any more: the allowance goes back, eviction covers shortfalls
+        steps.busy = t - 1000.0
+        plan = policy.relieve(view(lru, line, 1, request(f"cold-{t}", 0), preemptible=running, now=float(t)))
+    assert plan == [EvictPrefix(1)]
+
+
+def test_staging_dearer_than_the_measured_reuse_keeps_the_line():
+    pool = BlockPool(range(8))
+    line = make_line(pool)
+    policy = get_policy("vamp", params=params(10.0))
+    running = [request("running", 4)]
+    evicted_then_back(policy, pool, line, 1000.0, seed=1, running=running)
+    policy.params.steps.busy = 11.0  # busy all along: staging costs its full share
+    cached_prefix(pool, "s", 2, seed=2)
+    plan = policy.relieve(view(pool, line, 1, request("next", 0), preemptible=running, now=1011.0))
+    assert plan == [EvictPrefix(1)] and line.residency.num_offloaded == 0
+
+
+def test_re_prefill_is_priced_at_the_blocks_position():
+    """A ghost hit deep in a long context saves its attention too (vLLM pays it to re-prefill there)."""
+    p = params(0.0, prefill_s_per_token=1e-5, prefill_s_per_token_per_context=1e-9)
+    assert p.block_prefill_s(0) == pytest.approx(BS * (1e-5 + 1e-9 * BS / 2))
+    assert p.block_prefill_s(25_000) == pytest.approx(BS * (1e-5 + 1e-9 * 25_000.5 * BS))
+
+
+def test_a_running_requester_with_nothing_to_evict_preempts_the_newest():
+    pool = BlockPool(range(8))
+    line = make_line(pool)
+    fresh, old = request("fresh", computed=4), request("old", computed=400)
+    plan = get_policy("vamp", params=params(1e-2)).relieve(view(pool, line, 1, old, running=True,
+                                                                  preemptible=[fresh], nrun=2))
     assert plan == [Preempt("fresh")]
 
 
@@ -81,11 +154,11 @@ def test_the_cap_is_never_exceeded():
     pool = BlockPool(range(4))
     line = make_line(pool, max_ratio=0.25)  # 2 of 8 experts
     assert line.residency.max_num_offloaded == 2
-    policy = get_policy("vamp", params=params(staging_per_expert_s=0.0))
+    policy = get_policy("vamp", params=params(0.0))
     plan = policy.relieve(view(pool, line, 100, request("w", 0)))
     assert plan == []  # the cap's 4 blocks cannot cover 100: a waiting request waits, nothing moves
     plan = policy.relieve(view(pool, line, 4, request("w", 0)))
-    assert plan == [OffloadExperts(((0, 0), (1, 0)))]
+    assert plan == [OffloadExperts(((0, 0), (1, 0)))]  # nothing runs: moving the line is the only way
     line.offload(plan[0].region)
     with pytest.raises(ValueError):
         line.offload([(0, 1)])
@@ -121,15 +194,83 @@ def test_reclaim_waits_until_the_regions_blocks_are_free():
 def test_vamp_in_the_scheduler_admits_by_offloading_and_reclaims_later():
     pool = BlockPool(range(4))
     line = make_line(pool, max_ratio=0.5)
-    policy = get_policy("vamp-reclaim", params=params(1e-7, reclaim_patience_s=1.0, reclaim_free_share=0.5))
+    # staging that costs more than re-prefilling the region's blocks once the pressure is gone
+    policy = get_policy("vamp-reclaim", params=params(1e-2))
     sched = Scheduler(SchedulerConfig(), KVCacheManager(pool, BS), policy, expert_line=line)
     sched.add_request(Request.from_tokens("a", list(range(20)), 2, BS, session_id="s"))  # 5 blocks > 4
     out = sched.schedule(0.0)
     assert out.offloaded == [(0, 0)] and [r.request_id for r, _ in out.scheduled] == ["a"]
+    steps = policy.params.steps
     while sched.has_work:
         sched.update(out, None, sched.now_s + 0.1)
+        steps.busy = sched.now_s  # the accelerator is busy all along
         out = sched.schedule(sched.now_s)
-    for t in (5.0, 7.0):  # free for long enough: the region goes back to its expert
+    for t in (5.0, 7.0):  # pressure gone, the region's blocks free for long enough: it goes back to its experts
+        steps.busy = t
         out = sched.schedule(t)
     assert line.num_reclaims == 1 and line.residency.num_offloaded == 0
+    line.check_invariants()
+
+
+def test_the_line_moves_out_while_reuse_is_measured_and_back_when_it_stops():
+    """vamp-reclaim: each review (every 10 s here) moves the allowance one expert; prefixes evicted and asked for
+    again every second push it out to the cap; once nothing is asked for again, the regions go back."""
+    pool = BlockPool(range(8))
+    line = make_line(pool)  # the cap: 2 experts, 4 blocks
+    policy = get_policy("vamp-reclaim", params=params(1e-3))
+    steps, running = policy.params.steps, [request("running", 4)]
+    most = 0
+    for t in range(0, 80):
+        steps.busy = float(t)
+        hashes = cached_prefix(pool, "s", 2, seed=t)
+        plan = policy.relieve(view(pool, line, pool.num_cached_free_blocks, request(f"new-{t}", 0),
+                                   preemptible=running, now=float(t)))
+        for action in plan:
+            if isinstance(action, OffloadExperts):
+                line.offload(action.region)
+            else:
+                pool.evict(action.num_blocks)
+        policy.relieve(view(pool, line, 1, request(f"back-{t}", 0, hashes=hashes), preemptible=running,
+                            now=t + 0.5))
+        policy.maybe_reclaim(line, pool, t + 0.9)
+        most = max(most, line.residency.num_offloaded)
+    assert most == 2
+    for t in range(80, 600):
+        steps.busy = float(t)
+        policy.maybe_reclaim(line, pool, float(t))
+        if not line.residency.num_offloaded:
+            break
+    assert line.residency.num_offloaded == 0 and 100 < t < 600
+    line.check_invariants()
+
+def test_plain_vamp_is_exact_under_the_decode_fast_path():
+    """vamp reads nothing the replay's decode fast path skips, so it may use it; every metric must agree."""
+    from moetide.sim.setup import ReplayConfig, build_replay
+    from moetide.workloads import generate_agent_sessions
+
+    results = []
+    for fast in (False, True):
+        built = build_replay(generate_agent_sessions(2, num_sessions=5),
+                             ReplayConfig(kv_budget_gib=3.0, policy="vamp", vamp_horizon_s=30.0))
+        assert not built.replay.scheduler.policy.reads_every_step
+        built.replay.fast_forward = fast
+        metrics = built.replay.run()
+        results.append((metrics.to_dict(), list(metrics.ttft), list(metrics.itl), metrics.kv_usage,
+                        metrics.offload_usage))
+    assert results[0] == results[1]
+    assert results[0][0]["offloaded_ratio_max"] > 0  # the line moved: the comparison covers offloads
+
+
+def test_the_staging_buffer_is_not_given_to_the_pool():
+    """Staging needs room for the offloaded experts of the layers in flight; with a one-layer buffer on a
+    two-layer model half of every offloaded expert's bytes stay with the experts."""
+    pool = BlockPool([])
+    residency = ExpertResidency(ExpertResidencyConfig(num_layers=2, num_experts=4, expert_bytes=EXPERT_BYTES,
+                                                      max_offload_ratio=0.5))
+    line = ExpertLine(residency, pool, block_bytes=BLOCK_BYTES, first_block_id=1000, staging_buffer_layers=1)
+    assert line.kv_bytes_per_expert == EXPERT_BYTES // 2 and line.blocks_gained(2) == 2
+    assert line.offload([(0, 0), (1, 0)]) == [1000, 1001]
+    assert line.reclaim_last() and pool.num_blocks == 0
+    with pytest.raises(ValueError, match="staging_buffer_layers"):
+        ExpertLine(residency, pool, block_bytes=BLOCK_BYTES, first_block_id=0, staging_buffer_layers=2)
     line.check_invariants()

@@ -15,7 +15,7 @@ def model(**config):
 
 
 def test_touched_mode_by_hand():
-    staging = model(transfer_latency_s=0.0)
+    staging = model(mode="touched", transfer_latency_s=0.0)
     assert staging.expert_bytes == 3 * MIB  # one 6 MiB expert, half on each GPU
     # T = 1, one offloaded expert in each of 48 layers: touched with probability k/E = 10/512
     staged, exposed = staging.step(1, [1] * 48, compute_s_per_layer=1.0)
@@ -32,11 +32,60 @@ def test_segment_mode_overlaps_the_previous_layer():
 
 
 def test_skewed_routing_touches_cold_experts_less():
-    uniform, skewed = model(), model(routing_zipf_s=1.0)
+    uniform, skewed = model(mode="touched"), model(mode="touched", routing_zipf_s=1.0)
     for tokens in (1, 64, 1024):
         assert skewed.experts_moved(tokens, 77) < uniform.experts_moved(tokens, 77)
     assert uniform.experts_moved(1, 77) == pytest.approx(77 * 10 / 512)
     assert skewed.experts_moved(10**6, 77) == pytest.approx(77)  # a huge step touches everything anyway
+
+
+def test_auto_mode_prefetches_what_the_window_carries_and_fetches_the_rest_on_demand():
+    staging = model(transfer_latency_s=0.0)  # auto is the default
+    t = 3 * MIB / (55e9 * 0.9)  # one expert's transfer
+    # a window of 2.5 transfers: the 2 likeliest of 10 offloaded experts ride free, the other 8 come on demand
+    moved, exposed = staging.layer(1, 10, overlap_s=2.5 * t)
+    assert moved == pytest.approx(2 + 8 * 10 / 512)
+    assert exposed == pytest.approx(8 * 10 / 512 * t)
+    # a prefill chunk touches all of them: the whole segment is prefetched and only the overrun is exposed
+    moved, exposed = staging.layer(8192, 10, overlap_s=2.5 * t)
+    assert moved == pytest.approx(10) and exposed == pytest.approx(7.5 * t)
+    assert staging.layer(8192, 10, overlap_s=10 * t) == (10, 0.0)
+
+
+@pytest.mark.parametrize("zipf_s", [0.0, 1.0])
+def test_auto_mode_is_never_worse_than_touched_or_segment(zipf_s):
+    auto, touched, segment = (model(mode=m, routing_zipf_s=zipf_s) for m in ("auto", "touched", "segment"))
+    for tokens in (1, 8, 64, 512, 8192):
+        for n in (1, 5, 26, 77):
+            for window in (0.0, 1e-4, 1e-3, 1e-2):
+                best = min(touched.layer(tokens, n, 0.0)[1], segment.layer(tokens, n, window)[1])
+                assert auto.layer(tokens, n, window)[1] <= best + 1e-12
+
+
+def test_the_policy_prices_offload_with_the_staging_the_replay_charges():
+    from moetide.core.blocks import BlockPool
+    from moetide.core.expert_line import ExpertLine
+    from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
+    from moetide.perf import StepTimeModel
+    from moetide.sim.setup import StepTimeWithStaging
+
+    m, gpu = get_model("qwen3-next-80b-a3b"), get_gpu("h200")
+    staging = model(routing_zipf_s=1.0)
+    residency = ExpertResidency(ExpertResidencyConfig(num_layers=48, num_experts=512, expert_bytes=3 * MIB))
+    line = ExpertLine(residency, BlockPool([]), block_bytes=6_684_672, first_block_id=0)
+    timer = StepTimeWithStaging(StepTimeModel(m, gpu, tp=2), staging, line, m.num_layers, mix_tau_s=1e9)
+    decode, prefill = (16, 16, 16, 16 * 65537, 16 * 65537), (8192, 1, 0, 65536 + 8192, 8192 * 65536 + 8192 * 8193 // 2)
+    for _ in range(50):  # a mix of decode batches and prefill chunks at 64K context
+        timer(*decode)
+        timer(*prefill)
+    predicted = timer.staging_share(960)
+    line.offload(residency.next_offload_region(max_experts=960))  # 20 per layer
+    base_s = charged_s = 0.0
+    for shape in (decode, prefill):
+        base = timer.step_model.step_time_s(*shape)
+        base_s += base
+        charged_s += timer(*shape) - base
+    assert predicted > 0 and predicted == pytest.approx(charged_s / base_s, rel=1e-6)
 
 
 def test_bad_staging_settings():

@@ -1,7 +1,10 @@
 """``moetide compare [TRACE] --policies vllm,vamp,…``: one workload, same seed, each policy; one table, JSON and plot.
 
 JSON: ``{"runs": {"<policy>": {"config": …, "metrics": …}}, "ratios": {"<policy>/<baseline>": {…}}}`` with the
-replay's metric names (``offloaded_ratio_max`` and ``staged_bytes`` included). Times are MODELED.
+replay's metric names (``offloaded_ratio_max`` and ``staged_bytes`` included) plus ``offloaded_ratio_mean`` (the
+offloaded share averaged over steps: what running requests saw; idle time, when nothing is staged, not counted)
+and ``requests_per_busy_s`` (completed requests per second of accelerator time: what an engine kept saturated
+would deliver; closed-loop request throughput is paced by the recorded think times instead). Times are MODELED.
 """
 
 from __future__ import annotations
@@ -31,13 +34,27 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:,.1f}"
 
 
+COLUMNS = ["policy", "TTFT p50 ms", "TTFT p90 ms", "TPOT ms", "req/s", "req/busy s", "prefix hit", "preempt",
+           "offload max", "offload mean", "staged GiB", "done/failed"]
+
+
+def add_derived_metrics(result: dict, collector) -> None:
+    """Add ``offloaded_ratio_mean`` (over the sampled steps, which are evenly spaced in step count) and
+    ``requests_per_busy_s``."""
+    m = result["metrics"]
+    samples = collector.offload_usage
+    m["offloaded_ratio_mean"] = sum(r for _, r in samples) / len(samples) if samples else 0.0
+    m["requests_per_busy_s"] = m["completed"] / m["busy_s"] if m["busy_s"] else 0.0
+
+
 def comparison_rows(runs: dict[str, dict]) -> list[list[str]]:
     rows = []
     for policy, result in runs.items():
         m = result["metrics"]
         rows.append([policy, _ms(m["ttft_s"]["p50"]), _ms(m["ttft_s"]["p90"]), _ms(m["tpot_s"]["mean"]),
-                     f"{m['request_throughput_per_s']:.4f}", f"{m['prefix_hit_rate']:.3f}", f"{m['preemptions']:,}",
-                     f"{m['offloaded_ratio_max']:.3f}", f"{m['staged_bytes'] / 2**30:,.1f}",
+                     f"{m['request_throughput_per_s']:.4f}", f"{m.get('requests_per_busy_s', 0.0):.4f}",
+                     f"{m['prefix_hit_rate']:.3f}", f"{m['preemptions']:,}", f"{m['offloaded_ratio_max']:.3f}",
+                     f"{m.get('offloaded_ratio_mean', 0.0):.3f}", f"{m['staged_bytes'] / 2**30:,.1f}",
                      f"{m['completed']:,}/{m['failed']:,}"])
     return rows
 
@@ -49,9 +66,11 @@ def ratios(runs: dict[str, dict]) -> dict[str, dict[str, float | None]]:
     for name in names[1:]:
         m = runs[name]["metrics"]
         out[f"{name}/{names[0]}"] = {
+            "ttft_p50": _ratio(m["ttft_s"]["p50"], base["ttft_s"]["p50"]),
             "ttft_p90": _ratio(m["ttft_s"]["p90"], base["ttft_s"]["p90"]),
             "tpot_mean": _ratio(m["tpot_s"]["mean"], base["tpot_s"]["mean"]),
             "request_throughput": _ratio(m["request_throughput_per_s"], base["request_throughput_per_s"]),
+            "requests_per_busy_s": _ratio(m.get("requests_per_busy_s"), base.get("requests_per_busy_s")),
         }
     return out
 
@@ -69,20 +88,20 @@ def run(args: argparse.Namespace) -> int:
     for policy in policies:
         progress = ProgressBar(f"replay {policy}")
         runs[policy], collectors[policy] = run_replay(workload, config_from(args, policy), progress)
+        add_derived_metrics(runs[policy], collectors[policy])
         progress.close()
     first = runs[policies[0]]["config"]
     print(f"{first['workload']['name']}: {first['workload']['requests']:,} requests | {first['model']} on "
           f"{first['tp']} x {first['gpu']} | {first['memory']['num_blocks']:,} KV blocks per GPU at start | "
           f"max offload {first['max_offload_ratio']}, staging {first['staging_mode']}")
     print("times are MODELED by the roofline step-time model, not measured\n")
-    print(format_table(["policy", "TTFT p50 ms", "TTFT p90 ms", "TPOT ms", "req/s", "prefix hit", "preempt",
-                        "offload max", "staged GiB", "done/failed"], comparison_rows(runs), align="<>>>>>>>>>"))
+    print(format_table(COLUMNS, comparison_rows(runs), align="<" + ">" * (len(COLUMNS) - 1)))
     table = ratios(runs)
     if table:
         print()
-        print(format_table(["vs " + policies[0], "TTFT p90", "TPOT", "throughput"],
+        print(format_table(["vs " + policies[0], "TTFT p50", "TTFT p90", "TPOT", "req/s", "req/busy s"],
                            [[k, *(("-" if v is None else f"{v:.3f}x") for v in r.values())] for k, r in table.items()],
-                           align="<>>>"))
+                           align="<>>>>>"))
     if args.json:
         write_json(args.json, {"runs": runs, "ratios": table})
         print(f"\nwrote {args.json}")

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from moetide.commands.compare import comparison_rows
+from moetide.commands.compare import COLUMNS, add_derived_metrics, comparison_rows
 from moetide.commands.replay import add_engine_arguments, add_workload_arguments, config_from, load, write_json
 from moetide.errors import UserError
 from moetide.report.progress import ProgressBar
@@ -48,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
         progress = ProgressBar(f"{args.policy} cap {key}")
         runs[key], collectors[key] = run_replay(workload, dataclasses.replace(base, max_offload_ratio=ratio),
                                                 progress)
+        add_derived_metrics(runs[key], collectors[key])
         progress.close()
     print(f"{args.policy} at each max offload ratio; times are MODELED by the roofline step-time model\n")
-    print(format_table(["cap", "TTFT p50 ms", "TTFT p90 ms", "TPOT ms", "req/s", "prefix hit", "preempt",
-                        "offload max", "staged GiB", "done/failed"], comparison_rows(runs), align="<>>>>>>>>>"))
+    print(format_table(["cap", *COLUMNS[1:]], comparison_rows(runs), align="<" + ">" * (len(COLUMNS) - 1)))
     if args.json:
         write_json(args.json, {"runs": runs})
         print(f"\nwrote {args.json}")

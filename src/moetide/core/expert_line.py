@@ -9,6 +9,12 @@ This ledger converts at byte granularity: region bytes accumulate and every whol
 the remainder carrying to the next region. That is what vLLM's per-layer KV layout gets from 2 MiB pages (whole
 layer-blocks per page); the engine keeps exact page books with ``core.arena`` instead. Block ids given out are
 ``first_block_id, first_block_id + 1, …`` in conversion order.
+
+Staging needs device room of its own: ``staging_buffer_layers`` layers' worth of offloaded experts (2: the layer
+computing and the next one filling). Offloads are spread evenly over the ``L`` MoE layers, so that buffer is
+``staging_buffer_layers / L`` of the offloaded bytes, and each offloaded expert yields
+``kv_bytes_per_expert = expert_bytes × (1 − staging_buffer_layers / L)`` to the pool (linear, so the books stay
+monotonic; exact whenever every layer holds the same count).
 """
 
 from __future__ import annotations
@@ -22,13 +28,18 @@ from moetide.core.experts import ExpertKey, ExpertResidency
 class ExpertLine:
     """Residency plus the pool's growth from offloaded experts (LIFO reclaim)."""
 
-    def __init__(self, residency: ExpertResidency, pool: BlockPool, *, block_bytes: int, first_block_id: int) -> None:
+    def __init__(self, residency: ExpertResidency, pool: BlockPool, *, block_bytes: int, first_block_id: int,
+                 staging_buffer_layers: int = 0) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        num_layers = residency.config.num_layers
+        if not 0 <= staging_buffer_layers < num_layers:
+            raise ValueError(f"staging_buffer_layers must be in [0, {num_layers}), got {staging_buffer_layers}")
         self.residency = residency
         self.pool = pool
         self.block_bytes = block_bytes
         self.expert_bytes = residency.config.expert_bytes
+        self.kv_bytes_per_expert = self.expert_bytes - staging_buffer_layers * self.expert_bytes // num_layers
         self.first_block_id = first_block_id
         self._converted_bytes = 0
         self._regions: list[tuple[tuple[ExpertKey, ...], range]] = []  # conversion order, for LIFO reclaim
@@ -42,13 +53,14 @@ class ExpertLine:
 
     def blocks_gained(self, num_experts: int) -> int:
         """Blocks the pool would gain from offloading ``num_experts`` more experts."""
-        return (self._converted_bytes + num_experts * self.expert_bytes) // self.block_bytes - self.num_converted_blocks
+        converted = self._converted_bytes + num_experts * self.kv_bytes_per_expert
+        return converted // self.block_bytes - self.num_converted_blocks
 
     def offload(self, region: Sequence[ExpertKey]) -> list[int]:
         region = tuple(region)
         self.residency.mark_offloaded(region)  # validates and enforces the cap before anything changes
         start = self.first_block_id + self.num_converted_blocks
-        self._converted_bytes += len(region) * self.expert_bytes
+        self._converted_bytes += len(region) * self.kv_bytes_per_expert
         new_ids = range(start, self.first_block_id + self.num_converted_blocks)
         self.pool.add_blocks(new_ids)
         self._regions.append((region, new_ids))
@@ -68,7 +80,7 @@ class ExpertLine:
         if not self.pool.remove_blocks(ids):
             return False
         self._regions.pop()
-        self._converted_bytes -= len(region) * self.expert_bytes
+        self._converted_bytes -= len(region) * self.kv_bytes_per_expert
         self.residency.mark_resident(region)
         for layer, _ in region:
             self.offloaded_per_layer[layer] -= 1

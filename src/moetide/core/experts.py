@@ -90,6 +90,9 @@ class ExpertResidency:
         self._scale = 1.0
         self._offloaded: list[set[int]] = [set() for _ in range(config.num_layers)]
         self._num_offloaded = 0
+        # per layer, resident experts coldest first; None when routing or residency changed since it was sorted
+        # (the lazy decay scales every count alike, so it never reorders them)
+        self._cold_cache: list[list[int] | None] = [None] * config.num_layers
         self.max_num_offloaded = self._max_offloaded()
 
     def _ratio(self, num_experts: int) -> float:
@@ -119,6 +122,8 @@ class ExpertResidency:
         row = self._raw[layer]
         for expert, count in updates:  # validated first: a bad entry records nothing
             row[expert] += count / self._scale
+        if updates:
+            self._cold_cache[layer] = None
 
     def end_step(self) -> None:
         """Decay every routing count by ``decay`` (call once per engine step, after recording it)."""
@@ -127,6 +132,7 @@ class ExpertResidency:
             for row in self._raw:
                 row[:] = [raw * self._scale for raw in row]
             self._scale = 1.0
+            self._cold_cache = [None] * self.config.num_layers  # underflow may have made counts equal
 
     def hotness(self, layer: int, expert: int) -> float:
         """Decayed routing count of one expert."""
@@ -175,8 +181,13 @@ class ExpertResidency:
         return wanted
 
     def _cold_order(self, layer: int) -> list[int]:
-        row, offloaded = self._raw[layer], self._offloaded[layer]
-        return sorted((e for e in range(self.config.num_experts) if e not in offloaded), key=lambda e: (row[e], e))
+        order = self._cold_cache[layer]
+        if order is None:
+            row, offloaded = self._raw[layer], self._offloaded[layer]
+            order = sorted((e for e in range(self.config.num_experts) if e not in offloaded),
+                           key=lambda e: (row[e], e))
+            self._cold_cache[layer] = order
+        return order
 
     def mark_offloaded(self, region: Sequence[ExpertKey]) -> None:
         """Record that the region's experts now live on the host; all resident, within the cap, or nothing
@@ -190,6 +201,7 @@ class ExpertResidency:
             )
         for layer, expert in keys:
             self._offloaded[layer].add(expert)
+            self._cold_cache[layer] = None
         self._num_offloaded += len(keys)
 
     def mark_resident(self, region: Sequence[ExpertKey]) -> None:
@@ -197,6 +209,7 @@ class ExpertResidency:
         keys = self._checked_region(region, offloaded=True)
         for layer, expert in keys:
             self._offloaded[layer].discard(expert)
+            self._cold_cache[layer] = None
         self._num_offloaded -= len(keys)
 
     def _checked_region(self, region: Sequence[ExpertKey], *, offloaded: bool) -> list[ExpertKey]:

@@ -1,43 +1,58 @@
 """Staging cost of offloaded experts: what a step pays for experts served from host memory. MODELED.
 
-For each MoE layer with ``n`` offloaded experts (of ``E``, top-``k`` routing, uniform routing unless routing
-probabilities are given), a step of ``T`` tokens stages
+For each MoE layer with ``n`` offloaded experts (of ``E``, top-``k`` routing), a step of ``T`` tokens touches
+offloaded expert ``e`` with probability ``q_e = 1 − (1 − p_e)^T``, where ``p_e`` is the chance that one token routes
+to it: ``k/E`` under uniform routing, or ``k·w_e/Σw`` with ``w_e = 1/rank^s`` when expert popularity follows a Zipf
+law of exponent ``routing_zipf_s``. The offloaded experts are the layer's ``n`` coldest (what ``core.experts``
+picks from routing statistics), so skew makes them rarer. Three ways to stage them:
 
-* ``touched`` mode (default): the offloaded experts the step's routing touches, ``n·(1 − (1 − k/E)^T)`` of them
-  in expectation under uniform routing, ``Σ over the n coldest experts of 1 − (1 − p_e)^T`` when expert popularity
-  follows a Zipf law of exponent ``routing_zipf_s`` (p_e = k·w_e/Σw, w_e = 1/rank^s) — the router's choice is known only once the layer runs, so this transfer overlaps nothing
-  unless ``overlap_layers`` says the choice is predicted that many layers ahead;
-* ``segment`` mode (as the VAMP paper does): the whole offloaded segment of every layer, every step, fetched
+* ``auto`` (default): what an engine that knows its batch before the step can do. While layer l−1 computes, the
+  host link is idle, so the offloaded experts of layer l most likely to be touched are prefetched into a staging
+  buffer — as many as ``overlap_layers`` layers' compute carries, that is ``m = ⌊overlap_s / t⌋`` of them (``t``:
+  one expert's transfer time), plus one more when its overrun is smaller than its expected on-demand cost; the rest
+  are fetched on demand once layer l's router has chosen, overlapping nothing. Exposed time per layer:
+  ``max(0, m·t − overlap_s) + t·Σ q_e`` over the experts not prefetched. A prefill chunk touches every expert
+  (``q_e`` → 1), so this becomes ``segment`` with overlap; a small decode batch touches few, so it becomes
+  ``touched`` less the few experts the window carries for free. Prefetched experts are moved whether used or not.
+* ``touched``: only the experts the step's routing touches (expected ``Σ q_e``), fetched once the router has run,
+  so the transfer overlaps nothing unless ``overlap_layers`` says the choice is predicted that many layers ahead.
+  The pessimistic bound for small batches.
+* ``segment`` (as the VAMP paper does): the whole offloaded segment of every layer, every step, fetched
   ``overlap_layers`` (default 1) layers ahead so it overlaps the preceding layers' compute.
 
 Per layer: transfer_s = bytes / (host-link bandwidth × efficiency) + per-transfer latency × experts moved;
-exposed_s = max(0, transfer_s − overlap_layers × compute_s_per_layer). A step's staging cost is the sum of the
-exposed times over MoE layers. Bytes per expert are per GPU (an expert's shard at tensor parallelism ``tp``).
+exposed_s = max(0, transfer_s − overlap_layers × compute_s_per_layer) for ``touched`` and ``segment``. A step's
+staging cost is the sum of the exposed times over MoE layers (layers run one after another). Bytes per expert are
+per GPU (an expert's shard at tensor parallelism ``tp``; each GPU stages its shard over its own host link).
+``compute_s_per_layer`` is the step's modeled time over all layers (the caller's choice): a staging buffer a few
+layers deep evens out the difference between Qwen3-Next's full- and linear-attention layers.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moetide.perf.budget import weights_per_gpu
 from moetide.specs import HardwareSpec, ModelSpec
 
-TOUCHED, SEGMENT = "touched", "segment"
+AUTO, TOUCHED, SEGMENT = "auto", "touched", "segment"
+STAGING_MODES = (AUTO, TOUCHED, SEGMENT)
 
 
 @dataclass(frozen=True)
 class StagingConfig:
-    mode: str = TOUCHED
+    mode: str = AUTO
     link_efficiency: float = 0.9  # of the measured pinned H2D figure in the GPU preset (already a measured rate)
     transfer_latency_s: float = 10e-6  # per expert copy (cudaMemcpyAsync launch + DMA setup, typical)
-    overlap_layers: float | None = None  # None: 0 for touched, 1 for segment
+    overlap_layers: float | None = None  # None: 0 for touched, 1 for segment and auto
     # Expert popularity within a layer: Zipf with this exponent (0 = uniform routing, the pessimistic default).
     # Offloaded experts are the coldest ones (what core.experts picks from routing statistics).
     routing_zipf_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.mode not in (TOUCHED, SEGMENT):
-            raise ValueError(f"staging mode must be {TOUCHED!r} or {SEGMENT!r}, got {self.mode!r}")
+        if self.mode not in STAGING_MODES:
+            raise ValueError(f"staging mode must be one of {', '.join(map(repr, STAGING_MODES))}, got {self.mode!r}")
         if not 0 < self.link_efficiency <= 1:
             raise ValueError(f"link_efficiency must be in (0, 1], got {self.link_efficiency}")
         if self.transfer_latency_s < 0 or (self.overlap_layers is not None and self.overlap_layers < 0):
@@ -63,6 +78,8 @@ class StagingModel:
         self.expert_bytes = weights_per_gpu(model, tp=tp, dtype_bytes=dtype_bytes).expert_shard_bytes
         self.link_bytes_per_s = gpu.host_link_bandwidth_bytes_per_s * config.link_efficiency
         self.num_moe_layers = model.num_moe_layers
+        # one expert's transfer: its bytes over the link plus the per-copy latency
+        self.expert_transfer_s = self.expert_bytes / self.link_bytes_per_s + config.transfer_latency_s
         weights = [1.0 / (rank + 1) ** config.routing_zipf_s for rank in range(self.num_experts)]
         total = sum(weights)
         # per-token probability that expert of popularity rank r is among the top-k, coldest first
@@ -75,10 +92,8 @@ class StagingModel:
             return 1.0
         return 1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens
 
-    def experts_moved(self, num_tokens: int, num_offloaded: int) -> float:
-        """Expected offloaded experts (the ``num_offloaded`` coldest of a layer) a step of T tokens stages."""
-        if self.config.mode == SEGMENT:
-            return float(num_offloaded)
+    def expected_touched(self, num_tokens: int, num_offloaded: int) -> float:
+        """Σ q_e over a layer's ``num_offloaded`` coldest experts: how many of them a step of T tokens touches."""
         key = (num_tokens, num_offloaded)
         moved = self._moved.get(key)
         if moved is None:
@@ -87,20 +102,45 @@ class StagingModel:
                 self._moved[key] = moved
         return moved
 
+    def experts_moved(self, num_tokens: int, num_offloaded: int) -> float:
+        """Expected offloaded experts (the ``num_offloaded`` coldest of a layer) a step of T tokens stages in
+        ``touched`` and ``segment`` mode (``auto`` depends on the overlap window: see ``layer``)."""
+        if self.config.mode == SEGMENT:
+            return float(num_offloaded)
+        return self.expected_touched(num_tokens, num_offloaded)
+
+    def layer(self, num_tokens: int, num_offloaded: int, overlap_s: float) -> tuple[float, float]:
+        """(experts moved, exposed seconds) of one layer with ``num_offloaded`` experts on the host."""
+        if not num_offloaded or num_tokens <= 0:
+            return 0.0, 0.0
+        t = self.expert_transfer_s
+        if self.config.mode != AUTO:
+            moved = self.experts_moved(num_tokens, num_offloaded)
+            return moved, max(0.0, moved * t - overlap_s)
+        # prefetch the m likeliest (the hottest of the cold), fetch the rest on demand: Σ q over the coldest n − m
+        best = None
+        first = min(num_offloaded, math.floor(overlap_s / t) if t > 0 else num_offloaded)
+        for m in (first, min(first + 1, num_offloaded)):
+            on_demand = self.expected_touched(num_tokens, num_offloaded - m)
+            exposed = max(0.0, m * t - overlap_s) + on_demand * t
+            if best is None or exposed < best[1]:
+                best = (m + on_demand, exposed)
+        return best
+
     def step(self, num_tokens: int, offloaded_per_layer: list[int] | tuple[int, ...],
              compute_s_per_layer: float) -> tuple[float, float]:
         """(staged bytes, exposed seconds) for one step."""
         if num_tokens <= 0:
             return 0.0, 0.0
         overlap_s = self.config.effective_overlap_layers * compute_s_per_layer
-        staged = exposed = 0.0
+        moved = exposed = 0.0
+        per_count: dict[int, tuple[float, float]] = {}  # offloads are spread: few distinct counts per step
         for n in offloaded_per_layer:
             if not n:
                 continue
-            moved = self.experts_moved(num_tokens, n)
-            nbytes = moved * self.expert_bytes
-            transfer_s = nbytes / self.link_bytes_per_s + self.config.transfer_latency_s * moved
-            staged += nbytes
-            if transfer_s > overlap_s:
-                exposed += transfer_s - overlap_s
-        return staged, exposed
+            cost = per_count.get(n)
+            if cost is None:
+                cost = per_count[n] = self.layer(num_tokens, n, overlap_s)
+            moved += cost[0]
+            exposed += cost[1]
+        return moved * self.expert_bytes, exposed

@@ -7,6 +7,7 @@ blocks per request), so ``core`` never imports ``perf``. Everything a replay's r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
@@ -18,7 +19,7 @@ from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
-from moetide.perf.staging import StagingConfig, StagingModel
+from moetide.perf.staging import STAGING_MODES, StagingConfig, StagingModel
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
 from moetide.specs import get_gpu, get_model
@@ -39,10 +40,12 @@ class ReplayConfig:
     enable_prefix_caching: bool = True
     state_checkpoints: bool = False  # hybrid models: charge a state checkpoint per cached block (vLLM's option)
     max_offload_ratio: float = 0.15  # cap on the offloaded share of routed-expert bytes (vamp, static-offload)
-    staging_mode: str = "touched"  # "touched" experts per step, or the whole offloaded "segment" (the paper)
+    # "auto": prefetch the likeliest offloaded experts behind the previous layer's compute, fetch the rest on
+    # demand; "touched": on demand only; "segment": the whole offloaded segment every step (perf/staging.py)
+    staging_mode: str = "auto"
     routing_zipf_s: float = 0.0  # expert popularity skew for staging (0: uniform routing, the pessimistic case)
-    vamp_horizon_s: float = 60.0
-    vamp_reuse_tau_s: float = 300.0
+    vamp_horizon_s: float = 300.0  # time constant of vamp's rate estimates and of the step mix it prices with
+    vamp_reuse_tau_s: float = 300.0  # unused since vamp measures reuse (ghost list); kept for the CLI flag
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -58,8 +61,10 @@ class ReplayConfig:
             raise UserError(f"--max-offload-ratio must be in [0, 1], got {self.max_offload_ratio}")
         if self.routing_zipf_s < 0:
             raise UserError(f"--routing-zipf-s must be >= 0, got {self.routing_zipf_s}")
-        if self.staging_mode not in ("touched", "segment"):
-            raise UserError(f"--staging must be 'touched' or 'segment', got {self.staging_mode!r}")
+        if self.staging_mode not in STAGING_MODES:
+            raise UserError(f"--staging must be one of {', '.join(STAGING_MODES)}, got {self.staging_mode!r}")
+        if not self.vamp_horizon_s > 0 or not self.vamp_reuse_tau_s > 0:
+            raise UserError("--vamp-horizon-s and --vamp-reuse-tau-s must be positive")
 
 
 @dataclass
@@ -95,30 +100,104 @@ def build_replay(
     line = _expert_line(model, config, pool, budget)
     staging = StagingModel(model, gpu, tp=config.tp,
                            config=StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s))
-    policy = _policy(config, step_model, staging, line)
+    step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers, mix_tau_s=config.vamp_horizon_s,
+                                    reference_step=_reference_decode(config, step_model))
+    policy = _policy(config, step_model, step_time)
     if getattr(policy, "offload_at_start", False):
         line.offload(line.residency.next_offload_region(max_experts=line.residency.max_num_offloaded))
     scheduler = Scheduler(scheduler_config, kv, policy, expert_line=line)
-    step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers)
     replay = Replay(workload, scheduler, step_time, progress=progress,
                     offloaded_ratio=lambda: line.residency.offloaded_ratio)
     return BuiltReplay(replay, budget, config, line, step_time)
 
 
 class StepTimeWithStaging:
-    """Modeled step time plus the exposed staging of the experts offloaded at that moment; counts staged bytes."""
+    """Modeled step time plus the exposed staging of the experts offloaded at that moment; counts staged bytes.
 
-    def __init__(self, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine, num_layers: int) -> None:
+    It also keeps the recent step mix — steps grouped by the bit length of their token count, each group's
+    weighted count, tokens and staging-free modeled time, weights decaying as e^(−age/``mix_tau_s``) over step
+    time — so that ``vamp`` prices an offload with the very staging model charged here, over the steps that
+    actually run (``core.pressure.vamp.StepStats``). Before any step it prices a reference decode step."""
+
+    NUM_GROUPS = 24  # token counts up to 2^23 per step
+
+    def __init__(self, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine, num_layers: int, *,
+                 mix_tau_s: float = 300.0, reference_step: tuple[int, float] = (32, 0.014)) -> None:
         self.step_model, self.staging, self.line, self.num_layers = step_model, staging, line, num_layers
         self.staged_bytes = 0.0
+        self.busy = 0.0
+        self.mix_tau_s = mix_tau_s
+        self.reference_step = reference_step
+        self._origin = 0.0  # a step's weight is e^((busy − origin) / tau); rescaled before it overflows
+        self._count = [0.0] * self.NUM_GROUPS
+        self._tokens = [0.0] * self.NUM_GROUPS
+        self._base_s = [0.0] * self.NUM_GROUPS
+        self._shares: dict[int, float] = {}
+        self._shares_at = -1.0
 
     def __call__(self, num_tokens: int, num_seqs: int, num_decode: int, kv_read: int, pairs: int) -> float:
         base = self.step_model.step_time_s(num_tokens, num_seqs, num_decode, kv_read, pairs)
-        if not self.line.residency.num_offloaded:
-            return base
-        staged, exposed = self.staging.step(num_tokens, self.line.offloaded_per_layer, base / self.num_layers)
-        self.staged_bytes += staged
-        return base + exposed
+        duration = base
+        if self.line.residency.num_offloaded:
+            staged, exposed = self.staging.step(num_tokens, self.line.offloaded_per_layer, base / self.num_layers)
+            self.staged_bytes += staged
+            duration += exposed
+        self.busy += duration
+        x = (self.busy - self._origin) / self.mix_tau_s
+        if x > 600.0:
+            self._rescale()
+            x = 0.0
+        w = math.exp(x)
+        g = min(num_tokens.bit_length(), self.NUM_GROUPS - 1)
+        self._count[g] += w
+        self._tokens[g] += w * num_tokens
+        self._base_s[g] += w * base
+        return duration
+
+    def _rescale(self) -> None:
+        f = math.exp(-(self.busy - self._origin) / self.mix_tau_s)
+        for acc in (self._count, self._tokens, self._base_s):
+            acc[:] = [v * f for v in acc]
+        self._origin = self.busy
+
+    # ---- StepStats (what vamp reads) ------------------------------------------------------------------------
+    def busy_s(self) -> float:
+        return self.busy
+
+    def staging_share(self, num_offloaded: int) -> float:
+        """Exposed staging seconds per second of (staging-free) step time over the recent mix, with
+        ``num_offloaded`` experts spread evenly over the MoE layers."""
+        if self._shares_at != self.busy:
+            self._shares.clear()
+            self._shares_at = self.busy
+        share = self._shares.get(num_offloaded)
+        if share is None:
+            share = self._shares[num_offloaded] = self._share(num_offloaded)
+        return share
+
+    def _share(self, num_offloaded: int) -> float:
+        if num_offloaded <= 0:
+            return 0.0
+        groups = [(c, t / c, b / c) for c, t, b in zip(self._count, self._tokens, self._base_s) if c > 0]
+        if not groups:
+            tokens, base = self.reference_step
+            groups = [(1.0, tokens, base)]
+        layers = self.staging.num_moe_layers
+        per_layer, extra = divmod(num_offloaded, layers)
+        overlap = self.staging.config.effective_overlap_layers
+        exposed_s = base_s = 0.0
+        for count, tokens, base in groups:
+            window = overlap * base / self.num_layers
+            tokens = max(round(tokens), 1)
+            exposed = (layers - extra) * self.staging.layer(tokens, per_layer, window)[1]
+            if extra:
+                exposed += extra * self.staging.layer(tokens, per_layer + 1, window)[1]
+            exposed_s += count * exposed
+            base_s += count * base
+        return exposed_s / base_s
+
+
+STAGING_BUFFER_LAYERS = 2  # device room staging needs: the layer computing and the next one being filled
 
 
 def _expert_line(model, config: ReplayConfig, pool: BlockPool, budget: MemoryBudget) -> ExpertLine:
@@ -126,39 +205,42 @@ def _expert_line(model, config: ReplayConfig, pool: BlockPool, budget: MemoryBud
     residency = ExpertResidency(ExpertResidencyConfig(
         num_layers=model.num_moe_layers, num_experts=model.num_experts, expert_bytes=shard,
         max_offload_ratio=config.max_offload_ratio))
-    return ExpertLine(residency, pool, block_bytes=budget.charged_block_bytes, first_block_id=budget.num_blocks)
+    return ExpertLine(residency, pool, block_bytes=budget.charged_block_bytes, first_block_id=budget.num_blocks,
+                      staging_buffer_layers=STAGING_BUFFER_LAYERS)
 
 
-def _policy(config: ReplayConfig, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine):
+def _policy(config: ReplayConfig, step_model: StepTimeModel, step_time: StepTimeWithStaging):
     if config.policy.lower() not in NEEDS_VAMP_PARAMS:
         try:
             return get_policy(config.policy)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-    return get_policy(config.policy, params=vamp_params(config, step_model, staging, line))
+    return get_policy(config.policy, params=vamp_params(config, step_model, step_time))
 
 
-REFERENCE_CONTEXT_TOKENS = 16384  # context at which re-prefill and decode costs are priced for the policy
+REFERENCE_CONTEXT_TOKENS = 16384  # context of the reference decode step (priced until steps have run)
 REFERENCE_DECODE_BATCH = 32
+LONG_CONTEXT_TOKENS = 131072  # second point of the linear re-prefill fit (agent contexts: p50 ~104K, WEKA)
 
 
-def vamp_params(config: ReplayConfig, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine):
-    """VAMP's coefficients from the perf model (modeled seconds)."""
-    chunk, ctx = config.max_num_batched_tokens, REFERENCE_CONTEXT_TOKENS
-    prefill_s = step_model.step_time_s(chunk, 1, 0, ctx + chunk, chunk * ctx + chunk * (chunk + 1) // 2) / chunk
-    batch = min(config.max_num_seqs, REFERENCE_DECODE_BATCH)
-    decode_s = step_model.step_time_s(batch, batch, batch, batch * (ctx + 1), batch * (ctx + 1))
-    num_layers = len(line.offloaded_per_layer)
-    per_layer_compute_s = decode_s / max(num_layers, 1)
+def _reference_decode(config: ReplayConfig, step_model: StepTimeModel) -> tuple[int, float]:
+    batch, ctx = min(config.max_num_seqs, REFERENCE_DECODE_BATCH), REFERENCE_CONTEXT_TOKENS
+    return batch, step_model.step_time_s(batch, batch, batch, batch * (ctx + 1), batch * (ctx + 1))
 
-    def staging_s_per_step(num_offloaded: int, num_tokens: int) -> float:
-        base, extra = divmod(num_offloaded, num_layers)
-        per_layer = [base + (1 if i < extra else 0) for i in range(num_layers)]
-        return staging.step(num_tokens, per_layer, per_layer_compute_s)[1]
 
-    return VampParams(prefill_s_per_token=prefill_s, decode_step_s=decode_s, staging_s_per_step=staging_s_per_step,
-                      block_size=config.block_size, horizon_s=config.vamp_horizon_s, reference_step_tokens=batch,
-                      reuse_tau_s=config.vamp_reuse_tau_s)
+def vamp_params(config: ReplayConfig, step_model: StepTimeModel, step_time: StepTimeWithStaging):
+    """VAMP's coefficients from the perf model (modeled seconds). Re-prefill of one token at context x is
+    a + b·x: a full chunk's time per token at context 0 and at ``LONG_CONTEXT_TOKENS`` (attention's work and KV
+    reads grow linearly with the context, so two points fit the model's own curve)."""
+    chunk = config.max_num_batched_tokens
+
+    def per_token_s(ctx: int) -> float:
+        return step_model.step_time_s(chunk, 1, 0, ctx + chunk, chunk * ctx + chunk * (chunk + 1) // 2) / chunk
+
+    at_zero = per_token_s(0)
+    per_context = max(per_token_s(LONG_CONTEXT_TOKENS) - at_zero, 0.0) / LONG_CONTEXT_TOKENS
+    return VampParams(prefill_s_per_token=at_zero, prefill_s_per_token_per_context=per_context, steps=step_time,
+                      block_size=config.block_size, horizon_s=config.vamp_horizon_s)
 
 
 def run_replay(

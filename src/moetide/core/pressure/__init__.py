@@ -13,7 +13,7 @@ from moetide.core.pressure.base import (
     PressurePolicy,
     PressureView,
 )
-from moetide.core.pressure.vamp import VampParams, VampPolicy
+from moetide.core.pressure.vamp import StepStats, VampParams, VampPolicy
 from moetide.core.pressure.vllm import StaticOffloadPolicy, VllmPolicy
 
 
@@ -43,5 +43,5 @@ def get_policy(name: str, **params: object) -> PressurePolicy:
 
 __all__ = [
     "Action", "EvictPrefix", "NEEDS_VAMP_PARAMS", "OffloadExperts", "POLICIES", "Preempt", "PressurePolicy",
-    "PressureView", "VampParams", "VampPolicy", "get_policy",
+    "PressureView", "StepStats", "VampParams", "VampPolicy", "get_policy",
 ]

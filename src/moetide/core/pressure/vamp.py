@@ -1,185 +1,339 @@
-"""``vamp``: move the weights/KV line when that is the cheapest way out. Estimates are seconds of future work.
+"""``vamp``: move the weights/KV line when more KV is worth more than the expert bytes it costs.
 
-Asked before any cached prefix is lost (``allocate_slots`` never evicts by itself), it prices three sources of
-free blocks and fills the shortfall greedily from whichever source's *next unit* is cheapest per block:
+Asked before any cached prefix is lost (``allocate_slots`` never evicts by itself), it weighs, in seconds of
+accelerator work per second, what the next ``W`` blocks of KV capacity would save against what the experts that
+would give them up would cost — utility-based cache partitioning (Qureshi & Patt, MICRO 2006) between two tenants
+of one HBM, with the KV side measured by shadow tags as UCP does:
 
-* **evict** the next LRU victim (chain tails first): p(reuse) × re-prefill time of every token the eviction
-  invalidates — the block and its registered descendants (hashes are chained). p(reuse) comes from the owning
-  session: exp(−idle / ``reuse_tau_s``), 1 while it has a request in flight; unknown owner: ``p_reuse_unknown``.
-* **offload** the next expert of ``ExpertResidency.next_offload_region`` (cold first, spread over layers):
-  expected remaining steps (``horizon_s`` / ``decode_step_s``) × the exposed staging time per step it adds
-  (``staging_s_per_step(n)`` is the modeled exposed staging for n offloaded experts, so the marginal cost counts
-  what overlaps with compute as free) + a one-off ``remap_s_per_expert``; never past the offload cap.
-* **preempt** (only for a running requester; newest running request first): recompute of its computed tokens,
-  the same again as the delay it suffers, and the stall its recompute imposes on each other running request.
+* **what evicting costs — measured.** Every block the policy evicts goes into a ghost list (its hash, in eviction
+  order), as long as the blocks the offload cap could ever add (``G``). When a request is admitted and its prefix
+  misses at block j whose hash is in the ghost list — and so are j+1, … as far as the run goes — those blocks would
+  have been hits had the pool been larger by more than their eviction depth (evictions since). Each such block's
+  re-prefill at its position x (``prefill_s_per_token + prefill_s_per_token_per_context · x`` per token:
+  attention grows with the context) is what vLLM actually pays for having evicted it. Summed per second (decayed
+  over ``horizon_s``) by depth, this is p(reuse) × re-prefill of what eviction invalidates, measured rather than
+  guessed; the value of W more blocks is the rate of ghost hits at depth < W.
+* **what offloading costs — modeled with the replay's own staging model.** The experts that would give W blocks
+  add exposed staging to every step: busy share × Δ(staging seconds per step-second), where the staging share is
+  the step timer's (``StepStats``: the very model the replay charges, over the recent mix of prefill chunks and
+  decode batches), plus a one-off remap per expert.
 
-Units are taken until the shortfall is covered; if all three cannot cover it, a running requester preempts
-itself (as under ``vllm``) and a waiting one waits. Every coefficient is a named field of ``VampParams``; the
-replay or engine setup derives them from specs and the perf model (core never imports perf).
+The comparison moves an allowed line, not every decision: once per ``horizon_s`` (the review), the allowance
+grows by the experts that give ``W`` blocks if W more blocks would have saved more than ``margin`` (2) times the
+re-prefill those experts' staging costs, and shrinks by as many if the last window's staging costs more than
+``margin`` times what that window saves. The ghost list prices the next window, not the last one (past a cliff in
+the miss curve the next window is worth nothing while the last is worth a lot), so the last window is measured on
+its own: a waiting request's prefix hits on blocks among the W next victims (the head of the LRU queue) are hits a
+pool W blocks smaller would have lost, priced by position like ghost hits. The factor-of-two dead band stands for
+the error of two first-order estimates: neither side sees the queueing its change causes (a line moved on an even
+comparison ran to the cap in the collapse of an overloaded run and left it worse). UCP repartitions at intervals
+for the same reason: one step per interval keeps the line from outrunning what its measurements can see (a line
+moved at every shortfall ran to the cap before the re-prefills it saved, or the queues its staging built, showed
+up). ``W = G / 4``: a marginal slice of the capacity the cap can add, wide enough to see ghost hits, narrow enough
+to be marginal.
 
-``vamp-reclaim`` also gives the last offloaded region back once the free share of the pool has stayed
-above ``reclaim_free_share`` for ``reclaim_patience_s`` and the region's blocks are all free (hysteresis: a
-reclaim restarts the clock).
+A shortfall is covered by offloading the next cold experts (spread over layers, only as many as the shortfall
+needs, never past the allowance or the cap) and eviction covers the rest; past the allowance it is covered as
+``vllm`` would — LRU eviction (chain tails first) — and, when the cached-free blocks cannot cover it either, a
+running requester preempts the newest running request (possibly itself) and a waiting one waits, unless nothing
+is running and only moving the line (up to the cap) can admit it. Before the first review the allowance is zero.
+
+``vamp-reclaim`` also gives the last offloaded region back while more experts are offloaded than allowed and all
+of the region's blocks are free; the prefixes cached in them go to the ghost list like any eviction, so their loss
+is measured too. Plain ``vamp`` never gives regions back (a shrinking allowance only stops it offloading more).
+
+Every coefficient is a named field of ``VampParams``; the replay or engine setup derives them from specs and the
+perf model (core never imports perf).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from moetide.core.pressure.base import Action, EvictPrefix, OffloadExperts, Preempt, PressureView
+
+WINDOWS_PER_CAP = 4  # W = G / 4: the line moves by a quarter of what the cap can add at a time
+
+
+class StepStats(Protocol):
+    """What the policy reads of the steps that ran (the replay's modeled step timer; an engine's measured one)."""
+
+    def busy_s(self) -> float:
+        """Total seconds spent in steps so far."""
+        ...
+
+    def staging_share(self, num_offloaded: int) -> float:
+        """Exposed staging seconds per second of step time over the recent step mix, were ``num_offloaded``
+        experts offloaded (spread over layers)."""
+        ...
 
 
 @dataclass(frozen=True)
 class VampParams:
-    prefill_s_per_token: float  # re-prefill cost of one token (a full prefill chunk's modeled time / its tokens)
-    decode_step_s: float  # a typical decode step's modeled time
-    # exposed staging seconds per step with n experts offloaded, for steps of T tokens: (n, T) -> s
-    staging_s_per_step: Callable[[int, int], float]
+    prefill_s_per_token: float  # re-prefill of one token at context 0 (a full prefill chunk's time / its tokens)
+    steps: StepStats
     block_size: int
-    reference_step_tokens: int = 32  # T to price staging at until the scheduler has seen steps
-    horizon_s: float = 60.0  # how long an offload is expected to persist (without reclaim: the rest of the run)
-    reuse_tau_s: float = 300.0  # idle time after which a session's prefix is e^-1 as likely to be reused
-    p_reuse_unknown: float = 0.5  # cached blocks no session claims
+    prefill_s_per_token_per_context: float = 0.0  # what one token of context adds to one token's prefill
+    horizon_s: float = 300.0  # time constant of the measured rates (ghost hits, busy share); the review interval
     remap_s_per_expert: float = 50e-6  # cuMemUnmap/cuMemMap of an expert's pages and the block-table update
     reclaim: bool = False
-    reclaim_free_share: float = 0.25  # free share of the pool (cached-free included) that must persist
-    reclaim_patience_s: float = 30.0
+    reclaim_check_s: float = 5.0  # how often vamp-reclaim looks for a region to give back
+    # dead band: the line moves out when W blocks are worth this many times their staging, back when their
+    # staging costs this many times their worth (first-order estimates on both sides; the band absorbs their error)
+    margin: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_s_per_token", "decode_step_s", "horizon_s", "reuse_tau_s", "reclaim_patience_s"):
+        for name in ("prefill_s_per_token", "horizon_s", "reclaim_check_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"VampParams.{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.p_reuse_unknown <= 1 or not 0 < self.reclaim_free_share < 1:
-            raise ValueError("p_reuse_unknown must be in [0, 1] and reclaim_free_share in (0, 1)")
+        if self.block_size <= 0 or self.prefill_s_per_token_per_context < 0 or self.remap_s_per_expert < 0:
+            raise ValueError("VampParams: block_size must be positive; per-context and remap costs must be >= 0")
+        if not self.margin >= 1:
+            raise ValueError(f"VampParams.margin must be >= 1, got {self.margin}")
+
+    def block_prefill_s(self, block_index: int) -> float:
+        """Re-prefill of pool block ``block_index`` of a prefix (tokens at context ≈ its middle)."""
+        middle = (block_index + 0.5) * self.block_size
+        return self.block_size * (self.prefill_s_per_token + self.prefill_s_per_token_per_context * middle)
+
+
+class DecayedRate:
+    """Amount per second over roughly the last ``tau_s`` seconds: Σ amount·e^(−age/τ) over ∫ e^(−age/τ) dt since
+    the first observation (so the estimate is not ramped up from zero)."""
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_s = tau_s
+        self._sum = 0.0
+        self._elapsed = 0.0
+        self._t: float | None = None
+
+    def _advance(self, now_s: float) -> None:
+        if self._t is None:
+            self._t = now_s
+            return
+        dt = now_s - self._t
+        if dt > 0:
+            f = math.exp(-dt / self.tau_s)
+            self._sum *= f
+            self._elapsed = self._elapsed * f + self.tau_s * (1.0 - f)
+            self._t = now_s
+
+    def add(self, now_s: float, amount: float) -> None:
+        self._advance(now_s)
+        self._sum += amount
+
+    def rate(self, now_s: float) -> float | None:
+        self._advance(now_s)
+        return self._sum / self._elapsed if self._elapsed > 0 else None
 
 
 class VampPolicy:
     name = "vamp"
-    reads_every_step = True  # step-time averages and the reclaim clock: the replay must not skip steps
 
     def __init__(self, params: VampParams) -> None:
         self.params = params
-        self._free_since_s: float | None = None
+        # reclaim keeps a clock read at every step; plain vamp reads nothing the decode fast path skips
+        self.reads_every_step = params.reclaim
+        self._busy = DecayedRate(params.horizon_s)  # step seconds per second
+        self._last_busy_s = 0.0
+        self._ghost: OrderedDict[int, int] = OrderedDict()  # evicted block hash -> eviction number
+        self._num_evicted = 0  # blocks evicted so far (the ghost list's clock)
+        self._ghost_capacity = 0  # G: set from the expert line (blocks the cap can add)
+        self._next = DecayedRate(params.horizon_s)  # re-prefill s/s W more blocks would have saved (ghost hits)
+        self._tail = DecayedRate(params.horizon_s)  # re-prefill s/s the last W blocks of the pool save
+        self._admitted: str | None = None  # the waiting request whose ghost hits were counted last
+        self._allowed = 0  # experts the line may have offloaded now (moved by _review)
+        self._next_review_s: float | None = None
+        self._next_reclaim_check_s = -math.inf
 
+    # ---- the plan ---------------------------------------------------------------------------------------------
     def relieve(self, view: PressureView) -> list[Action]:
+        self._observe(view.now_s)
+        line = view.expert_line
+        if line is not None:
+            if not self._ghost_capacity:
+                self._ghost_capacity = max(line.blocks_gained(line.residency.max_num_offloaded), 1)
+            self._review(line, view.now_s)
+        if not view.requester_is_running and view.requester.request_id != self._admitted:
+            self._admitted = view.requester.request_id  # a request's admission is measured once
+            self._count_ghost_hits(view)
+            self._count_tail_hits(view)
         need = view.shortfall_blocks
-        sources = [self._evict_units(view), self._offload_units(view)]
-        if view.requester_is_running:
-            sources.append(self._preempt_units(view))
-        heads = [next(it, None) for it in sources]
-        evict = offload = 0
-        total = 0.0
-        region: list[tuple[int, int]] = []
-        victims: list[str] = []
-        while need > 0 and any(h is not None for h in heads):
-            i = min((i for i, h in enumerate(heads) if h is not None), key=lambda i: heads[i][0])
-            cost, blocks, unit = heads[i]
-            need -= blocks
-            total += cost * blocks
-            if i == 0:
-                evict += blocks
-            elif i == 1:
-                region.append(unit)
-                offload += blocks
-            else:
-                victims.append(unit)
-            heads[i] = next(sources[i], None)
-        if need > 0:  # the three sources cannot cover it
-            return [Preempt(view.requester.request_id)] if view.requester_is_running else []
-        if view.requester.request_id in victims:
-            return [Preempt(view.requester.request_id)]  # cheapest was to step back itself
-        if not view.requester_is_running and region and total > self._wait_cost_s(view):
-            return []  # waiting for running requests to free memory is cheaper than moving the line
+        evict = list(self._evict_units(view))
+        evictable = sum(freed for freed, _ in evict)
+        room = max(self._allowed - line.residency.num_offloaded, 0) if line is not None else 0
+        region, gained = self._offload_region(view, need, room) if room else ([], 0)
+        if not gained and evictable < need:
+            if view.requester_is_running:
+                # vLLM's way: the newest running request (possibly the requester) steps back, its blocks become
+                # evictable and the scheduler asks again
+                victim = view.preemptible[-1] if view.preemptible else view.requester
+                return [Preempt(victim.request_id)]
+            if view.running or line is None:
+                return []  # a waiting requester waits for running requests to free memory
+            cap = line.residency.max_num_offloaded - line.residency.num_offloaded
+            region, gained = self._offload_region(view, need, cap)  # nothing runs: only the line can admit it
+            if evictable + gained < need:
+                return []
         actions: list[Action] = []
         if region:
             actions.append(OffloadExperts(tuple(region)))
-        if evict:
-            actions.append(EvictPrefix(evict))
-        actions.extend(Preempt(r) for r in victims)
+        left = need - gained
+        if left > 0:
+            taken = 0
+            for freed, lost in evict:
+                if taken >= left:
+                    break
+                taken += freed
+                self._remember(view.pool, lost)
+            actions.append(EvictPrefix(left))
         return actions
 
-    # ---- the three sources, each an iterator of (cost per block, blocks, unit) in the order they must be taken
     def _evict_units(self, view: PressureView):
-        p = self.params
-        token_s = p.prefill_s_per_token * p.block_size
+        """(blocks freed, blocks lost) per LRU victim, in the order ``BlockPool.evict`` takes them."""
         pool = view.pool
-        counted: set[int] = set()  # blocks an earlier victim of this plan already invalidates
+        counted: set[int] = set()  # blocks an earlier victim already invalidates
         for block_id in pool.peek_victims(view.shortfall_blocks, view.protected_blocks):
             if block_id in counted:
                 continue
-            # every lost block costs the same per block, so counting past the shortfall changes no decision
             more = pool.registered_descendants(block_id, max(view.shortfall_blocks - len(counted), 1), counted)
             lost = [block_id, *more]
             counted.update(lost)
             freed = sum(1 for b in lost if pool.is_free(b))  # in-use descendants are uncached, not freed
             if freed:
-                yield self._p_reuse(view, pool.owner_of(block_id)) * token_s * len(lost) / freed, freed, block_id
+                yield freed, lost
 
-    def _offload_units(self, view: PressureView):
+    def _offload_region(self, view: PressureView, need: int, max_experts: int) -> tuple[list[tuple[int, int]], int]:
+        """The next cold experts (at most ``max_experts``) that cover ``need`` blocks, and the blocks they give."""
         line = view.expert_line
-        if line is None:
-            return
-        p = self.params
         residency = line.residency
-        room = residency.max_num_offloaded - residency.num_offloaded
-        # every running request (and the requester) pays the exposed staging on every step of the horizon
-        steps = p.horizon_s / (view.recent_step_s or p.decode_step_s) * (view.num_running + 1)
-        offloaded = residency.num_offloaded
-        tokens = round(view.recent_step_tokens or p.reference_step_tokens)  # prefill-heavy steps stage more
-        taken = 0
-        wanted = -(-view.shortfall_blocks * line.block_bytes // line.expert_bytes) + 1  # enough to cover it
-        for key in residency.next_offload_region(max_experts=min(room, wanted)):
-            gained = line.blocks_gained(taken + 1) - line.blocks_gained(taken)
-            cost = steps * (p.staging_s_per_step(offloaded + 1, tokens) - p.staging_s_per_step(offloaded, tokens))
-            cost += p.remap_s_per_expert
-            taken += 1
-            offloaded += 1
-            yield (cost / gained if gained else math.inf), gained, key
+        room = min(residency.max_num_offloaded - residency.num_offloaded, max_experts)
+        kv_bytes = getattr(line, "kv_bytes_per_expert", line.expert_bytes)  # net of the staging buffer
+        wanted = -(-need * line.block_bytes // kv_bytes) + 1
+        region = residency.next_offload_region(max_experts=min(room, wanted))
+        while region and line.blocks_gained(len(region) - 1) >= need:
+            region.pop()  # the rounding's spare expert is not needed
+        return region, line.blocks_gained(len(region))
 
-    def _wait_cost_s(self, view: PressureView) -> float:
-        """Waiting: the requester is admitted once the running request closest to finishing frees its blocks —
-        its remaining outputs × the recent step time. (Requests queued behind it are not charged: under load
-        they wait for capacity either way, and moving the line costs every request throughput.)"""
-        left = [r.max_output_tokens - r.num_output_tokens for r in view.running]
-        if not left:
-            return math.inf
-        return min(left) * (view.recent_step_s or self.params.decode_step_s)
+    # ---- the comparison ----------------------------------------------------------------------------------------
+    def _window(self) -> int:
+        return max(self._ghost_capacity // WINDOWS_PER_CAP, 1)
 
-    def _preempt_units(self, view: PressureView):
-        p = self.params
-        others = max(view.num_running - 1, 0)
-        candidates = list(reversed(view.preemptible)) + [view.requester]  # itself last: its own way out
-        for request in candidates:
-            blocks = -(-request.num_computed_tokens // p.block_size)  # its blocks (state blocks not counted)
-            if blocks <= 0:
+    def _value_s_per_s(self, now_s: float) -> float:
+        """Re-prefill seconds per second that ``W`` more blocks of KV would have saved (ghost hits at depth < W)."""
+        return self._next.rate(now_s) or 0.0
+
+    def _staging_s_per_s(self, line, now_s: float, start: int, end: int) -> float:
+        """Exposed staging seconds per second that offloading ``end`` rather than ``start`` experts adds, at the
+        recent busy share."""
+        steps = self.params.steps
+        delta = steps.staging_share(end) - steps.staging_share(start)
+        busy = self._busy.rate(now_s)
+        return max(delta, 0.0) * (1.0 if busy is None else min(busy, 1.0))
+
+    def _experts_for(self, line, num_blocks: int) -> int:
+        kv_bytes = getattr(line, "kv_bytes_per_expert", line.expert_bytes)
+        return -(-num_blocks * line.block_bytes // kv_bytes)
+
+    def _review(self, line, now_s: float) -> None:
+        """Once per ``horizon_s``, move the allowed line by at most one window (see the module docstring)."""
+        if self._next_review_s is None:
+            self._next_review_s = now_s + self.params.horizon_s
+        if now_s < self._next_review_s:
+            return
+        self._next_review_s = now_s + self.params.horizon_s
+        step = self._experts_for(line, self._window())
+        value = self._value_s_per_s(now_s)
+        cap, allowed = line.residency.max_num_offloaded, self._allowed
+        margin = self.params.margin
+        grow = min(allowed + step, cap)
+        remap_s_per_s = (grow - allowed) * self.params.remap_s_per_expert / self.params.horizon_s  # once a review
+        if allowed < cap and value > margin * (self._staging_s_per_s(line, now_s, allowed, grow) + remap_s_per_s):
+            self._allowed = min(allowed + step, cap)
+        elif allowed > 0:
+            back = min(step, allowed)
+            kept = self._tail.rate(now_s) or 0.0  # what the last window saves (hits in the LRU tail)
+            if self._staging_s_per_s(line, now_s, allowed - back, allowed) > margin * kept * back / step:
+                self._allowed = allowed - back
+
+    # ---- the ghost list ----------------------------------------------------------------------------------------
+    def _remember(self, pool, lost) -> None:
+        """Put evicted blocks' hashes in the ghost list; each freed block advances its clock."""
+        ghost = self._ghost
+        for block_id in lost:
+            block_hash = pool.block_hash(block_id)
+            if block_hash is None:
                 continue
-            recompute_s = request.num_computed_tokens * p.prefill_s_per_token
-            cost = recompute_s * (2 + others)  # recompute + its own delay + the stall on the others
-            yield cost / blocks, blocks, request.request_id
+            if pool.is_free(block_id):
+                self._num_evicted += 1
+            ghost[block_hash] = self._num_evicted
+            ghost.move_to_end(block_hash)
+        while len(ghost) > self._ghost_capacity:
+            ghost.popitem(last=False)
 
-    def _p_reuse(self, view: PressureView, owner: str | None) -> float:
-        if owner is None:
-            return self.params.p_reuse_unknown
-        state = view.sessions.get(owner)
-        if state is None:
-            return 0.0  # the session was closed
-        if state.num_in_flight > 0:
-            return 1.0
-        return math.exp(-max(view.now_s - state.last_active_s, 0.0) / self.params.reuse_tau_s)
+    def _count_ghost_hits(self, view: PressureView) -> None:
+        """A waiting request's prefix misses where it continues in the ghost list: price what a larger pool would
+        have kept, by the depth it would have taken (once per request)."""
+        requester = view.requester
+        if not self._ghost:
+            return
+        ghost, hashes, p = self._ghost, requester.block_hashes, self.params
+        window = self._window()
+        deepest = 0
+        saved = 0.0
+        for j in range(requester.num_computed_tokens // p.block_size, len(hashes)):
+            evicted_at = ghost.pop(hashes[j], None)
+            if evicted_at is None:
+                break
+            deepest = max(deepest, self._num_evicted - evicted_at)
+            if deepest < window:  # a pool W blocks larger would still have held blocks 0..j
+                saved += p.block_prefill_s(j)
+        if saved:
+            self._next.add(view.now_s, saved)
+
+    def _count_tail_hits(self, view: PressureView) -> None:
+        """A waiting request's prefix hits blocks among the W next victims (the LRU head of the cached-free
+        queue): a pool W blocks smaller would have lost them before the request came back — what the last window
+        of capacity is worth (the ghost list prices the next window, not the last)."""
+        hits = view.protected_blocks  # the requester's own prefix hits
+        if not hits or not self._ghost_capacity:
+            return
+        tail = [b for b in view.pool.peek_victims(self._window()) if b in hits]
+        if not tail:
+            return
+        position = {h: j for j, h in enumerate(view.requester.block_hashes)}
+        seconds = 0.0
+        for block_id in tail:
+            j = position.get(view.pool.block_hash(block_id))
+            if j is not None:
+                seconds += self.params.block_prefill_s(j)
+        self._tail.add(view.now_s, seconds)
+
+    # ---- rates -------------------------------------------------------------------------------------------------
+    def _observe(self, now_s: float) -> None:
+        busy = self.params.steps.busy_s()
+        self._busy.add(now_s, busy - self._last_busy_s)
+        self._last_busy_s = busy
+        for rate in (self._next, self._tail):
+            rate.add(now_s, 0.0)  # the clocks run from the start, not from the first hit
 
     # ---- reclaim (vamp-reclaim) ---------------------------------------------------------------------------
     def maybe_reclaim(self, line, pool, now_s: float) -> bool:
+        """Give the last region back while more experts are offloaded than the line allows and all its blocks
+        are free; the prefixes cached in them go to the ghost list like any eviction."""
         p = self.params
-        if not p.reclaim or line.last_region() is None:
+        if not p.reclaim or now_s < self._next_reclaim_check_s:
             return False
-        if pool.num_free_blocks < p.reclaim_free_share * pool.num_blocks:
-            self._free_since_s = None
+        self._next_reclaim_check_s = now_s + p.reclaim_check_s
+        self._observe(now_s)
+        self._review(line, now_s)
+        last = line.last_region()
+        if last is None or line.residency.num_offloaded <= self._allowed:
             return False
-        if self._free_since_s is None:
-            self._free_since_s = now_s
-        if now_s - self._free_since_s < p.reclaim_patience_s or not line.reclaim_last():
+        if not all(pool.is_free(b) for b in last[1]):
             return False
-        self._free_since_s = now_s
-        return True
+        self._remember(pool, [b for b in last[1] if pool.block_hash(b) is not None])
+        return line.reclaim_last()

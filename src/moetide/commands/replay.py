@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from moetide.perf.staging import STAGING_MODES
 from moetide.errors import UserError
 from moetide.report.progress import ProgressBar
 from moetide.report.tables import format_table
@@ -48,8 +49,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     if with_offload_ratio:
         parser.add_argument("--max-offload-ratio", type=float, default=defaults.max_offload_ratio,
                             help="cap on the offloaded share of routed-expert bytes (default %(default)s)")
-    parser.add_argument("--staging", choices=["touched", "segment"], default=defaults.staging_mode,
-                        help="stage the offloaded experts a step touches, or the whole segment (default %(default)s)")
+    parser.add_argument("--staging", choices=list(STAGING_MODES), default=defaults.staging_mode,
+                        help="auto: prefetch the likeliest offloaded experts under the previous layer's compute, the "
+                        "rest on demand; touched: on demand only; segment: all, every step (default %(default)s)")
     parser.add_argument("--routing-zipf-s", type=float, default=defaults.routing_zipf_s,
                         help="expert popularity skew (Zipf exponent) for staging; 0 = uniform (default)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,

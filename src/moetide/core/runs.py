@@ -86,12 +86,5 @@ def step(sched: Scheduler, run: PrefillRun) -> bool:
 
 
 def finish(sched: Scheduler, run: PrefillRun, num_steps: int) -> None:
-    """Give each decoder the ``num_steps`` tokens of the run (``Scheduler.advance_decode`` for a subset)."""
-    kv = sched.kv
-    for request in run.decoders:
-        request.append_outputs(num_steps)
-        request.num_computed_tokens += num_steps
-        if request.num_computed_tokens > request.max_computed_tokens:
-            request.max_computed_tokens = request.num_computed_tokens
-        kv.allocate_slots(request.request_id, 0, request.block_hashes,
-                          num_computed_tokens=request.num_computed_tokens, owner=request.session_id)
+    """Give each decoder the ``num_steps`` tokens of the run."""
+    sched.advance_decode(num_steps, run.decoders)

@@ -300,10 +300,11 @@ class Scheduler:
                 k = limit
         return max(k or 0, 0)
 
-    def advance_decode(self, num_steps: int) -> None:
-        """Apply ``num_steps`` decode steps (as certified by ``max_decode_run``) to every running request."""
+    def advance_decode(self, num_steps: int, requests: list[Request] | None = None) -> None:
+        """Apply ``num_steps`` decode steps (as certified by ``max_decode_run``, or ``core.runs`` for the decoders
+        of a prefill run) to ``requests``, every running request by default."""
         kv = self.kv
-        for request in self.running:
+        for request in self.running if requests is None else requests:
             request.append_outputs(num_steps)
             request.num_computed_tokens += num_steps
             if request.num_computed_tokens > request.max_computed_tokens:

@@ -19,40 +19,14 @@ from moetide.core.pressure.vllm import VllmPolicy  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.errors import UserError  # noqa: E402
 from moetide.engine.testmodel import ARCHS as ENGINE_ARCHS  # noqa: E402
+from engine_parity import MAX_TOKENS, hf_reference, parity_prompts  # noqa: E402,F401
 
-MAX_TOKENS = 64
-PROMPT_LENGTHS = (5, 9, 14, 17, 21, 26, 33, 40)
-SHARED_PREFIX_TOKENS = 12  # odd-numbered prompts start with the same 12 tokens (prefix hits, then evictions)
 PAGE_BYTES = 8192  # tiny experts are 24 KiB: 3 pages each, so the KV budget moves in small steps
 BLOCK_SIZE = 4
 TIGHT = dict(page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE, max_num_batched_tokens=64, ignore_eos=True)
 # KV pages (of 8 KiB) that make every mechanism fire for N=64 while the largest request still fits alone
 STATIC_PAGES = {"qwen3_moe": 10, "mixtral": 6, "qwen3_next": 4}
 POLICY_PAGES = {"qwen3_moe": 16, "mixtral": 8, "qwen3_next": 6}
-
-
-def parity_prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(0)
-    shared = torch.randint(1, 512, (SHARED_PREFIX_TOKENS,), generator=generator).tolist()
-    return [(shared if i % 2 else []) + torch.randint(1, 512, (n,), generator=generator).tolist()
-            for i, n in enumerate(PROMPT_LENGTHS)]
-
-
-@pytest.fixture(scope="module")
-def hf_reference(hf_model):
-    """``hf_reference(arch)``: transformers' greedy continuations of the parity prompts, one prompt at a time."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(arch: str) -> list[list[int]]:
-        if arch not in cache:
-            model = hf_model(arch)
-            with torch.no_grad():
-                cache[arch] = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                               for p in parity_prompts()]
-        return cache[arch]
-
-    return get
 
 
 class OffloadOnPressure:

@@ -25,39 +25,13 @@ from moetide.engine.split_backend import SplitAttentionBackend  # noqa: E402
 from moetide.engine.split_plan import SplitStepper  # noqa: E402
 from moetide.engine.testmodel import ARCHS as ENGINE_ARCHS  # noqa: E402
 from moetide.errors import UserError  # noqa: E402
+from engine_parity import MAX_TOKENS, hf_reference, parity_prompts  # noqa: E402,F401
 
-MAX_TOKENS = 64
-PROMPT_LENGTHS = (5, 9, 14, 17, 21, 26, 33, 40)
-SHARED_PREFIX_TOKENS = 12
 PAGE_BYTES = 8192
 BLOCK_SIZE = 4
 DEVICE_PAGES = 3  # a few device blocks: every sequence but the first few spills to host
 SPILL = dict(kv_budget_bytes=DEVICE_PAGES * PAGE_BYTES, kv_host_mib=1, page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE,
              max_num_batched_tokens=64, ignore_eos=True)
-
-
-def parity_prompts() -> list[list[int]]:
-    """The runner tests' prompts: odd ones share a 12-token prefix (prefix hits, on host blocks too)."""
-    generator = torch.Generator().manual_seed(0)
-    shared = torch.randint(1, 512, (SHARED_PREFIX_TOKENS,), generator=generator).tolist()
-    return [(shared if i % 2 else []) + torch.randint(1, 512, (n,), generator=generator).tolist()
-            for i, n in enumerate(PROMPT_LENGTHS)]
-
-
-@pytest.fixture(scope="module")
-def hf_reference(hf_model):
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(arch: str) -> list[list[int]]:
-        if arch not in cache:
-            model = hf_model(arch)
-            with torch.no_grad():
-                cache[arch] = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                               for p in parity_prompts()]
-        return cache[arch]
-
-    return get
 
 
 def balanced_costs(device_tokens: int, num_queries: int) -> SplitCosts:

@@ -72,7 +72,8 @@ def test_sampling_is_seeded(tiny_checkpoint, capsys):
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--prompt", "  "], "the prompt is empty"),
     (["--prompts-file", "/no/such/file"], "cannot read"),
-    (["--static-offload"], "static_offload needs max_offload_ratio"),
+    (["--static-offload", "--max-offload-ratio", "0"], "static_offload needs max_offload_ratio"),
+    (["--policy", "vamp", "--max-offload-ratio", "0"], "give it room with --max-offload-ratio"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, capsys, extra, message):
     args = ["--max-tokens", "2", "--prompt", "hi", *extra]
@@ -99,11 +100,15 @@ def test_bench_engine_prints_one_json_line_per_batch_size(tiny_checkpoint, capsy
         assert line["prefill_tokens_per_s"]["median"] > 0 and line["decode_tokens_per_s"]["min"] > 0
 
 
-def test_vamp_is_refused_clearly_until_the_engine_derives_its_coefficients(tmp_path, capsys):
-    from moetide.cli import main
-    from moetide.engine.testmodel import TinyModelArgs, make_test_model
-
-    model_dir = tmp_path / "m"
-    make_test_model(TinyModelArgs(arch="qwen3_moe", num_layers=1), model_dir)
-    assert main(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "2", "--policy", "vamp"]) == 2
-    assert "not wired into the engine yet" in capsys.readouterr().err
+def test_vamp_runs_from_the_cli_under_a_tight_budget(tiny_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The scheduler compares the cost of evicting a prefix\n" * 3 + "Linear attention keeps\n")
+    rc = generate(tiny_checkpoint("mixtral"), "--prompts-file", str(prompts), "--max-tokens", "24", "--ignore-eos",
+                  "--kv-budget-mib", str(32 / 1024), "--block-size", "4", "--policy", "vamp-reclaim",
+                  "--vamp-horizon-s", "0.01", "--max-num-batched-tokens", "32", "--json", "-")
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert all(len(o["token_ids"]) == 24 and o["finish_reason"] == "length" for o in report["outputs"])
+    stats = report["stats"]
+    assert {"experts_offloaded", "expert_reclaims", "offloaded_ratio"} <= set(stats)
+    assert stats["offloaded_ratio"] <= 0.15

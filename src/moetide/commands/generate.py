@@ -4,7 +4,8 @@ Greedy unless ``--temperature`` is given (then seeded by ``--seed``: same argume
 comes from the model directory (local files only). ``--json OUT`` writes::
 
     {"outputs": [{"prompt", "prompt_token_ids", "token_ids", "text", "finish_reason"}, ...],
-     "stats": {"prefix_evictions", "preemptions", "experts_offloaded", "prefix_hit_tokens", "steps", ...,
+     "stats": {"prefix_evictions", "preemptions", "experts_offloaded", "expert_reclaims", "prefix_hit_tokens",
+               "steps", ...,
                "kv_host_blocks", "split_policy", "split": {"cpu_blocks", "streamed_blocks", "cpu_s", ...}}}
 
 and stdout gets one line per prompt plus a one-line summary of the counters (a second one for host KV).
@@ -13,6 +14,10 @@ torch and transformers are imported only when the verb runs.
 ``--kv-host-mib X`` adds X MiB of host KV blocks (pinned on CUDA) beyond the device budget: KV spills there once
 the device part is full, and attention splits each step between the device, the CPU in place and blocks streamed
 to the device, as ``--split-policy`` chooses (docs/writescope.md, "The engine half").
+
+``--policy vamp`` (or ``vamp-reclaim``) runs the core's VAMP policy on the engine's own measurements (step
+times, prefill seconds per token, one expert copy, per-expert touch rates: ``engine.vamp``), reviewing the line
+once per ``--vamp-horizon-s``; ``--max-offload-ratio`` caps it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from moetide.core.pressure import POLICIES
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.engine.split_plan import DEFAULT_SPLIT_GPU, DEFAULT_SPLIT_HOST
 from moetide.errors import UserError
@@ -36,9 +42,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kv-budget-mib", type=float, default=DEFAULT_KV_BUDGET_MIB, metavar="X",
         help="device memory for the KV cache beyond the routed experts, MiB (default %(default)s)")
     add("--block-size", type=int, default=16, metavar="B", help="tokens per KV block (default %(default)s)")
-    add("--policy", default="vllm", help="memory-pressure policy (default %(default)s)")
-    add("--max-offload-ratio", type=float, default=0.0, metavar="R",
-        help="cap on offloaded / all routed-expert bytes (default %(default)s)")
+    add("--policy", default="vllm", metavar="|".join(sorted(POLICIES)),
+        help="memory-pressure policy: vllm (evict, then preempt), vamp / vamp-reclaim (also move the expert/KV "
+             "line, priced with the engine's measured step, prefill and copy times), static-offload "
+             "(default %(default)s)")
+    add("--max-offload-ratio", type=float, default=0.15, metavar="R",
+        help="cap on offloaded / all routed-expert bytes under vamp, vamp-reclaim, static-offload and "
+             "--static-offload (default %(default)s)")
+    add("--vamp-horizon-s", type=float, default=60.0, metavar="S",
+        help="vamp: how often (engine seconds) it reviews the line, and the time constant of its rates "
+             "(default %(default)s)")
     add("--static-offload", action="store_true",
         help="offload --max-offload-ratio of the expert bytes at start (coldest first), whatever the policy")
     add("--max-num-seqs", type=int, default=256, help="sequences per step (default %(default)s)")
@@ -118,7 +131,8 @@ def build_engine(args: argparse.Namespace, **overrides: object):
                    max_offload_ratio=args.max_offload_ratio, static_offload=args.static_offload,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    device=args.device, kv_host_mib=args.kv_host_mib, split_policy=args.split_policy,
-                   split_fixed_ratio=args.split_fixed_ratio, split_gpu=args.split_gpu, split_host=args.split_host)
+                   split_fixed_ratio=args.split_fixed_ratio, split_gpu=args.split_gpu, split_host=args.split_host,
+                   vamp_horizon_s=args.vamp_horizon_s)
     options.update(overrides)
     return Engine(args.model, **options)
 
@@ -150,7 +164,8 @@ def _emit(json_path: str | None, report: dict) -> None:
         print(json.dumps(out["text"]) + ("" if out["finish_reason"] != "failed" else "  [failed: never fits]"))
     stats = report["stats"]
     print(f"steps {stats['steps']}, prefix evictions {stats['prefix_evictions']} blocks, preemptions "
-          f"{stats['preemptions']}, experts offloaded {stats['experts_offloaded']}, prefix hits "
+          f"{stats['preemptions']}, experts offloaded {stats['experts_offloaded']} (regions reclaimed "
+          f"{stats['expert_reclaims']}), prefix hits "
           f"{stats['prefix_hit_tokens']} tokens, recomputed {stats['recomputed_tokens']} tokens")
     split = stats.get("split")
     if split:

@@ -10,6 +10,9 @@ Budget: ``kv_budget_bytes`` buys whole KV pages *on top of* the routed experts' 
 weights every engine must hold anyway; offloading them is how the KV share grows). A budget that leaves no room
 for a single KV block, a missing model directory, an unknown policy or device are ``UserError``s.
 
+``vamp`` / ``vamp-reclaim`` by name get ``engine.vamp``'s measured coefficients (step, prefill and copy times,
+per-expert touch rates); they need ``max_offload_ratio`` > 0.
+
 Host KV (``kv_host_bytes`` > 0, WriteScope's engine half): that many bytes of whole KV blocks in host memory
 (``engine.host_kv``; pinned on CUDA), numbered after every arena id and added to the same pool, which allocates
 device blocks first (``BlockPool(preferred_below=...)``); the arena sees only its own ids. Attention is then the
@@ -47,6 +50,7 @@ from moetide.engine.split_plan import (
     SplitStepper,
 )
 from moetide.engine.state import BlockLinearStateStore, StateLayout
+from moetide.engine.vamp import engine_vamp_params
 from moetide.engine.storage import (
     ArenaStorage,
     ExpertLayout,
@@ -84,6 +88,7 @@ class EngineConfig:
     split_fixed_ratio: float = 0.5
     split_gpu: str = DEFAULT_SPLIT_GPU
     split_host: str = DEFAULT_SPLIT_HOST
+    vamp_horizon_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("kv_budget_bytes", "kv_host_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -101,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"page_bytes must be a power of two >= 64, got {self.page_bytes!r}")
         if self.split_policy not in SPLIT_POLICIES:
             raise ValueError(f"split_policy must be one of {', '.join(SPLIT_POLICIES)}, got {self.split_policy!r}")
+        if not self.vamp_horizon_s > 0:
+            raise ValueError(f"vamp_horizon_s must be positive, got {self.vamp_horizon_s!r}")
         if not 0.0 <= self.split_fixed_ratio <= 1.0:
             raise ValueError(f"split_fixed_ratio is a CPU share and must be in [0, 1], got {self.split_fixed_ratio!r}")
 
@@ -138,12 +145,19 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _policy(policy: str | PressurePolicy, params: dict[str, object]) -> PressurePolicy:
+def _policy(policy: str | PressurePolicy, params: dict[str, object], config: EngineConfig, model: MoECausalLM,
+            provider: StagedExpertProvider, residency: ExpertResidency) -> PressurePolicy:
     if not isinstance(policy, str):
         return policy
     if policy.lower() in NEEDS_VAMP_PARAMS and "params" not in params:
-        raise UserError(f"--policy {policy} is not wired into the engine yet (its cost coefficients come from the "
-                        f"replay's perf model); use --policy vllm, optionally with --static-offload")
+        if residency.max_num_offloaded == 0:
+            raise UserError(f"--policy {policy} moves experts out of HBM: give it room with --max-offload-ratio "
+                            f"(e.g. 0.15); at {config.max_offload_ratio} it can offload no expert")
+        layout = provider.layout
+        active = sum(p.numel() for p in model.parameters()) + len(layout.moe_layer_ids) * layout.numel * getattr(
+            model.config, "num_experts_per_tok", 1)  # the routed experts were moved out of the model
+        params = {**params, "params": engine_vamp_params(provider, residency, block_size=config.block_size,
+                                                         active_params=active, horizon_s=config.vamp_horizon_s)}
     try:
         return get_policy(policy, **params)
     except (ValueError, TypeError) as exc:
@@ -227,7 +241,7 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                           max_num_seqs=config.max_num_seqs,
                                           enable_prefix_caching=pool.enable_caching),
-                          kv, _policy(policy, policy_params), expert_line=line)
+                          kv, _policy(policy, policy_params, config, model, provider, residency), expert_line=line)
     if config.static_offload:
         region = residency.next_offload_region(max_experts=residency.max_num_offloaded)
         if region:

@@ -103,6 +103,7 @@ class StagedExpertProvider:
         self._offloaded: list[list[int]] = [[] for _ in layout.moe_layer_ids]
         self._step_counts: list[tuple[int, Tensor]] = []  # this step's routing, recorded by end_step()
         self._staged_layer: int | None = None  # MoE layer whose routing (last route()) needed staging
+        self.touches: TouchRates | None = None  # per-step touch rates, kept when a policy reads them (vamp)
 
     def route(self, layer_id: int, expert_ids: Tensor) -> None:
         m = self.moe_index[layer_id]
@@ -127,7 +128,10 @@ class StagedExpertProvider:
         """Record the step's routing into the residency (one read-back per step, after the forward)."""
         if not self._step_counts:
             return
-        rows = torch.stack([counts for _, counts in self._step_counts]).tolist()
+        stacked = torch.stack([counts for _, counts in self._step_counts])
+        if self.touches is not None:
+            self.touches.record([m for m, _ in self._step_counts], stacked)
+        rows = stacked.tolist()
         for (m, _), row in zip(self._step_counts, rows):
             self.residency.record_routing(m, {e: c for e, c in enumerate(row) if c})
         self._step_counts = []
@@ -144,16 +148,79 @@ class StagedExpertProvider:
             self._offloaded[m].sort()
         self.stager.ensure_slots(max(len(experts) for experts in self._offloaded))
 
+    def mark_resident(self, region: Sequence[ExpertKey]) -> None:
+        """Serve the region's experts from their home pages again, rewritten from their host copies (the pages
+        held KV blocks until now; the caller made sure those blocks were free)."""
+        for m, e in region:
+            self.storage.store_expert(m, e, self.stager.host[m, e])
+            self._resident[(m, e)] = self.storage.expert_weights(m, e)
+            self._offloaded[m].remove(e)
+
+
+class TouchRates:
+    """How often each routed expert is touched (routed to by at least one token) per step, as an exponentially
+    weighted mean over the last ~``1 / (1 - decay)`` steps: what staging an offloaded expert would cost per step
+    is its touch rate times one copy (``engine.vamp``)."""
+
+    def __init__(self, num_layers: int, num_experts: int, decay: float = 0.98) -> None:
+        self.decay = decay
+        self._sum = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self._weight = 0.0  # Σ decay^age over recorded steps
+
+    def record(self, moe_indices: Sequence[int], counts: Tensor) -> None:
+        """One step's routing counts [n, E] of the listed MoE layers."""
+        self._sum.mul_(self.decay)
+        self._sum[list(moe_indices)] += (counts.cpu() > 0).to(torch.float64)
+        self._weight = self._weight * self.decay + 1.0
+
+    def rate(self, layer: int, expert: int) -> float:
+        """Touches per step (0 before any step)."""
+        return float(self._sum[layer, expert]) / self._weight if self._weight else 0.0
+
+    def rates(self) -> list[list[float]]:
+        return (self._sum / self._weight).tolist() if self._weight else self._sum.tolist()
+
 
 class ArenaExpertLine:
     """The engine's ``ExpertLine`` (``core.scheduler``): ``offload(region)`` marks the region offloaded in the
     residency (which enforces ``max_offload_ratio``; nothing changes if it refuses), switches the provider to the
     host copies, and gives the region's home pages to KV through the arena, which adds the new blocks to the pool.
-    Returns the new block ids. Resident KV bytes do not move: the arena only relabels pages."""
+    Returns the new block ids. Resident KV bytes do not move: the arena only relabels pages. ``reclaim_last()``
+    gives the last converted region back (LIFO) when all its blocks are free, rewriting its experts into their
+    home pages from the host copies. What ``vamp`` reads of a line (``block_bytes``, ``kv_bytes_per_expert``,
+    ``blocks_gained``, ``last_region``) comes from the arena's layout."""
 
     def __init__(self, arena: Arena, residency: ExpertResidency, provider: StagedExpertProvider) -> None:
         self.arena, self.residency, self.provider = arena, residency, provider
         self.num_new_blocks = 0
+        self.num_reclaims = 0
+        config = arena.config
+        self.block_bytes = config.kv_block_bytes
+        self.expert_bytes = residency.config.expert_bytes
+        self.kv_bytes_per_expert = config.pages_per_expert * config.page_bytes  # home pages, padding included
+
+    def blocks_gained(self, num_experts: int) -> int:
+        """Blocks ``num_experts`` more converted experts would add: exact when a block fits in a page (every
+        converted page is a group of its own); when a block spans pages, the whole groups their pages make (a
+        group straddling two experts appears only once both are converted, so this can be off by one)."""
+        config = self.arena.config
+        pages = num_experts * config.pages_per_expert
+        return pages * config.blocks_per_group if config.pages_per_block == 1 else pages // config.pages_per_block
+
+    def last_region(self) -> tuple[tuple[ExpertKey, ...], list[int]] | None:
+        regions = self.arena.converted_regions()
+        return (regions[-1], self.arena.blocks_of_region(regions[-1])) if regions else None
+
+    def reclaim_last(self) -> bool:
+        """Give the last converted region back to its experts if every block in its pages is free; else change
+        nothing."""
+        last = self.last_region()
+        if last is None or not self.arena.reclaim(last[0]):
+            return False
+        self.residency.mark_resident(last[0])
+        self.provider.mark_resident(last[0])
+        self.num_reclaims += 1
+        return True
 
     def offload(self, region: tuple[tuple[int, int], ...]) -> list[int]:
         keys = [tuple(key) for key in region]

@@ -26,7 +26,7 @@ only recomputes their KV).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from moetide.engine.build import EngineConfig, EngineParts, build_engine
 from moetide.engine.models import StepBatch, StepContext
 from moetide.engine.split_backend import SplitAttentionBackend
 from moetide.engine.split_plan import SplitCostSource, SplitCounters
+from moetide.engine.vamp import EngineStepStats
 from moetide.errors import UserError
 
 
@@ -57,6 +58,7 @@ class EngineStats:
     prefix_evictions: int = 0  # cached-free blocks evicted
     preemptions: int = 0
     experts_offloaded: int = 0
+    expert_reclaims: int = 0  # regions given back to their experts (vamp-reclaim)
     offloaded_ratio: float = 0.0
     kv_blocks: int = 0
     prefix_hit_tokens: int = 0  # tokens found in the prefix cache when a request was (re)admitted
@@ -107,12 +109,14 @@ class Sampler:
 
 class Engine:
     """An MoE model served under a KV budget; ``generate`` runs prompts to completion. Keyword options are
-    ``EngineConfig``'s fields; ``policy`` is a registered policy name or a ``PressurePolicy`` instance."""
+    ``EngineConfig``'s fields; ``policy`` is a registered policy name or a ``PressurePolicy`` instance; ``clock``
+    (seconds, read once per step) is the scheduler's time — wall time since the engine was built unless given (a
+    test passes a deterministic one)."""
 
     def __init__(self, model_dir: str | Path, *, kv_budget_mib: float | None = None,
                  kv_host_mib: float | None = None, policy: str | PressurePolicy = "vllm",
                  policy_params: Mapping[str, object] | None = None, split_costs: SplitCostSource | None = None,
-                 **options: object) -> None:
+                 clock: Callable[[], float] | None = None, **options: object) -> None:
         if kv_budget_mib is not None:
             options["kv_budget_bytes"] = int(kv_budget_mib * 1024 * 1024)
         if kv_host_mib is not None:
@@ -127,6 +131,12 @@ class Engine:
         self.parts: EngineParts = build_engine(Path(model_dir), config, policy, dict(policy_params or {}),
                                                split_costs)
         self._next_request = 0
+        t0 = time.perf_counter()  # the scheduler's clock: engine seconds since it was built, unless given
+        self._clock = clock or (lambda: time.perf_counter() - t0)
+        params = getattr(self.parts.scheduler.policy, "params", None)
+        self._step_stats: EngineStepStats | None = getattr(params, "steps", None)
+        if not isinstance(self._step_stats, EngineStepStats):
+            self._step_stats = None
 
     # convenient names for the core objects
     @property
@@ -161,13 +171,14 @@ class Engine:
         index_of = {r.request_id: i for i, r in enumerate(requests)}
         stats, failed = EngineStats(), set()
         evicted0, preempted0 = self.scheduler.num_evicted_blocks, self.scheduler.num_preemptions
+        reclaims0 = self.parts.expert_line.num_reclaims
         if isinstance(self.parts.attention, SplitAttentionBackend):
             self.parts.attention.counters = SplitCounters()
         start = time.perf_counter()
         while self.scheduler.has_work:
             failed.update(self._step(sampler, index_of, stats))
         stats.wall_s = time.perf_counter() - start
-        self._finish_stats(stats, requests, failed, evicted0, preempted0)
+        self._finish_stats(stats, requests, failed, evicted0, preempted0, reclaims0)
         return GenerateResult([self._output(r, r.request_id in failed) for r in requests], stats)
 
     def _add_request(self, prompt: Sequence[int], max_tokens: int) -> Request:
@@ -182,7 +193,7 @@ class Engine:
         """One scheduler step; returns the ids of requests that failed (can never fit)."""
         sched = self.scheduler
         running_before = {id(r) for r in sched.running}
-        out = sched.schedule()
+        out = sched.schedule(self._clock())
         failed = [r.request_id for r in out.failed]
         if out.is_empty:
             if not (failed or out.preempted) and sched.has_work:
@@ -199,7 +210,10 @@ class Engine:
         self.parts.attention.end_step()
         self.parts.experts.end_step()
         self.residency.end_step()
-        self._time_step(out, time.perf_counter() - t0, stats)
+        seconds = time.perf_counter() - t0
+        decode = self._time_step(out, seconds, stats)
+        if self._step_stats is not None:
+            self._step_stats.record(seconds, out.total_num_scheduled_tokens, decode)
         return failed
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
@@ -234,7 +248,8 @@ class Engine:
         return dict(zip(ids, tokens))
 
     @staticmethod
-    def _time_step(out: SchedulerOutput, seconds: float, stats: EngineStats) -> None:
+    def _time_step(out: SchedulerOutput, seconds: float, stats: EngineStats) -> bool:
+        """Count the step into ``stats``; True if it was pure decode."""
         stats.steps += 1
         decode = all(n == 1 and computed >= request.num_prompt_tokens
                      for (request, n), computed in zip(out.scheduled, out.num_computed_before))
@@ -244,12 +259,14 @@ class Engine:
         else:
             stats.prefill_tokens += out.total_num_scheduled_tokens
             stats.prefill_s += seconds
+        return decode
 
     def _finish_stats(self, stats: EngineStats, requests: list[Request], failed: set[str], evicted0: int,
-                      preempted0: int) -> None:
+                      preempted0: int, reclaims0: int) -> None:
         stats.prefix_evictions = self.scheduler.num_evicted_blocks - evicted0
         stats.preemptions = self.scheduler.num_preemptions - preempted0
         stats.experts_offloaded = self.residency.num_offloaded
+        stats.expert_reclaims = self.parts.expert_line.num_reclaims - reclaims0
         stats.offloaded_ratio = self.residency.offloaded_ratio
         stats.kv_blocks = self.scheduler.kv.pool.num_blocks
         stats.recomputed_tokens = sum(r.num_recomputed_tokens for r in requests)

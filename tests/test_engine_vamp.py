@@ -1,0 +1,113 @@
+"""``--policy vamp`` in the engine: the core's VAMP policy priced with the engine's measurements
+(``engine.vamp``), and vamp-reclaim's way back (``ArenaExpertLine.reclaim_last``).
+
+The scheduler's clock is a step counter here (``StepClock``), so when the policy reviews its line does not depend on
+this machine's speed; what it weighs (measured prefill, copy and step seconds) does, and the tests assert only what
+holds at any speed: greedy tokens equal transformers' whatever the line does, the line moves when evicted prefixes
+keep coming back, the cap holds, and a reclaimed expert computes exactly as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from moetide.engine.runner import Engine  # noqa: E402
+from moetide.engine.vamp import EngineStepStats  # noqa: E402
+from moetide.errors import UserError  # noqa: E402
+from engine_parity import MAX_TOKENS, hf_reference, parity_prompts  # noqa: E402,F401
+from test_engine_runner import PAGE_BYTES, POLICY_PAGES, TIGHT, check_books  # noqa: E402
+
+
+class StepClock:
+    """``dt`` seconds more at every read (the engine reads its clock once per step)."""
+
+    def __init__(self, dt: float) -> None:
+        self.dt, self.now = dt, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.dt
+        return self.now
+
+
+def vamp_engine(checkpoint, arch: str, policy: str = "vamp", **options) -> Engine:
+    options = {**TIGHT, "kv_budget_bytes": POLICY_PAGES[arch] * PAGE_BYTES, "max_offload_ratio": 0.5,
+               "vamp_horizon_s": 0.05, **options}
+    return Engine(checkpoint(arch), policy=policy, clock=StepClock(0.01), **options)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_vamp_moves_the_line_when_evicted_prefixes_return(arch, tiny_checkpoint, hf_reference):
+    engine = vamp_engine(tiny_checkpoint, arch)
+    policy = engine.scheduler.policy
+    assert isinstance(policy.params.steps, EngineStepStats)
+    allowed = grown_allowance(policy)
+    for _ in range(2):  # the second call's prompts find their prefixes evicted: ghost hits
+        result = engine.generate(parity_prompts(), MAX_TOKENS)
+        assert [o.token_ids for o in result.outputs] == hf_reference(arch)
+        check_books(engine)
+    # evicted prefixes came back (ghost hits) and were worth more than the coldest experts' measured staging
+    assert max(allowed) > 0
+    assert 0 < engine.residency.num_offloaded <= engine.residency.max_num_offloaded
+    assert engine.residency.offloaded_ratio <= 0.5
+    assert result.stats.prefix_evictions > 0
+
+
+def grown_allowance(policy) -> list[int]:
+    """Record the policy's allowed line after every review (the measured path, not the admission fallback)."""
+    seen: list[int] = []
+    review = policy._review
+
+    def recording(line, now_s):
+        review(line, now_s)
+        seen.append(policy._allowed)
+
+    policy._review = recording
+    return seen
+
+
+def test_reclaim_gives_experts_back_and_they_compute_as_before(tiny_checkpoint, hf_reference):
+    arch = "qwen3_moe"
+    engine = vamp_engine(tiny_checkpoint, arch, policy="vamp-reclaim")
+    reclaims = 0
+    for _ in range(3):
+        engine._clock.now += 1.0  # idle between bursts: the next step finds the pool free and may reclaim
+        result = engine.generate(parity_prompts(), MAX_TOKENS)
+        assert [o.token_ids for o in result.outputs] == hf_reference(arch)
+        check_books(engine)
+        reclaims += result.stats.expert_reclaims
+    assert reclaims > 0 and engine.parts.expert_line.num_reclaims == reclaims
+    storage, host = engine.storage, engine.parts.experts.stager.host
+    for m, e in [(m, e) for m in range(host.shape[0]) for e in range(host.shape[1])]:
+        if engine.residency.is_resident(m, e):  # reclaimed ones included: their pages hold their weights again
+            assert torch.equal(storage.expert_flat(m, e), host[m, e])
+
+
+def test_hybrid_model_runs_under_vamp(tiny_checkpoint, hf_reference):
+    """Qwen3-Next caches no prefixes (so no ghost hits): vamp preempts like vllm and still matches."""
+    engine = vamp_engine(tiny_checkpoint, "qwen3_next")
+    result = engine.generate(parity_prompts(), MAX_TOKENS)
+    assert [o.token_ids for o in result.outputs] == hf_reference("qwen3_next")
+    assert result.stats.preemptions > 0
+    check_books(engine)
+
+
+def test_staging_share_is_measured_touches_times_one_copy(tiny_checkpoint):
+    engine = vamp_engine(tiny_checkpoint, "mixtral")
+    engine.generate(parity_prompts()[:4], 8)
+    steps = engine.scheduler.policy.params.steps
+    cap = engine.residency.max_num_offloaded
+    shares = [steps.staging_share(n) for n in range(cap + 1)]
+    assert shares[0] == 0.0 and all(b >= a for a, b in zip(shares, shares[1:])) and shares[-1] > 0
+    rates = engine.parts.experts.touches.rates()
+    assert all(0.0 <= r <= 1.0 for row in rates for r in row)
+    steps.copy_s_per_expert *= 2  # twice the copy: about twice the share (the base step loses its staging)
+    assert steps.staging_share(cap) >= 2 * shares[-1]
+    assert steps.prefill_s_per_token() > 0
+
+
+def test_vamp_needs_room_to_offload(tiny_checkpoint):
+    with pytest.raises(UserError, match="give it room with --max-offload-ratio"):
+        vamp_engine(tiny_checkpoint, "mixtral", max_offload_ratio=0.0)

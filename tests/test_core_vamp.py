@@ -274,3 +274,24 @@ def test_the_staging_buffer_is_not_given_to_the_pool():
     with pytest.raises(ValueError, match="staging_buffer_layers"):
         ExpertLine(residency, pool, block_bytes=BLOCK_BYTES, first_block_id=0, staging_buffer_layers=2)
     line.check_invariants()
+
+
+def test_admissions_without_a_shortfall_are_measured_through_the_schedulers_hook():
+    """A stable pool never asks the policy for blocks, yet its admissions take hits from the LRU tail — what the
+    last window of KV is worth. The scheduler's admission hook lets vamp measure them."""
+    pool = BlockPool(range(16))
+    line = make_line(pool)
+    policy = get_policy("vamp-reclaim", params=params(1e-3))
+    sched = Scheduler(SchedulerConfig(), KVCacheManager(pool, BS), policy, expert_line=line)
+    prompt = list(range(8))
+    sched.add_request(Request.from_tokens("a", prompt, 1, BS, session_id="s"), now_s=0.0)
+    out = sched.schedule(0.0)
+    while sched.has_work:
+        sched.update(out, None, sched.now_s + 0.1)
+        out = sched.schedule(sched.now_s)
+    assert policy._tail.rate(1.0) is None or policy._tail.rate(1.0) == 0.0
+    # the same prefix again, with room to spare: no shortfall, so relieve() is never called
+    sched.add_request(Request.from_tokens("b", prompt + [99] * 4, 1, BS, session_id="s"), now_s=1.0)
+    out = sched.schedule(1.0)
+    assert out.num_computed_before == [8] and not out.offloaded  # both prompt blocks hit; no shortfall
+    assert policy._tail.rate(1.5) > 0

@@ -55,9 +55,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--routing-zipf-s", type=float, default=defaults.routing_zipf_s,
                         help="expert popularity skew (Zipf exponent) for staging; 0 = uniform (default)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
-                        help="vamp: seconds an offload is expected to persist (default %(default)s)")
-    parser.add_argument("--vamp-reuse-tau-s", type=float, default=defaults.vamp_reuse_tau_s,
-                        help="vamp: idle seconds after which a prefix is e^-1 as likely to be reused")
+                        help="vamp: seconds between reviews of the line, and the time constant of its measured "
+                             "rates (default %(default)s)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +99,6 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         enable_prefix_caching=not args.no_prefix_caching, state_checkpoints=args.state_checkpoints, seed=args.seed,
         max_offload_ratio=getattr(args, "max_offload_ratio", 0.0), staging_mode=args.staging,
         routing_zipf_s=args.routing_zipf_s, vamp_horizon_s=args.vamp_horizon_s,
-        vamp_reuse_tau_s=args.vamp_reuse_tau_s,
     )
 
 

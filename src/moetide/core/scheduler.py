@@ -92,6 +92,8 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.policy = policy
+        # optional hook: every waiting request's prefix lookup, before allocation (vamp measures reuse there)
+        self._admitting = getattr(policy, "admitting", None)
         self.expert_line = expert_line
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -187,6 +189,8 @@ class Scheduler:
             if caching:
                 hits, num_computed = self.kv.get_computed_blocks(request.block_hashes, request.num_tokens)
             request.num_computed_tokens = num_computed
+            if self._admitting is not None:
+                self._admitting(request, hits, self.kv.pool, self.now_s, self.expert_line)
             n = self._chunk(request, budget)
             if not self._allocate(request, n, hits, False, len(self.running), out):
                 request.num_computed_tokens = 0

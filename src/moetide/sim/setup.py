@@ -45,7 +45,6 @@ class ReplayConfig:
     staging_mode: str = "auto"
     routing_zipf_s: float = 0.0  # expert popularity skew for staging (0: uniform routing, the pessimistic case)
     vamp_horizon_s: float = 300.0  # time constant of vamp's rate estimates and of the step mix it prices with
-    vamp_reuse_tau_s: float = 300.0  # unused since vamp measures reuse (ghost list); kept for the CLI flag
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,8 +62,8 @@ class ReplayConfig:
             raise UserError(f"--routing-zipf-s must be >= 0, got {self.routing_zipf_s}")
         if self.staging_mode not in STAGING_MODES:
             raise UserError(f"--staging must be one of {', '.join(STAGING_MODES)}, got {self.staging_mode!r}")
-        if not self.vamp_horizon_s > 0 or not self.vamp_reuse_tau_s > 0:
-            raise UserError("--vamp-horizon-s and --vamp-reuse-tau-s must be positive")
+        if not self.vamp_horizon_s > 0:
+            raise UserError("--vamp-horizon-s must be positive")
 
 
 @dataclass

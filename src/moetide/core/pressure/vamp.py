@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -154,13 +155,10 @@ class VampPolicy:
         self._observe(view.now_s)
         line = view.expert_line
         if line is not None:
-            if not self._ghost_capacity:
-                self._ghost_capacity = max(line.blocks_gained(line.residency.max_num_offloaded), 1)
+            self._size_ghost_list(line)
             self._review(line, view.now_s)
-        if not view.requester_is_running and view.requester.request_id != self._admitted:
-            self._admitted = view.requester.request_id  # a request's admission is measured once
-            self._count_ghost_hits(view)
-            self._count_tail_hits(view)
+        if not view.requester_is_running:  # a scheduler without the admission hook still gets it measured
+            self.admitting(view.requester, view.protected_blocks, view.pool, view.now_s, line)
         need = view.shortfall_blocks
         evict = list(self._evict_units(view))
         evictable = sum(freed for freed, _ in evict)
@@ -218,6 +216,10 @@ class VampPolicy:
             region.pop()  # the rounding's spare expert is not needed
         return region, line.blocks_gained(len(region))
 
+    def _size_ghost_list(self, line) -> None:
+        if not self._ghost_capacity:
+            self._ghost_capacity = max(line.blocks_gained(line.residency.max_num_offloaded), 1)
+
     # ---- the comparison ----------------------------------------------------------------------------------------
     def _window(self) -> int:
         return max(self._ghost_capacity // WINDOWS_PER_CAP, 1)
@@ -259,7 +261,19 @@ class VampPolicy:
             if self._staging_s_per_s(line, now_s, allowed - back, allowed) > margin * kept * back / step:
                 self._allowed = allowed - back
 
-    # ---- the ghost list ----------------------------------------------------------------------------------------
+    # ---- measurements -----------------------------------------------------------------------------------------
+    def admitting(self, request, hits: Collection[int], pool, now_s: float, line=None) -> None:
+        """The scheduler's admission hook: a waiting request's prefix lookup (``hits``: the cached blocks it will
+        take), before anything is allocated — every admission, not only those that hit a shortfall, so a stable
+        pool's LRU-tail hits are seen too. Measured once per request (a blocked request is retried every step)."""
+        if request.request_id == self._admitted:
+            return
+        self._admitted = request.request_id
+        if line is not None:
+            self._size_ghost_list(line)
+        self._count_ghost_hits(request, now_s)
+        self._count_tail_hits(request, hits, pool, now_s)
+
     def _remember(self, pool, lost) -> None:
         """Put evicted blocks' hashes in the ghost list; each freed block advances its clock."""
         ghost = self._ghost
@@ -274,10 +288,9 @@ class VampPolicy:
         while len(ghost) > self._ghost_capacity:
             ghost.popitem(last=False)
 
-    def _count_ghost_hits(self, view: PressureView) -> None:
+    def _count_ghost_hits(self, requester, now_s: float) -> None:
         """A waiting request's prefix misses where it continues in the ghost list: price what a larger pool would
         have kept, by the depth it would have taken (once per request)."""
-        requester = view.requester
         if not self._ghost:
             return
         ghost, hashes, p = self._ghost, requester.block_hashes, self.params
@@ -292,25 +305,24 @@ class VampPolicy:
             if deepest < window:  # a pool W blocks larger would still have held blocks 0..j
                 saved += p.block_prefill_s(j)
         if saved:
-            self._next.add(view.now_s, saved)
+            self._next.add(now_s, saved)
 
-    def _count_tail_hits(self, view: PressureView) -> None:
+    def _count_tail_hits(self, requester, hits: Collection[int], pool, now_s: float) -> None:
         """A waiting request's prefix hits blocks among the W next victims (the LRU head of the cached-free
         queue): a pool W blocks smaller would have lost them before the request came back — what the last window
         of capacity is worth (the ghost list prices the next window, not the last)."""
-        hits = view.protected_blocks  # the requester's own prefix hits
         if not hits or not self._ghost_capacity:
             return
-        tail = [b for b in view.pool.peek_victims(self._window()) if b in hits]
+        tail = [b for b in pool.peek_victims(self._window()) if b in hits]
         if not tail:
             return
-        position = {h: j for j, h in enumerate(view.requester.block_hashes)}
+        position = {h: j for j, h in enumerate(requester.block_hashes)}
         seconds = 0.0
         for block_id in tail:
-            j = position.get(view.pool.block_hash(block_id))
+            j = position.get(pool.block_hash(block_id))
             if j is not None:
                 seconds += self.params.block_prefill_s(j)
-        self._tail.add(view.now_s, seconds)
+        self._tail.add(now_s, seconds)
 
     # ---- rates -------------------------------------------------------------------------------------------------
     def _observe(self, now_s: float) -> None:

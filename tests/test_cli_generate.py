@@ -112,3 +112,14 @@ def test_vamp_runs_from_the_cli_under_a_tight_budget(tiny_checkpoint, tmp_path, 
     stats = report["stats"]
     assert {"experts_offloaded", "expert_reclaims", "offloaded_ratio"} <= set(stats)
     assert stats["offloaded_ratio"] <= 0.15
+
+
+def test_routing_out_counts_every_token_top_k_times_per_layer(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "routing.json"
+    assert generate(tiny_checkpoint("qwen3_moe"), "--prompt", "Mixture of experts", "--max-tokens", "5",
+                    "--ignore-eos", "--kv-budget-mib", "1", "--routing-out", str(out), "--json", "-") == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    profile = json.loads(out.read_text())
+    assert profile["format"] == "moetide-routing-profile/1" and profile["num_experts"] == len(profile["counts"][0])
+    computed = stats["prompt_tokens"] + stats["generated_tokens"] - 1  # the last token is sampled, never fed
+    assert [sum(row) for row in profile["counts"]] == [computed * profile["top_k"]] * len(profile["counts"])

@@ -15,6 +15,9 @@ torch and transformers are imported only when the verb runs.
 the device part is full, and attention splits each step between the device, the CPU in place and blocks streamed
 to the device, as ``--split-policy`` chooses (docs/writescope.md, "The engine half").
 
+``--routing-out FILE`` writes the measured routing (tokens per expert per MoE layer, ``perf.routing_profile``),
+which ``moetide replay|compare|sweep --routing-profile FILE`` uses to price expert staging.
+
 ``--policy vamp`` (or ``vamp-reclaim``) runs the core's VAMP policy on the engine's own measurements (step
 times, prefill seconds per token, one expert copy, per-expert touch rates: ``engine.vamp``), reviewing the line
 once per ``--vamp-horizon-s``; ``--max-offload-ratio`` caps it.
@@ -30,6 +33,7 @@ from pathlib import Path
 from moetide.core.pressure import POLICIES
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.engine.split_plan import DEFAULT_SPLIT_GPU, DEFAULT_SPLIT_HOST
+from moetide.perf.routing_profile import write_profile
 from moetide.errors import UserError
 
 DEFAULT_KV_BUDGET_MIB = 256.0
@@ -81,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     add("--ignore-eos", action="store_true", help="generate --max-tokens even past an end-of-sequence token")
     add("--json", metavar="OUT", help="write outputs and counters as JSON to OUT ('-' for stdout)")
+    add("--routing-out", metavar="FILE",
+        help="write the tokens routed to every expert of every MoE layer (a routing profile for replay's "
+             "--routing-profile)")
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -147,12 +154,17 @@ def run(args: argparse.Namespace) -> int:
         if not ids:
             raise UserError(f"prompt {text!r} encodes to no tokens")
     engine = build_engine(args, ignore_eos=args.ignore_eos)
+    if args.routing_out:
+        engine.parts.experts.record_totals()
     result = engine.generate(prompt_ids, args.max_tokens, temperature=args.temperature, seed=args.seed)
     outputs = [dict(prompt=text, prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids,
                     text=tokenizer.decode(out.token_ids, skip_special_tokens=True), finish_reason=out.finish_reason)
                for text, out in zip(texts, result.outputs)]
     report = dict(outputs=outputs, stats=dataclasses.asdict(result.stats))
     _emit(args.json, report)
+    if args.routing_out:  # after the outputs: a bad path loses nothing already computed
+        write_profile(args.routing_out, engine.parts.experts.totals.tolist(),
+                      top_k=engine.parts.model.config.num_experts_per_tok, model=str(args.model))
     return 0
 
 

@@ -54,6 +54,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
                         "rest on demand; touched: on demand only; segment: all, every step (default %(default)s)")
     parser.add_argument("--routing-zipf-s", type=float, default=defaults.routing_zipf_s,
                         help="expert popularity skew (Zipf exponent) for staging; 0 = uniform (default)")
+    parser.add_argument("--routing-profile", metavar="FILE", default=None,
+                        help="measured expert popularity for staging (a `moetide generate --routing-out` file of a "
+                             "model with as many routed experts), instead of --routing-zipf-s")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
                         help="vamp: seconds between reviews of the line, and the time constant of its measured "
                              "rates (default %(default)s)")
@@ -98,7 +101,8 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, kv_budget_gib=args.kv_budget_gib,
         enable_prefix_caching=not args.no_prefix_caching, state_checkpoints=args.state_checkpoints, seed=args.seed,
         max_offload_ratio=getattr(args, "max_offload_ratio", 0.0), staging_mode=args.staging,
-        routing_zipf_s=args.routing_zipf_s, vamp_horizon_s=args.vamp_horizon_s,
+        routing_zipf_s=args.routing_zipf_s, routing_profile=args.routing_profile,
+        vamp_horizon_s=args.vamp_horizon_s,
     )
 
 

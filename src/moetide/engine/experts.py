@@ -104,6 +104,7 @@ class StagedExpertProvider:
         self._step_counts: list[tuple[int, Tensor]] = []  # this step's routing, recorded by end_step()
         self._staged_layer: int | None = None  # MoE layer whose routing (last route()) needed staging
         self.touches: TouchRates | None = None  # per-step touch rates, kept when a policy reads them (vamp)
+        self.totals: Tensor | None = None  # [M, E] tokens routed per expert since enabled (``--routing-out``)
 
     def route(self, layer_id: int, expert_ids: Tensor) -> None:
         m = self.moe_index[layer_id]
@@ -129,6 +130,8 @@ class StagedExpertProvider:
         if not self._step_counts:
             return
         stacked = torch.stack([counts for _, counts in self._step_counts])
+        if self.totals is not None:
+            self.totals[[m for m, _ in self._step_counts]] += stacked.cpu()
         if self.touches is not None:
             self.touches.record([m for m, _ in self._step_counts], stacked)
         rows = stacked.tolist()
@@ -147,6 +150,11 @@ class StagedExpertProvider:
             self._offloaded[m].append(e)
             self._offloaded[m].sort()
         self.stager.ensure_slots(max(len(experts) for experts in self._offloaded))
+
+    def record_totals(self) -> None:
+        """Count tokens routed per expert from now on (``totals``; a measured routing profile)."""
+        if self.totals is None:
+            self.totals = torch.zeros(len(self.layout.moe_layer_ids), self.layout.num_experts, dtype=torch.int64)
 
     def mark_resident(self, region: Sequence[ExpertKey]) -> None:
         """Serve the region's experts from their home pages again, rewritten from their host copies (the pages

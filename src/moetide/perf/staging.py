@@ -3,7 +3,8 @@
 For each MoE layer with ``n`` offloaded experts (of ``E``, top-``k`` routing), a step of ``T`` tokens touches
 offloaded expert ``e`` with probability ``q_e = 1 − (1 − p_e)^T``, where ``p_e`` is the chance that one token routes
 to it: ``k/E`` under uniform routing, or ``k·w_e/Σw`` with ``w_e = 1/rank^s`` when expert popularity follows a Zipf
-law of exponent ``routing_zipf_s``. The offloaded experts are the layer's ``n`` coldest (what ``core.experts``
+law of exponent ``routing_zipf_s``, or with ``w_e`` a measured profile's share of rank e (``routing_shares``, from a
+file the engine writes: ``perf.routing_profile``). The offloaded experts are the layer's ``n`` coldest (what ``core.experts``
 picks from routing statistics), so skew makes them rarer. Three ways to stage them:
 
 * ``auto`` (default): what an engine that knows its batch before the step can do. While layer l−1 computes, the
@@ -49,6 +50,8 @@ class StagingConfig:
     # Expert popularity within a layer: Zipf with this exponent (0 = uniform routing, the pessimistic default).
     # Offloaded experts are the coldest ones (what core.experts picks from routing statistics).
     routing_zipf_s: float = 0.0
+    # Or measured: rank-wise routing shares, hottest first (``perf.routing_profile``); replaces the Zipf law.
+    routing_shares: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in STAGING_MODES:
@@ -59,6 +62,9 @@ class StagingConfig:
             raise ValueError("transfer_latency_s and overlap_layers must be >= 0")
         if self.routing_zipf_s < 0:
             raise ValueError(f"routing_zipf_s must be >= 0, got {self.routing_zipf_s}")
+        if self.routing_shares is not None and (not self.routing_shares or min(self.routing_shares) < 0
+                                                or not sum(self.routing_shares) > 0):
+            raise ValueError("routing_shares must be non-empty, >= 0 and not all zero")
 
     @property
     def effective_overlap_layers(self) -> float:
@@ -80,7 +86,13 @@ class StagingModel:
         self.num_moe_layers = model.num_moe_layers
         # one expert's transfer: its bytes over the link plus the per-copy latency
         self.expert_transfer_s = self.expert_bytes / self.link_bytes_per_s + config.transfer_latency_s
-        weights = [1.0 / (rank + 1) ** config.routing_zipf_s for rank in range(self.num_experts)]
+        if config.routing_shares is not None:
+            if len(config.routing_shares) != self.num_experts:
+                raise ValueError(f"routing_shares lists {len(config.routing_shares)} experts; {model.name} routes "
+                                 f"over {self.num_experts}")
+            weights = sorted(config.routing_shares, reverse=True)
+        else:
+            weights = [1.0 / (rank + 1) ** config.routing_zipf_s for rank in range(self.num_experts)]
         total = sum(weights)
         # per-token probability that expert of popularity rank r is among the top-k, coldest first
         self._p_coldest = [min(1.0, self.top_k * w / total) for w in reversed(weights)]

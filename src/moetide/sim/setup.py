@@ -19,6 +19,7 @@ from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
+from moetide.perf.routing_profile import read_rank_shares
 from moetide.perf.staging import STAGING_MODES, StagingConfig, StagingModel
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
@@ -44,6 +45,7 @@ class ReplayConfig:
     # demand; "touched": on demand only; "segment": the whole offloaded segment every step (perf/staging.py)
     staging_mode: str = "auto"
     routing_zipf_s: float = 0.0  # expert popularity skew for staging (0: uniform routing, the pessimistic case)
+    routing_profile: str | None = None  # or a measured profile (`moetide generate --routing-out`), not with zipf
     vamp_horizon_s: float = 300.0  # time constant of vamp's rate estimates and of the step mix it prices with
     seed: int = 0
 
@@ -60,6 +62,8 @@ class ReplayConfig:
             raise UserError(f"--max-offload-ratio must be in [0, 1], got {self.max_offload_ratio}")
         if self.routing_zipf_s < 0:
             raise UserError(f"--routing-zipf-s must be >= 0, got {self.routing_zipf_s}")
+        if self.routing_profile is not None and self.routing_zipf_s:
+            raise UserError("give --routing-profile or --routing-zipf-s, not both")
         if self.staging_mode not in STAGING_MODES:
             raise UserError(f"--staging must be one of {', '.join(STAGING_MODES)}, got {self.staging_mode!r}")
         if not self.vamp_horizon_s > 0:
@@ -98,7 +102,8 @@ def build_replay(
     step_model = StepTimeModel(model, gpu, tp=config.tp)
     line = _expert_line(model, config, pool, budget)
     staging = StagingModel(model, gpu, tp=config.tp,
-                           config=StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s))
+                           config=StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s,
+                                                routing_shares=_routing_shares(config, model)))
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers, mix_tau_s=config.vamp_horizon_s,
                                     reference_step=_reference_decode(config, step_model))
     policy = _policy(config, step_model, step_time)
@@ -194,6 +199,12 @@ class StepTimeWithStaging:
             exposed_s += count * exposed
             base_s += count * base
         return exposed_s / base_s
+
+
+def _routing_shares(config: ReplayConfig, model) -> tuple[float, ...] | None:
+    if config.routing_profile is None:
+        return None
+    return read_rank_shares(config.routing_profile, model.num_experts)
 
 
 STAGING_BUFFER_LAYERS = 2  # device room staging needs: the layer computing and the next one being filled

@@ -88,3 +88,26 @@ def test_replay_prices_staging_with_a_profile(tmp_path, capsys):
     assert main([*common, "--routing-profile", str(_written(tmp_path, [[1.0] * 16]))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "not both" in err[0] and "counts[0] must list 128 experts" in err[1]
+
+
+def test_a_shared_host_uplink_divides_the_link():
+    gpu = get_gpu("h100")
+    alone = StagingModel(MODEL, gpu, config=StagingConfig(mode="segment"))
+    shared = StagingModel(MODEL, gpu, config=StagingConfig(mode="segment", host_link_shared_by=2))
+    assert shared.link_bytes_per_s == pytest.approx(alone.link_bytes_per_s / 2)
+    latency = StagingConfig().transfer_latency_s
+    assert shared.expert_transfer_s - latency == pytest.approx(2 * (alone.expert_transfer_s - latency))
+    with pytest.raises(ValueError, match="host_link_shared_by"):
+        StagingConfig(host_link_shared_by=0)
+
+
+def test_replay_takes_a_shared_uplink(tmp_path):
+    out = tmp_path / "r.json"
+    common = ["compare", str(small_trace(tmp_path)), "--kv-budget-gib", "0.5", "--max-offload-ratio", "0.05",
+              "--policies", "static-offload", "--staging", "segment"]
+    assert main([*common, "--json", str(out)]) == 0
+    alone = json.loads(out.read_text())["runs"]["static-offload"]
+    assert main([*common, "--host-link-shared-by", "2", "--json", str(out)]) == 0
+    shared = json.loads(out.read_text())["runs"]["static-offload"]
+    assert shared["config"]["host_link_shared_by"] == 2
+    assert shared["metrics"]["tpot_s"]["mean"] > alone["metrics"]["tpot_s"]["mean"]

@@ -57,6 +57,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--routing-profile", metavar="FILE", default=None,
                         help="measured expert popularity for staging (a `moetide generate --routing-out` file of a "
                              "model with as many routed experts), instead of --routing-zipf-s")
+    parser.add_argument("--host-link-shared-by", type=int, default=defaults.host_link_shared_by, metavar="N",
+                        help="GPUs that stage experts through one host uplink at the same time (2: tensor-parallel "
+                             "partners behind one PCIe switch); each gets 1/N of the link (default %(default)s)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
                         help="vamp: seconds between reviews of the line, and the time constant of its measured "
                              "rates (default %(default)s)")
@@ -102,6 +105,7 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         enable_prefix_caching=not args.no_prefix_caching, state_checkpoints=args.state_checkpoints, seed=args.seed,
         max_offload_ratio=getattr(args, "max_offload_ratio", 0.0), staging_mode=args.staging,
         routing_zipf_s=args.routing_zipf_s, routing_profile=args.routing_profile,
+        host_link_shared_by=args.host_link_shared_by,
         vamp_horizon_s=args.vamp_horizon_s,
     )
 

@@ -52,6 +52,9 @@ class StagingConfig:
     routing_zipf_s: float = 0.0
     # Or measured: rank-wise routing shares, hottest first (``perf.routing_profile``); replaces the Zipf law.
     routing_shares: tuple[float, ...] | None = None
+    # GPUs that stage at the same time through one host uplink (e.g. 2: tensor-parallel partners behind one PCIe
+    # switch, which stage their shards of the same experts together); each gets 1/n of the link.
+    host_link_shared_by: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in STAGING_MODES:
@@ -62,6 +65,9 @@ class StagingConfig:
             raise ValueError("transfer_latency_s and overlap_layers must be >= 0")
         if self.routing_zipf_s < 0:
             raise ValueError(f"routing_zipf_s must be >= 0, got {self.routing_zipf_s}")
+        if isinstance(self.host_link_shared_by, bool) or not isinstance(self.host_link_shared_by, int) \
+                or self.host_link_shared_by < 1:
+            raise ValueError(f"host_link_shared_by must be an integer >= 1, got {self.host_link_shared_by!r}")
         if self.routing_shares is not None and (not self.routing_shares or min(self.routing_shares) < 0
                                                 or not sum(self.routing_shares) > 0):
             raise ValueError("routing_shares must be non-empty, >= 0 and not all zero")
@@ -82,7 +88,8 @@ class StagingModel:
         self.num_experts = model.num_experts
         self.top_k = model.num_experts_per_tok
         self.expert_bytes = weights_per_gpu(model, tp=tp, dtype_bytes=dtype_bytes).expert_shard_bytes
-        self.link_bytes_per_s = gpu.host_link_bandwidth_bytes_per_s * config.link_efficiency
+        self.link_bytes_per_s = (gpu.host_link_bandwidth_bytes_per_s * config.link_efficiency
+                                 / config.host_link_shared_by)
         self.num_moe_layers = model.num_moe_layers
         # one expert's transfer: its bytes over the link plus the per-copy latency
         self.expert_transfer_s = self.expert_bytes / self.link_bytes_per_s + config.transfer_latency_s

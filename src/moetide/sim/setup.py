@@ -46,6 +46,7 @@ class ReplayConfig:
     staging_mode: str = "auto"
     routing_zipf_s: float = 0.0  # expert popularity skew for staging (0: uniform routing, the pessimistic case)
     routing_profile: str | None = None  # or a measured profile (`moetide generate --routing-out`), not with zipf
+    host_link_shared_by: int = 1  # GPUs staging through one host uplink at once (2: TP partners on one switch)
     vamp_horizon_s: float = 300.0  # time constant of vamp's rate estimates and of the step mix it prices with
     seed: int = 0
 
@@ -62,6 +63,8 @@ class ReplayConfig:
             raise UserError(f"--max-offload-ratio must be in [0, 1], got {self.max_offload_ratio}")
         if self.routing_zipf_s < 0:
             raise UserError(f"--routing-zipf-s must be >= 0, got {self.routing_zipf_s}")
+        if self.host_link_shared_by < 1:
+            raise UserError(f"--host-link-shared-by must be >= 1, got {self.host_link_shared_by}")
         if self.routing_profile is not None and self.routing_zipf_s:
             raise UserError("give --routing-profile or --routing-zipf-s, not both")
         if self.staging_mode not in STAGING_MODES:
@@ -103,7 +106,8 @@ def build_replay(
     line = _expert_line(model, config, pool, budget)
     staging = StagingModel(model, gpu, tp=config.tp,
                            config=StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s,
-                                                routing_shares=_routing_shares(config, model)))
+                                                routing_shares=_routing_shares(config, model),
+                                                host_link_shared_by=config.host_link_shared_by))
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers, mix_tau_s=config.vamp_horizon_s,
                                     reference_step=_reference_decode(config, step_model))
     policy = _policy(config, step_model, step_time)

@@ -32,10 +32,10 @@ class StepClock:
         return self.now
 
 
-def vamp_engine(checkpoint, arch: str, policy: str = "vamp", **options) -> Engine:
+def vamp_engine(checkpoint, arch: str, policy: str = "vamp", clock: StepClock | None = None, **options) -> Engine:
     options = {**TIGHT, "kv_budget_bytes": POLICY_PAGES[arch] * PAGE_BYTES, "max_offload_ratio": 0.5,
                "vamp_horizon_s": 0.05, **options}
-    return Engine(checkpoint(arch), policy=policy, clock=StepClock(0.01), **options)
+    return Engine(checkpoint(arch), policy=policy, clock=clock or StepClock(0.01), **options)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -70,10 +70,11 @@ def grown_allowance(policy) -> list[int]:
 
 def test_reclaim_gives_experts_back_and_they_compute_as_before(tiny_checkpoint, hf_reference):
     arch = "qwen3_moe"
-    engine = vamp_engine(tiny_checkpoint, arch, policy="vamp-reclaim")
+    clock = StepClock(0.01)
+    engine = vamp_engine(tiny_checkpoint, arch, policy="vamp-reclaim", clock=clock)
     reclaims = 0
     for _ in range(3):
-        engine._clock.now += 1.0  # idle between bursts: the next step finds the pool free and may reclaim
+        clock.now += 1.0  # idle between bursts: the next step finds the pool free and may reclaim
         result = engine.generate(parity_prompts(), MAX_TOKENS)
         assert [o.token_ids for o in result.outputs] == hf_reference(arch)
         check_books(engine)

@@ -50,7 +50,6 @@ from moetide.engine.split_plan import (
     SplitStepper,
 )
 from moetide.engine.state import BlockLinearStateStore, StateLayout
-from moetide.engine.vamp import engine_vamp_params
 from moetide.engine.storage import (
     ArenaStorage,
     ExpertLayout,
@@ -60,6 +59,7 @@ from moetide.engine.storage import (
     dtype_bytes,
     pack_experts,
 )
+from moetide.engine.vamp import engine_vamp_params
 from moetide.errors import UserError
 
 DEVICES = ("cpu", "cuda")

@@ -195,7 +195,7 @@ def test_vamp_in_the_scheduler_admits_by_offloading_and_reclaims_later():
     pool = BlockPool(range(4))
     line = make_line(pool, max_ratio=0.5)
     # staging that costs more than re-prefilling the region's blocks once the pressure is gone
-    policy = get_policy("vamp-reclaim", params=params(1e-2))
+    policy = get_policy("vamp-reclaim", params=params(1e-2, reclaim_hold_s=3.0))
     sched = Scheduler(SchedulerConfig(), KVCacheManager(pool, BS), policy, expert_line=line)
     sched.add_request(Request.from_tokens("a", list(range(20)), 2, BS, session_id="s"))  # 5 blocks > 4
     out = sched.schedule(0.0)
@@ -205,10 +205,16 @@ def test_vamp_in_the_scheduler_admits_by_offloading_and_reclaims_later():
         sched.update(out, None, sched.now_s + 0.1)
         steps.busy = sched.now_s  # the accelerator is busy all along
         out = sched.schedule(sched.now_s)
-    for t in (5.0, 7.0):  # pressure gone, the region's blocks free for long enough: it goes back to its experts
+    for t in (5.0, 10.0, 15.0, 20.0):  # the region's blocks are free but hold the cached prefix: no room to spare
         steps.busy = t
         out = sched.schedule(t)
-    assert line.num_reclaims == 1 and line.residency.num_offloaded == 0
+    assert line.num_reclaims == 0 and line.residency.num_offloaded == 1
+    pool.evict(pool.num_cached_free_blocks)  # the prefix cache is dropped: the pool has room to spare
+    for t in (25.0, 30.0):  # ... seen at one check, held past reclaim_hold_s at the next: the region goes back
+        steps.busy = t
+        out = sched.schedule(t)
+        assert line.num_reclaims == (t == 30.0)
+    assert line.residency.num_offloaded == 0
     line.check_invariants()
 
 

@@ -118,4 +118,5 @@ def engine_vamp_params(provider: StagedExpertProvider, residency: ExpertResidenc
     return EngineVampParams(prefill_s_per_token=2.0 * active_params / ASSUMED_FLOPS, steps=steps,
                             block_size=block_size, horizon_s=horizon_s,
                             reclaim_check_s=min(horizon_s, VampParams.reclaim_check_s),
+                            reclaim_hold_s=min(horizon_s, VampParams.reclaim_hold_s),
                             remap_s_per_expert=0.0)  # conversion relabels pages in Python, inside the step time

@@ -38,9 +38,12 @@ needs, never past the allowance or the cap) and eviction covers the rest; past t
 running requester preempts the newest running request (possibly itself) and a waiting one waits, unless nothing
 is running and only moving the line (up to the cap) can admit it. Before the first review the allowance is zero.
 
-``vamp-reclaim`` also gives the last offloaded region back while more experts are offloaded than allowed and all
-of the region's blocks are free; the prefixes cached in them go to the ghost list like any eviction, so their loss
-is measured too. Plain ``vamp`` never gives regions back (a shrinking allowance only stops it offloading more).
+``vamp-reclaim`` also gives the last offloaded region back while more experts are offloaded than allowed, all of
+the region's blocks are free, and the pool has had room to spare for ``reclaim_hold_s`` — uncached free blocks
+beyond the region's own of at least ``reclaim_watermark`` of the pool (the issue's "free KV stays above a
+watermark"): the last window's measured worth cannot see that giving it back tips a cache near its cliff over it,
+while a pool with room to spare is not near it. The prefixes cached in the region go to the ghost list like any
+eviction, so their loss is measured too. Plain ``vamp`` never gives regions back (a shrinking allowance only stops it offloading more).
 
 Every coefficient is a named field of ``VampParams``; the replay or engine setup derives them from specs and the
 perf model (core never imports perf).
@@ -82,6 +85,11 @@ class VampParams:
     remap_s_per_expert: float = 50e-6  # cuMemUnmap/cuMemMap of an expert's pages and the block-table update
     reclaim: bool = False
     reclaim_check_s: float = 5.0  # how often vamp-reclaim looks for a region to give back
+    # vamp-reclaim gives a region back only once the pool has had room to spare for reclaim_hold_s: uncached free
+    # blocks beyond the region's own of at least reclaim_watermark of the pool (a pool that the larger line keeps
+    # full of reused prefixes keeps its pages)
+    reclaim_watermark: float = 0.05
+    reclaim_hold_s: float = 60.0
     # dead band: the line moves out when W blocks are worth this many times their staging, back when their
     # staging costs this many times their worth (first-order estimates on both sides; the band absorbs their error)
     margin: float = 2.0
@@ -92,6 +100,8 @@ class VampParams:
                 raise ValueError(f"VampParams.{name} must be positive, got {getattr(self, name)}")
         if self.block_size <= 0 or self.prefill_s_per_token_per_context < 0 or self.remap_s_per_expert < 0:
             raise ValueError("VampParams: block_size must be positive; per-context and remap costs must be >= 0")
+        if not 0 <= self.reclaim_watermark < 1 or not self.reclaim_hold_s >= 0:
+            raise ValueError("VampParams: reclaim_watermark must be in [0, 1) and reclaim_hold_s >= 0")
         if not self.margin >= 1:
             raise ValueError(f"VampParams.margin must be >= 1, got {self.margin}")
 
@@ -149,6 +159,7 @@ class VampPolicy:
         self._allowed = 0  # experts the line may have offloaded now (moved by _review)
         self._next_review_s: float | None = None
         self._next_reclaim_check_s = -math.inf
+        self._roomy_since: float | None = None  # since when the pool has had room to spare (vamp-reclaim)
 
     # ---- the plan ---------------------------------------------------------------------------------------------
     def relieve(self, view: PressureView) -> list[Action]:
@@ -344,8 +355,14 @@ class VampPolicy:
         self._review(line, now_s)
         last = line.last_region()
         if last is None or line.residency.num_offloaded <= self._allowed:
+            self._roomy_since = None
             return False
-        if not all(pool.is_free(b) for b in last[1]):
+        if pool.num_uncached_free_blocks - len(last[1]) < p.reclaim_watermark * pool.num_blocks:
+            self._roomy_since = None
+            return False
+        if self._roomy_since is None:
+            self._roomy_since = now_s
+        if now_s - self._roomy_since < p.reclaim_hold_s or not all(pool.is_free(b) for b in last[1]):
             return False
         self._remember(pool, [b for b in last[1] if pool.block_hash(b) is not None])
         return line.reclaim_last()

@@ -76,5 +76,6 @@ class PressurePolicy(Protocol):
         """Return actions that together free at least ``view.shortfall_blocks`` blocks, or [] if none can."""
         ...
 
-    # Optional (the scheduler calls it when a policy has it): ``admitting(request, hits, pool, now_s, expert_line)`` at every
-    # waiting request's prefix lookup, before allocation; ``maybe_reclaim(line, pool, now_s)`` before each step.
+    # Optional, called by the scheduler when a policy has them: ``admitting(request, hits, pool, now_s,
+    # expert_line)`` at every waiting request's prefix lookup, before allocation; ``maybe_reclaim(line, pool,
+    # now_s)`` before each step.

@@ -43,7 +43,8 @@ the region's blocks are free, and the pool has had room to spare for ``reclaim_h
 beyond the region's own of at least ``reclaim_watermark`` of the pool (the issue's "free KV stays above a
 watermark"): the last window's measured worth cannot see that giving it back tips a cache near its cliff over it,
 while a pool with room to spare is not near it. The prefixes cached in the region go to the ghost list like any
-eviction, so their loss is measured too. Plain ``vamp`` never gives regions back (a shrinking allowance only stops it offloading more).
+eviction, so their loss is measured too. Plain ``vamp`` never gives regions back (a shrinking allowance only stops
+it offloading more).
 
 Every coefficient is a named field of ``VampParams``; the replay or engine setup derives them from specs and the
 perf model (core never imports perf).

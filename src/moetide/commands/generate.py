@@ -33,8 +33,8 @@ from pathlib import Path
 from moetide.core.pressure import POLICIES
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.engine.split_plan import DEFAULT_SPLIT_GPU, DEFAULT_SPLIT_HOST
-from moetide.perf.routing_profile import write_profile
 from moetide.errors import UserError
+from moetide.perf.routing_profile import write_profile
 
 DEFAULT_KV_BUDGET_MIB = 256.0
 

@@ -181,11 +181,8 @@ class TouchRates:
         self._sum[list(moe_indices)] += (counts.cpu() > 0).to(torch.float64)
         self._weight = self._weight * self.decay + 1.0
 
-    def rate(self, layer: int, expert: int) -> float:
-        """Touches per step (0 before any step)."""
-        return float(self._sum[layer, expert]) / self._weight if self._weight else 0.0
-
     def rates(self) -> list[list[float]]:
+        """[M][E] touches per step (0 before any step)."""
         return (self._sum / self._weight).tolist() if self._weight else self._sum.tolist()
 
 

@@ -101,6 +101,7 @@ def test_bench_engine_prints_one_json_line_per_batch_size(tiny_checkpoint, capsy
 
 
 def test_vamp_runs_from_the_cli_under_a_tight_budget(tiny_checkpoint, tmp_path, capsys):
+    """A smoke test of the CLI's wiring (the policy's behavior is tests/test_engine_vamp.py's)."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The scheduler compares the cost of evicting a prefix\n" * 3 + "Linear attention keeps\n")
     rc = generate(tiny_checkpoint("mixtral"), "--prompts-file", str(prompts), "--max-tokens", "24", "--ignore-eos",

@@ -68,10 +68,13 @@ def grown_allowance(policy) -> list[int]:
     return seen
 
 
-def test_reclaim_gives_experts_back_and_they_compute_as_before(tiny_checkpoint, hf_reference):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_reclaim_gives_experts_back_and_they_compute_as_before(device, tiny_checkpoint, hf_reference):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
     arch = "qwen3_moe"
     clock = StepClock(0.01)
-    engine = vamp_engine(tiny_checkpoint, arch, policy="vamp-reclaim", clock=clock)
+    engine = vamp_engine(tiny_checkpoint, arch, policy="vamp-reclaim", clock=clock, device=device)
     reclaims = 0
     pool = engine.scheduler.kv.pool
     for _ in range(3):
@@ -88,7 +91,7 @@ def test_reclaim_gives_experts_back_and_they_compute_as_before(tiny_checkpoint, 
     storage, host = engine.storage, engine.parts.experts.stager.host
     for m, e in [(m, e) for m in range(host.shape[0]) for e in range(host.shape[1])]:
         if engine.residency.is_resident(m, e):  # reclaimed ones included: their pages hold their weights again
-            assert torch.equal(storage.expert_flat(m, e), host[m, e])
+            assert torch.equal(storage.expert_flat(m, e).cpu(), host[m, e])
 
 
 def test_hybrid_model_runs_under_vamp(tiny_checkpoint, hf_reference):
@@ -117,3 +120,13 @@ def test_staging_share_is_measured_touches_times_one_copy(tiny_checkpoint):
 def test_vamp_needs_room_to_offload(tiny_checkpoint):
     with pytest.raises(UserError, match="give it room with --max-offload-ratio"):
         vamp_engine(tiny_checkpoint, "mixtral", max_offload_ratio=0.0)
+
+
+def test_reclaim_room_counts_device_blocks_only(tiny_checkpoint):
+    """With host KV in the same pool, vamp-reclaim's watermark looks at the arena's blocks: a roomy host tier is
+    no reason to give device KV back to the experts."""
+    engine = vamp_engine(tiny_checkpoint, "mixtral", policy="vamp-reclaim", kv_host_mib=1)
+    pool, arena = engine.scheduler.kv.pool, engine.storage.arena
+    free, total = engine.parts.expert_line.kv_room(pool)
+    assert total == len(arena.kv_block_ids()) < pool.num_blocks
+    assert free == total  # nothing allocated yet

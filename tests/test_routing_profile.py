@@ -56,6 +56,7 @@ def _written(tmp_path, counts, name="q.json"):
 
 @pytest.mark.parametrize(("mutate", "message"), [
     (lambda d: d.update(format="v0"), "field 'format'"),
+    (lambda d: d.update(top_k=2), "field 'top_k' is 2"),
     (lambda d: d.update(counts=[]), "field 'counts'"),
     (lambda d: d["counts"][1].pop(), "counts[1] must list 128 experts"),
     (lambda d: d["counts"][2].__setitem__(5, -1), "counts[2][5] must be a finite count"),
@@ -66,7 +67,7 @@ def test_bad_profiles_are_one_clear_error(tmp_path, mutate, message):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        read_rank_shares(path, MODEL.num_experts)
+        read_rank_shares(path, MODEL.num_experts, MODEL.num_experts_per_tok)
 
 
 def test_replay_prices_staging_with_a_profile(tmp_path, capsys):

@@ -129,11 +129,13 @@ class StagedExpertProvider:
         """Record the step's routing into the residency (one read-back per step, after the forward)."""
         if not self._step_counts:
             return
-        stacked = torch.stack([counts for _, counts in self._step_counts])
-        if self.totals is not None:
-            self.totals[[m for m, _ in self._step_counts]] += stacked.cpu()
-        if self.touches is not None:
-            self.touches.record([m for m, _ in self._step_counts], stacked)
+        stacked = torch.stack([counts for _, counts in self._step_counts]).cpu()  # the one read-back
+        if self.totals is not None or self.touches is not None:
+            layers = torch.tensor([m for m, _ in self._step_counts])
+            if self.totals is not None:
+                self.totals.index_add_(0, layers, stacked)
+            if self.touches is not None:
+                self.touches.record(layers, stacked)
         rows = stacked.tolist()
         for (m, _), row in zip(self._step_counts, rows):
             self.residency.record_routing(m, {e: c for e, c in enumerate(row) if c})
@@ -175,10 +177,10 @@ class TouchRates:
         self._sum = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self._weight = 0.0  # Σ decay^age over recorded steps
 
-    def record(self, moe_indices: Sequence[int], counts: Tensor) -> None:
-        """One step's routing counts [n, E] of the listed MoE layers."""
+    def record(self, moe_indices: Tensor, counts: Tensor) -> None:
+        """One step's routing counts [n, E] (on the CPU) of the MoE layers ``moe_indices`` [n]."""
         self._sum.mul_(self.decay)
-        self._sum[list(moe_indices)] += (counts.cpu() > 0).to(torch.float64)
+        self._sum.index_add_(0, moe_indices, (counts > 0).to(torch.float64))
         self._weight = self._weight * self.decay + 1.0
 
     def rates(self) -> list[list[float]]:
@@ -211,6 +213,11 @@ class ArenaExpertLine:
         config = self.arena.config
         pages = num_experts * config.pages_per_expert
         return pages * config.blocks_per_group if config.pages_per_block == 1 else pages // config.pages_per_block
+
+    def kv_room(self, pool) -> tuple[int, int]:
+        """(uncached free, all) KV blocks of the arena — host KV blocks in the same pool are not device room."""
+        ids = self.arena.kv_block_ids()
+        return sum(1 for b in ids if pool.is_free(b) and pool.block_hash(b) is None), len(ids)
 
     def last_region(self) -> tuple[tuple[ExpertKey, ...], list[int]] | None:
         regions = self.arena.converted_regions()

@@ -9,7 +9,8 @@ popularity instead of a Zipf law (``perf.staging``). The file is JSON::
 
 Staging prices a layer's coldest experts, so the profile the model uses is rank-wise: each layer's counts sorted
 from hottest to coldest and normalized, then averaged over layers (``rank_shares``). A profile must come from a
-model with the same number of routed experts as the one replayed (its ranks are that model's ranks).
+model with the same number of routed experts and the same top-k as the one replayed (its ranks are that model's
+ranks).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def write_profile(path: str | Path, counts: list[list[float]], *, top_k: int, mo
         raise UserError(f"--routing-out {path}: cannot write: {exc.strerror or exc}") from None
 
 
-def read_rank_shares(path: str | Path, num_experts: int) -> tuple[float, ...]:
-    """The file's rank-wise routing shares (hottest first, summing to 1), checked against ``num_experts``."""
+def read_rank_shares(path: str | Path, num_experts: int, top_k: int | None = None) -> tuple[float, ...]:
+    """The file's rank-wise routing shares (hottest first, summing to 1), checked against the replayed model's
+    ``num_experts`` and (when given) ``top_k``: a profile's shares are per routing slot of its own top-k."""
     where = f"--routing-profile {path}"
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -45,6 +47,9 @@ def read_rank_shares(path: str | Path, num_experts: int) -> tuple[float, ...]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UserError(f"{where}: field 'format' must be {FORMAT!r} (a file written by moetide generate "
                         f"--routing-out)")
+    if top_k is not None and data.get("top_k") != top_k:
+        raise UserError(f"{where}: field 'top_k' is {data.get('top_k')!r}; the replayed model routes each token to "
+                        f"{top_k} experts")
     counts = data.get("counts")
     if not isinstance(counts, list) or not counts:
         raise UserError(f"{where}: field 'counts' must be a non-empty list of per-layer lists")

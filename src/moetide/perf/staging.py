@@ -2,10 +2,10 @@
 
 For each MoE layer with ``n`` offloaded experts (of ``E``, top-``k`` routing), a step of ``T`` tokens touches
 offloaded expert ``e`` with probability ``q_e = 1 − (1 − p_e)^T``, where ``p_e`` is the chance that one token routes
-to it: ``k/E`` under uniform routing, or ``k·w_e/Σw`` with ``w_e = 1/rank^s`` when expert popularity follows a Zipf
-law of exponent ``routing_zipf_s``, or with ``w_e`` a measured profile's share of rank e (``routing_shares``, from a
-file the engine writes: ``perf.routing_profile``). The offloaded experts are the layer's ``n`` coldest (what ``core.experts``
-picks from routing statistics), so skew makes them rarer. Three ways to stage them:
+to it: ``k/E`` under uniform routing, or ``k·w_e/Σw`` with ``w_e = 1/rank^s`` when expert popularity follows a
+Zipf law of exponent ``routing_zipf_s``, or with ``w_e`` a measured profile's share of rank e (``routing_shares``,
+from a file the engine writes: ``perf.routing_profile``). The offloaded experts are the layer's ``n`` coldest
+(what ``core.experts`` picks from routing statistics), so skew makes them rarer. Three ways to stage them:
 
 * ``auto`` (default): what an engine that knows its batch before the step can do. While layer l−1 computes, the
   host link is idle, so the offloaded experts of layer l most likely to be touched are prefetched into a staging

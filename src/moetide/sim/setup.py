@@ -208,7 +208,7 @@ class StepTimeWithStaging:
 def _routing_shares(config: ReplayConfig, model) -> tuple[float, ...] | None:
     if config.routing_profile is None:
         return None
-    return read_rank_shares(config.routing_profile, model.num_experts)
+    return read_rank_shares(config.routing_profile, model.num_experts, model.num_experts_per_tok)
 
 
 STAGING_BUFFER_LAYERS = 2  # device room staging needs: the layer computing and the next one being filled

@@ -325,7 +325,8 @@ class VampPolicy:
         of capacity is worth (the ghost list prices the next window, not the last)."""
         if not hits or not self._ghost_capacity:
             return
-        tail = [b for b in pool.peek_victims(self._window()) if b in hits]
+        victims = set(pool.peek_victims(self._window()))
+        tail = [b for b in hits if b in victims]
         if not tail:
             return
         position = {h: j for j, h in enumerate(requester.block_hashes)}
@@ -346,8 +347,10 @@ class VampPolicy:
 
     # ---- reclaim (vamp-reclaim) ---------------------------------------------------------------------------
     def maybe_reclaim(self, line, pool, now_s: float) -> bool:
-        """Give the last region back while more experts are offloaded than the line allows and all its blocks
-        are free; the prefixes cached in them go to the ghost list like any eviction."""
+        """Give the last region back while more experts are offloaded than the line allows, all its blocks are
+        free and the pool has had room to spare for ``reclaim_hold_s`` (sampled at the checks; restarted after each
+        reclaim). The prefixes cached in the region go to the ghost list like any eviction (descendants outside the
+        region that the pool uncaches with them are not recorded)."""
         p = self.params
         if not p.reclaim or now_s < self._next_reclaim_check_s:
             return False
@@ -358,7 +361,10 @@ class VampPolicy:
         if last is None or line.residency.num_offloaded <= self._allowed:
             self._roomy_since = None
             return False
-        if pool.num_uncached_free_blocks - len(last[1]) < p.reclaim_watermark * pool.num_blocks:
+        room = getattr(line, "kv_room", None)  # the engine counts device blocks only (not host KV)
+        free, total = room(pool) if room is not None else (pool.num_uncached_free_blocks, pool.num_blocks)
+        own = sum(1 for b in last[1] if pool.is_free(b) and pool.block_hash(b) is None)  # in ``free`` already
+        if free - own < p.reclaim_watermark * total:
             self._roomy_since = None
             return False
         if self._roomy_since is None:
@@ -366,4 +372,7 @@ class VampPolicy:
         if now_s - self._roomy_since < p.reclaim_hold_s or not all(pool.is_free(b) for b in last[1]):
             return False
         self._remember(pool, [b for b in last[1] if pool.block_hash(b) is not None])
-        return line.reclaim_last()
+        if not line.reclaim_last():
+            return False
+        self._roomy_since = None  # the smaller pool must show room of its own before the next region goes
+        return True

@@ -17,7 +17,8 @@ ignored (transformers: ``min_new_tokens``; vLLM: ``ignore_eos``). ``--warmup`` u
 fixed prompt set, and the coordinator reports whether its tokens equal moetide's.
 
 torch threads: moetide and transformers get ``--threads`` (default 1: on a 2-core machine OpenMP spinning makes
-tiny ops slower); vLLM keeps its own CPU thread setup (not tuned).
+tiny ops slower); vLLM's OpenMP threads are bound to as many cores (``VLLM_CPU_OMP_THREADS_BIND=0`` for one,
+``0-(N-1)`` for N; an exported value wins).
 
 Output: one JSON line per (peer, batch) — ``decode_tokens_per_s`` {median, min, max}, ``peak_rss_mib``,
 ``tokens_match_moetide`` — then one line per batch and peer ratio, ``moetide/transformers`` and
@@ -163,6 +164,8 @@ def spawn(args: argparse.Namespace, peer: str, model: Path, batch: int) -> dict 
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
+    # vLLM's CPU build binds its own OpenMP threads (all cores by default): give it the same cores as the others
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if args.threads == 1 else f"0-{args.threads - 1}")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):

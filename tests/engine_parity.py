@@ -18,18 +18,23 @@ def parity_prompts() -> list[list[int]]:
             for i, n in enumerate(PROMPT_LENGTHS)]
 
 
-@pytest.fixture(scope="module")
-def hf_reference(hf_model):
-    """``hf_reference(arch)``: transformers' greedy continuations of the parity prompts, one prompt at a time."""
+def greedy_reference(hf_model, prompts: list[list[int]], max_new_tokens: int):
+    """``get(arch)``: transformers' greedy continuations of ``prompts``, one prompt at a time, cached per arch."""
     cache: dict[str, list[list[int]]] = {}
 
     def get(arch: str) -> list[list[int]]:
         if arch not in cache:
             model = hf_model(arch)
             with torch.no_grad():
-                cache[arch] = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                cache[arch] = [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
                                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                               for p in parity_prompts()]
+                               for p in prompts]
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model):
+    """``hf_reference(arch)``: transformers' greedy continuations of the parity prompts."""
+    return greedy_reference(hf_model, parity_prompts(), MAX_TOKENS)

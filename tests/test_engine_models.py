@@ -21,6 +21,7 @@ from moetide.engine.models import (  # noqa: E402
 )
 from moetide.engine.models.qwen3_next import chunked_gated_delta, recurrent_gated_delta  # noqa: E402
 from moetide.engine.testmodel import ARCHS  # noqa: E402
+from engine_parity import greedy_reference  # noqa: E402
 
 MAX_NEW_TOKENS = 16
 PROMPT_LENGTHS = (3, 9, 17, 70)  # 70 > one 64-token chunk of the chunked gated delta rule
@@ -38,17 +39,7 @@ def fresh_context(model, entries: list[tuple[int, int, int]]) -> StepContext:
 @pytest.fixture(scope="module")
 def hf_greedy(hf_model):
     """``hf_greedy(arch)``: transformers' greedy continuations of the test prompts, one prompt at a time."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(arch: str) -> list[list[int]]:
-        if arch not in cache:
-            model = hf_model(arch)
-            cache[arch] = [model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                           for p in random_prompts(1, PROMPT_LENGTHS)]
-        return cache[arch]
-
-    return get
+    return greedy_reference(hf_model, random_prompts(1, PROMPT_LENGTHS), MAX_NEW_TOKENS)
 
 
 def run_continuous(model, prompts: list[list[int]], arrival_steps: list[int], chunk: int) -> list[list[int]]:

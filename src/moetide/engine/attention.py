@@ -138,11 +138,19 @@ class PagedAttentionBackend:
 
     @staticmethod
     def _attend_group(q: Tensor, k_rows: Tensor, v_rows: Tensor, group: _Group, scale: float) -> Tensor:
-        """q [b, Q, Hq, D] -> [b, Q, Hq, D] over the group's gathered key slots (query head h reads KV head
-        h // (Hq / Hkv), transformers' ``repeat_kv``; softmax accumulated in fp32)."""
-        shape = (q.shape[0], group.num_keys, *k_rows.shape[1:])  # [b, L, Hkv, D]
-        keys = k_rows.index_select(0, group.key_rows).view(shape)
-        values = v_rows.index_select(0, group.key_rows).view(shape)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=group.attend, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2)  # [b, Q, Hq, D]
+        keys, values = gather_kv(k_rows, v_rows, group.key_rows, q.shape[0], group.num_keys)
+        return attend_gathered(q, keys, values, group.attend, scale)
+
+
+def gather_kv(k_rows: Tensor, v_rows: Tensor, key_rows: Tensor, b: int, num_keys: int) -> tuple[Tensor, Tensor]:
+    """Keys and values [b, L, Hkv, D] of ``key_rows`` ([b·L] row indices into the [rows, Hkv, D] views)."""
+    shape = (b, num_keys, *k_rows.shape[1:])
+    return k_rows.index_select(0, key_rows).view(shape), v_rows.index_select(0, key_rows).view(shape)
+
+
+def attend_gathered(q: Tensor, keys: Tensor, values: Tensor, attend: Tensor | None, scale: float) -> Tensor:
+    """q [b, Q, Hq, D] over keys/values [b, L, Hkv, D] -> [b, Q, Hq, D] (query head h reads KV head
+    h // (Hq / Hkv), transformers' ``repeat_kv``; softmax accumulated in fp32)."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=attend, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)

@@ -40,10 +40,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from moetide.core.splits import SeqResidency, StepSplit
+from moetide.engine.attention import attend_gathered, gather_kv
 from moetide.engine.host_kv import HostKVStorage, StagingRing
 from moetide.engine.models import StepBatch
 from moetide.engine.split_attention import lse_attention, merge_partials
@@ -302,9 +302,7 @@ class SplitAttentionBackend:
         b = group.shape[0]
         if group.cpu is None and group.stream is None:
             keys, values = self._gather(self.storage.kv_rows(a), group.device, b)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                                 attn_mask=group.device.attend, scale=scale, enable_gqa=True)
-            return out.transpose(1, 2)
+            return attend_gathered(q, keys, values, group.device.attend, scale)
         partials = []
         if group.device is not None:
             keys, values = self._gather(self.storage.kv_rows(a), group.device, b)
@@ -318,9 +316,7 @@ class SplitAttentionBackend:
 
     @staticmethod
     def _gather(kv_rows: tuple[Tensor, Tensor], part: _Part, b: int) -> tuple[Tensor, Tensor]:
-        k_rows, v_rows = kv_rows
-        shape = (b, part.num_keys, *k_rows.shape[1:])
-        return k_rows.index_select(0, part.rows).view(shape), v_rows.index_select(0, part.rows).view(shape)
+        return gather_kv(*kv_rows, part.rows, b, part.num_keys)
 
     @staticmethod
     def _partial(q: Tensor, keys: Tensor, values: Tensor, part: _Part, scale: float) -> tuple[Tensor, Tensor]:

@@ -222,11 +222,15 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
     arena = _arena(kv_layout, expert_layout, config)
     shapes = model.linear_state_shapes()
     host_kv = _host_kv(kv_layout, arena, config, device)
-    first_host = arena.config.num_block_ids
-    host_ids = list(host_kv.block_ids) if host_kv is not None else []
-    pool = BlockPool([*arena.kv_block_ids(), *host_ids], enable_caching=_caching(config, bool(shapes)),
-                     preferred_below=first_host if host_ids else None)
-    arena.attach_pool(ArenaPoolView(pool, first_host) if host_ids else pool)
+    caching = _caching(config, bool(shapes))
+    if host_kv is None:
+        pool = BlockPool(arena.kv_block_ids(), enable_caching=caching)
+        arena.attach_pool(pool)
+    else:
+        first_host = host_kv.first_block_id
+        pool = BlockPool([*arena.kv_block_ids(), *host_kv.block_ids], enable_caching=caching,
+                         preferred_below=first_host)
+        arena.attach_pool(ArenaPoolView(pool, first_host))
     state_layout = StateLayout.of(shapes, kv_layout.dtype)
     kv = KVCacheManager(pool, config.block_size,
                         num_state_blocks_per_request=state_layout.num_blocks(kv_layout.block_bytes))

@@ -93,18 +93,6 @@ class HostKVStorage:
 
     row_step = 1
 
-    def kv_block(self, block_id: int) -> Tensor:
-        """The raw bytes of one host block (a view)."""
-        return self.block_bytes_view[block_id - self.first_block_id]
-
-    def kv_checksum(self, block_ids: list[int]) -> int:
-        """A position-sensitive checksum of the blocks' bytes, in the order given (``ArenaStorage.kv_checksum``)."""
-        if not block_ids:
-            return 0
-        raw = torch.cat([self.kv_block(b) for b in block_ids]).to(torch.int64)
-        weights = torch.arange(raw.numel(), dtype=torch.int64) % 65_521 + 1
-        return int((raw * weights).sum())
-
     @property
     def nbytes(self) -> int:
         return self.data.numel()
@@ -123,14 +111,12 @@ class StagingRing:
         self.device, self.num_slots = device, num_slots
         self._slots: list[dict[str, object]] = [{} for _ in range(num_slots)]
         self._next = 0
-        self.num_staged_rows = 0
 
     def stage(self, k_rows: Tensor, v_rows: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
         """(K, V) rows ``index`` of the host row views, on the device: [n, Hkv, D] each."""
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.num_slots
         n = index.numel()
-        self.num_staged_rows += n
         shape = (n, *k_rows.shape[1:])
         device_kv = self._buffer(slot, "device", shape, k_rows.dtype, self.device, pin=False)
         if self.device.type == "cpu":

@@ -154,14 +154,16 @@ class SplitAttentionBackend:
     def _split_step(self, batch: StepBatch, used: list[list[int]], contexts: list[int]) -> list[int]:
         """Each sequence's ``num_cpu_blocks`` from the split policy (all 0 when no host block is used)."""
         bs, host = self.layout.block_size, self.host
-        seqs, device_tokens = [], 0
-        for i, (blocks, context) in enumerate(zip(used, contexts)):
-            num_host = sum(1 for b in blocks if host.is_host(b))
-            seqs.append(SeqResidency(i, len(blocks) - num_host, num_host))
-            device_tokens += sum(min(bs, context - j * bs) for j, b in enumerate(blocks) if not host.is_host(b))
+        on_host = [[host.is_host(b) for b in blocks] for blocks in used]  # each block classified once
+        seqs = []
+        for i, flags in enumerate(on_host):
+            num_host = sum(flags)
+            seqs.append(SeqResidency(i, len(flags) - num_host, num_host))
         self._split = None
         if not any(s.num_host_blocks for s in seqs):
             return [0] * len(seqs)
+        tokens = [[min(bs, context - j * bs) for j in range(len(flags))] for flags, context in zip(on_host, contexts)]
+        device_tokens = sum(n for flags, ns in zip(on_host, tokens) for h, n in zip(flags, ns) if not h)
         num_queries = max(1, batch.num_tokens // len(seqs))
         split = self._split = self.stepper.plan(seqs, device_tokens, num_queries)
         c = self.counters
@@ -169,11 +171,11 @@ class SplitAttentionBackend:
         c.peak_host_blocks = max(c.peak_host_blocks, sum(s.num_host_blocks for s in seqs))
         c.peak_device_blocks = max(c.peak_device_blocks, sum(s.num_device_blocks for s in seqs))
         c.peak_kv_tokens = max(c.peak_kv_tokens, sum(contexts))
-        for s, blocks, context in zip(split.splits, used, contexts):
+        for s, flags, ns in zip(split.splits, on_host, tokens):
             c.device_blocks += s.num_device_blocks
             c.cpu_blocks += s.num_cpu_blocks
             c.streamed_blocks += s.num_streamed_blocks
-            host_tokens = [min(bs, context - j * bs) for j, b in enumerate(blocks) if host.is_host(b)]
+            host_tokens = [n for h, n in zip(flags, ns) if h]
             c.cpu_tokens += sum(host_tokens[: s.num_cpu_blocks])
             c.streamed_tokens += sum(host_tokens[s.num_cpu_blocks :])
         return [s.num_cpu_blocks for s in split.splits]
@@ -254,7 +256,7 @@ class SplitAttentionBackend:
         c = self.counters
         c.cpu_s += self._step_cpu_s
         c.predicted_cpu_s += split.predicted_cpu_s
-        c.correction_factor = self.stepper.observe(split, self._step_cpu_s)
+        self.stepper.observe(split, self._step_cpu_s)  # the runner reads the factor at the end
 
     # ---- per layer ----------------------------------------------------------------------------------------
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, scale: float) -> Tensor:

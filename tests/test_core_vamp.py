@@ -47,7 +47,7 @@ def cached_prefix(pool, session, num_blocks, seed):
     kv = KVCacheManager(pool, BS)
     tokens = [seed] * (num_blocks * BS)
     hashes = hash_token_blocks(tokens, BS)
-    kv.allocate_slots(f"done-{seed}", len(tokens), hashes, owner=session)
+    kv.allocate_slots(f"done-{seed}", len(tokens), hashes)
     kv.free(f"done-{seed}")
     return hashes
 
@@ -59,9 +59,9 @@ def request(rid, computed, session=None, hashes=()):
     return r
 
 
-def view(pool, line, shortfall, requester, running=False, preemptible=(), now=1000.0, nrun=1, hits=()):
-    return PressureView(shortfall, requester, running, list(preemptible), pool, frozenset(hits), now, {}, line, nrun,
-                        list(preemptible), 0, 0.01)
+def view(pool, line, shortfall, requester, running=False, preemptible=(), now=1000.0, hits=()):
+    return PressureView(shortfall, requester, running, list(preemptible), pool, frozenset(hits), now, line,
+                        list(preemptible))
 
 
 def evicted_then_back(policy, pool, line, now, seed, running=()):
@@ -146,7 +146,7 @@ def test_a_running_requester_with_nothing_to_evict_preempts_the_newest():
     line = make_line(pool)
     fresh, old = request("fresh", computed=4), request("old", computed=400)
     plan = get_policy("vamp", params=params(1e-2)).relieve(view(pool, line, 1, old, running=True,
-                                                                  preemptible=[fresh], nrun=2))
+                                                                  preemptible=[fresh]))
     assert plan == [Preempt("fresh")]
 
 

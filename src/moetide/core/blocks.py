@@ -55,7 +55,6 @@ class BlockPool:
         self._parent_of: dict[int, int | None] = {}  # registered block id -> parent's hash (None: chain head)
         self._block_of: dict[int, int] = {}  # hash -> the one registered block holding it
         self._children: dict[int, set[int]] = {}  # hash -> registered block ids whose parent it is
-        self._owner_of: dict[int, str] = {}  # registered block id -> session that registered it (policies)
         self.num_evicted_blocks = 0  # lifetime counter, for metrics
         # Bumped whenever blocks become free or are added: a caller that failed to allocate can skip retrying
         # until it changes (the scheduler's blocked queue head).
@@ -167,15 +166,14 @@ class BlockPool:
             return self.cache_chain([block_id], [block_hash], 0, 1) == 1
         return self.cache_chain([block_id, block_id], [parent_hash, block_hash], 1, 2) == 1
 
-    def cache_chain(self, block_ids: Sequence[int], block_hashes: Sequence[int], start: int, end: int,
-                    owner: str | None = None) -> int:
+    def cache_chain(self, block_ids: Sequence[int], block_hashes: Sequence[int], start: int, end: int) -> int:
         """Register blocks ``start..end-1`` of one chain (block i under hash i, parent hash i-1, none for i = 0),
         each as ``cache_block`` describes; returns how many were registered. The scheduler's hot path."""
         if not self.enable_caching:
             return 0
         registered = 0
         block_of, hash_of, parent_of, ref_cnt = self._block_of, self._hash_of, self._parent_of, self._ref_cnt
-        children, owner_of = self._children, self._owner_of
+        children = self._children
         parent_hash = block_hashes[start - 1] if start else None
         for i in range(start, end):
             block_hash = block_hashes[i]
@@ -194,18 +192,12 @@ class BlockPool:
                     children[parent_hash] = {block_id}
                 else:
                     kids.add(block_id)
-            if owner is not None:
-                owner_of[block_id] = owner
             if ref_cnt[block_id] == 0:
                 del self._uncached_free[block_id]
                 self._cached_free[block_id] = None
             registered += 1
             parent_hash = block_hash
         return registered
-
-    def owner_of(self, block_id: int) -> str | None:
-        """The session whose request registered this cached block, if it said."""
-        return self._owner_of.get(block_id)
 
     def registered_descendants(self, block_id: int, limit: int | None = None,
                                skip: Collection[int] = ()) -> list[int]:
@@ -277,7 +269,7 @@ class BlockPool:
         """Unprotected eviction from the LRU head: leaves (the common case) inline, others through the cascade."""
         cached_free, children, hash_of, block_of = self._cached_free, self._children, self._hash_of, self._block_of
         uncached_free, pop_head = self._uncached_free, cached_free.popitem
-        parent_pop, owner_pop, append = self._parent_of.pop, self._owner_of.pop, evicted.append
+        parent_pop, append = self._parent_of.pop, evicted.append
         prefer = self.preferred_below
         num_leaves = 0
         while len(evicted) < num_blocks and cached_free:
@@ -289,7 +281,6 @@ class BlockPool:
                 self._uncache_chain(block_id, evicted)
                 continue
             del hash_of[block_id], block_of[block_hash]
-            owner_pop(block_id, None)
             parent_hash = parent_pop(block_id)
             if parent_hash is not None:
                 siblings = children[parent_hash]
@@ -310,7 +301,6 @@ class BlockPool:
             block_id = stack.pop()
             block_hash = self._hash_of.pop(block_id)
             parent_hash = self._parent_of.pop(block_id)
-            self._owner_of.pop(block_id, None)
             del self._block_of[block_hash]
             siblings = self._children.get(parent_hash) if parent_hash is not None else None
             if siblings is not None:  # None when the parent was uncached in this same cascade

@@ -76,14 +76,13 @@ class KVCacheManager:
         *,
         num_computed_tokens: int = 0,
         new_computed_blocks: Sequence[int] = (),
-        owner: str | None = None,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` after ``num_computed_tokens`` (which include ``new_computed_blocks``,
         the hits from ``get_computed_blocks``). Returns the newly allocated block ids, or None with no effect."""
         blocks = self._blocks.get(request_id)
         total = num_computed_tokens + num_new_tokens
         if blocks is not None and not new_computed_blocks and total <= len(blocks) * self.block_size:
-            self._register_full_blocks(request_id, blocks, block_hashes, total, owner)  # decode in held blocks
+            self._register_full_blocks(request_id, blocks, block_hashes, total)  # decode in held blocks
             return []
         if new_computed_blocks:  # checked before anything changes
             if self._blocks.get(request_id):
@@ -106,11 +105,10 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
             self._num_registered[request_id] = len(new_computed_blocks)
         blocks.extend(new_blocks)
-        self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens, owner)
+        self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens)
         return new_blocks
 
-    def append_slot(self, request_id: str, num_tokens: int, block_hashes: Sequence[int], owner: str | None = None,
-                    ) -> bool:
+    def append_slot(self, request_id: str, num_tokens: int, block_hashes: Sequence[int]) -> bool:
         """Decode fast path: True when the request's held blocks already have room for ``num_tokens`` tokens
         (registering a block that this step fills, exactly as ``allocate_slots`` would); False changes nothing
         and the caller takes ``allocate_slots``."""
@@ -118,7 +116,7 @@ class KVCacheManager:
         if blocks is None or num_tokens > len(blocks) * self.block_size:
             return False
         if num_tokens // self.block_size > self._num_registered.get(request_id, 0):
-            self._register_full_blocks(request_id, blocks, block_hashes, num_tokens, owner)
+            self._register_full_blocks(request_id, blocks, block_hashes, num_tokens)
         return True
 
     def _check_hits(self, hits: Sequence[int], block_hashes: Sequence[int]) -> None:
@@ -129,14 +127,12 @@ class KVCacheManager:
         if self.pool.block_hash(hits[last]) != block_hashes[last]:
             raise ValueError(f"stale prefix hit: block {hits[last]} no longer holds block {last} of the request")
 
-    def _register_full_blocks(
-        self, request_id: str, blocks: list[int], block_hashes: Sequence[int], num_tokens: int,
-        owner: str | None = None,
-    ) -> None:
+    def _register_full_blocks(self, request_id: str, blocks: list[int], block_hashes: Sequence[int],
+                              num_tokens: int) -> None:
         start = self._num_registered.get(request_id, 0)
         end = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
         if end > start:
-            self.pool.cache_chain(blocks, block_hashes, start, end, owner)
+            self.pool.cache_chain(blocks, block_hashes, start, end)
             self._num_registered[request_id] = end
 
     def free(self, request_id: str) -> None:

@@ -72,7 +72,7 @@ def step(sched: Scheduler, run: PrefillRun) -> bool:
         evicted = kv.pool.evict(shortfall, protect=frozenset())
         sched.num_evicted_blocks += len(evicted)
     new = kv.allocate_slots(request.request_id, run.chunk, request.block_hashes,
-                            num_computed_tokens=request.num_computed_tokens, owner=request.session_id)
+                            num_computed_tokens=request.num_computed_tokens)
     if new is None:  # cannot happen after the eviction above; fail loudly rather than diverge from schedule()
         raise RuntimeError(f"prefill run: allocation for {request.request_id!r} failed after eviction")
     start = request.num_computed_tokens

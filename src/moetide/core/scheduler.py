@@ -69,7 +69,6 @@ class SchedulerOutput:
 
 @dataclass
 class SessionState:
-    last_active_s: float
     num_in_flight: int = 0
     num_finished: int = 0
 
@@ -106,9 +105,6 @@ class Scheduler:
         # Exact for `vllm`; for a policy whose answer also moves with time (vamp's wait cost, p(reuse)) the head
         # is asked again only after the next free — a known approximation.
         self._blocked: tuple[Request, int, int] | None = None
-        self._step_start_s = 0.0
-        self.recent_step_s: float | None = None  # EWMA of step durations (weight 0.05), for cost estimates
-        self.recent_step_tokens: float | None = None  # EWMA of tokens per step, same weight
 
     # ---- requests in and out ------------------------------------------------------------------------------
     def add_request(self, request: Request, now_s: float | None = None) -> None:
@@ -119,9 +115,8 @@ class Scheduler:
         if request.session_id is not None:
             state = self.sessions.get(request.session_id)
             if state is None:
-                state = self.sessions[request.session_id] = SessionState(self.now_s)
+                state = self.sessions[request.session_id] = SessionState()
             state.num_in_flight += 1
-            state.last_active_s = self.now_s
 
     def close_session(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
@@ -134,7 +129,6 @@ class Scheduler:
     def schedule(self, now_s: float | None = None) -> SchedulerOutput:
         if now_s is not None:
             self.now_s = now_s
-        self._step_start_s = self.now_s
         out = SchedulerOutput()
         maybe_reclaim = getattr(self.policy, "maybe_reclaim", None)
         if maybe_reclaim is not None and self.expert_line is not None:
@@ -157,7 +151,7 @@ class Scheduler:
             request = self.running[i]
             computed = request.num_computed_tokens
             if (computed + 1 == request.num_prompt_tokens + request.num_output_tokens  # decode: one token, room
-                    and append_slot(request.request_id, computed + 1, request.block_hashes, request.session_id)):
+                    and append_slot(request.request_id, computed + 1, request.block_hashes)):
                 out.scheduled.append((request, 1))
                 out.num_computed_before.append(computed)
                 budget -= 1
@@ -216,7 +210,7 @@ class Scheduler:
         while True:
             new = kv.allocate_slots(
                 request.request_id, n, request.block_hashes,
-                num_computed_tokens=request.num_computed_tokens, new_computed_blocks=hits, owner=request.session_id,
+                num_computed_tokens=request.num_computed_tokens, new_computed_blocks=hits,
             )
             if new is not None:
                 return True
@@ -224,8 +218,7 @@ class Scheduler:
             # only running requests not yet scheduled in this step, and only for a running requester (FCFS)
             preemptible = self.running[index + 1 :] if is_running else []
             view = PressureView(shortfall, request, is_running, preemptible, kv.pool, frozenset(hits), self.now_s,
-                                self.sessions, self.expert_line, len(self.running), self.running, len(self.waiting),
-                                self.recent_step_s, self.recent_step_tokens)
+                                self.expert_line, self.running)
             actions = self.policy.relieve(view)
             if not actions or not self._apply(actions, hits, out, request, preemptible):
                 return False
@@ -314,7 +307,7 @@ class Scheduler:
             if request.num_computed_tokens > request.max_computed_tokens:
                 request.max_computed_tokens = request.num_computed_tokens
             kv.allocate_slots(request.request_id, 0, request.block_hashes,
-                              num_computed_tokens=request.num_computed_tokens, owner=request.session_id)
+                              num_computed_tokens=request.num_computed_tokens)
 
     # ---- consume a step's result --------------------------------------------------------------------------
     def update(
@@ -324,13 +317,6 @@ class Scheduler:
         replay passes None). Returns (requests that emitted a token, requests that finished)."""
         if now_s is not None:
             self.now_s = now_s
-            duration = now_s - self._step_start_s
-            if duration > 0:
-                prev = self.recent_step_s
-                self.recent_step_s = duration if prev is None else prev + 0.05 * (duration - prev)
-                tokens = out.total_num_scheduled_tokens
-                prev = self.recent_step_tokens
-                self.recent_step_tokens = tokens if prev is None else prev + 0.05 * (tokens - prev)
         sampled = sampled or {}
         emitted: list[Request] = []
         finished: list[Request] = []
@@ -360,7 +346,6 @@ class Scheduler:
             if state is not None:
                 state.num_in_flight -= 1
                 state.num_finished += 1
-                state.last_active_s = self.now_s
 
     def _fail(self, request: Request, out: SchedulerOutput) -> None:
         """Drop the head waiting request: with nothing running and every cached block evictable, it still did

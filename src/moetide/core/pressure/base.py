@@ -16,15 +16,14 @@ An empty plan means "no way out": a waiting request keeps waiting; a running one
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from moetide.core.blocks import BlockPool
     from moetide.core.expert_line import ExpertLine
     from moetide.core.request import Request
-    from moetide.core.scheduler import SessionState
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +59,8 @@ class PressureView:
     pool: BlockPool
     protected_blocks: frozenset[int]
     now_s: float
-    sessions: Mapping[str, SessionState] = field(default_factory=dict)
     expert_line: ExpertLine | None = None
-    num_running: int = 0
     running: Sequence[Request] = ()
-    num_waiting: int = 0
-    recent_step_s: float | None = None  # measured (engine) or modeled (replay) mean step time, if known yet
-    recent_step_tokens: float | None = None  # mean tokens per step, likewise
 
 
 class PressurePolicy(Protocol):

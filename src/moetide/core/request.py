@@ -88,6 +88,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def computed_to(self, start: int, end: int) -> None:
+        """Tokens ``start..end`` were just computed (``start`` = ``num_computed_tokens`` before the step); what
+        lies below the high-water mark counts as recomputed."""
+        if start < self.max_computed_tokens:
+            self.num_recomputed_tokens += min(end, self.max_computed_tokens) - start
+        self.num_computed_tokens = end
+        if end > self.max_computed_tokens:
+            self.max_computed_tokens = end
+
     def append_output(self, token_id: int | None) -> None:
         """Record one sampled token (None in replay, where only counts exist) and extend the block hashes."""
         self.num_output_tokens += 1

@@ -52,6 +52,8 @@ def prefill_run(sched: Scheduler) -> PrefillRun | None:
     if chunk <= 0 or prefiller.num_computed_tokens + 1 >= prefiller.num_tokens:
         return None
     k = (remaining - 1) // chunk  # steps whose chunk is full and stops short of the prompt's end
+    if k < 2:  # the decoders can only lower k
+        return None
     block_size = sched.kv.block_size
     for request in decoders:
         if request.num_computed_tokens + 1 != request.num_tokens:
@@ -59,7 +61,7 @@ def prefill_run(sched: Scheduler) -> PrefillRun | None:
         room = sched.kv.num_held_blocks(request.request_id) * block_size - request.num_computed_tokens
         left = request.max_output_tokens - request.num_output_tokens - 1
         k = min(k, room, left)
-    return PrefillRun(prefiller, list(decoders), chunk, k) if k >= 2 else None
+    return PrefillRun(prefiller, decoders, chunk, k) if k >= 2 else None
 
 
 def step(sched: Scheduler, run: PrefillRun) -> bool:
@@ -75,13 +77,7 @@ def step(sched: Scheduler, run: PrefillRun) -> bool:
                             num_computed_tokens=request.num_computed_tokens)
     if new is None:  # cannot happen after the eviction above; fail loudly rather than diverge from schedule()
         raise RuntimeError(f"prefill run: allocation for {request.request_id!r} failed after eviction")
-    start = request.num_computed_tokens
-    end = start + run.chunk
-    if start < request.max_computed_tokens:
-        request.num_recomputed_tokens += min(end, request.max_computed_tokens) - start
-    request.num_computed_tokens = end
-    if end > request.max_computed_tokens:
-        request.max_computed_tokens = end
+    request.computed_to(request.num_computed_tokens, request.num_computed_tokens + run.chunk)
     return True
 
 

@@ -324,11 +324,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             end = start + n
-            if start < request.max_computed_tokens:
-                request.num_recomputed_tokens += min(end, request.max_computed_tokens) - start
-            request.num_computed_tokens = end
-            if end > request.max_computed_tokens:
-                request.max_computed_tokens = end
+            request.computed_to(start, end)
             if end == request.num_tokens:
                 request.append_output(sampled.get(request.request_id))
                 emitted.append(request)

@@ -38,8 +38,8 @@ class ExpertLine:
         self.residency = residency
         self.pool = pool
         self.block_bytes = block_bytes
-        self.expert_bytes = residency.config.expert_bytes
-        self.kv_bytes_per_expert = self.expert_bytes - staging_buffer_layers * self.expert_bytes // num_layers
+        expert_bytes = residency.config.expert_bytes
+        self.kv_bytes_per_expert = expert_bytes - staging_buffer_layers * expert_bytes // num_layers
         self.first_block_id = first_block_id
         self._converted_bytes = 0
         self._regions: list[tuple[tuple[ExpertKey, ...], range]] = []  # conversion order, for LIFO reclaim

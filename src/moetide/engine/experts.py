@@ -203,7 +203,6 @@ class ArenaExpertLine:
         self.num_reclaims = 0
         config = arena.config
         self.block_bytes = config.kv_block_bytes
-        self.expert_bytes = residency.config.expert_bytes
         self.kv_bytes_per_expert = config.pages_per_expert * config.page_bytes  # home pages, padding included
 
     def blocks_gained(self, num_experts: int) -> int:

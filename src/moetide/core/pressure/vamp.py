@@ -172,10 +172,12 @@ class VampPolicy:
         if not view.requester_is_running:  # a scheduler without the admission hook still gets it measured
             self.admitting(view.requester, view.protected_blocks, view.pool, view.now_s, line)
         need = view.shortfall_blocks
-        evict = list(self._evict_units(view))
-        evictable = sum(freed for freed, _ in evict)
         room = max(self._allowed - line.residency.num_offloaded, 0) if line is not None else 0
         region, gained = self._offload_region(view, need, room) if room else ([], 0)
+        if gained >= need:  # the line covers it: no victim to look at
+            return [OffloadExperts(tuple(region))]
+        evict = list(self._evict_units(view))
+        evictable = sum(freed for freed, _ in evict)
         if not gained and evictable < need:
             if view.requester_is_running:
                 # vLLM's way: the newest running request (possibly the requester) steps back, its blocks become
@@ -221,8 +223,7 @@ class VampPolicy:
         line = view.expert_line
         residency = line.residency
         room = min(residency.max_num_offloaded - residency.num_offloaded, max_experts)
-        kv_bytes = getattr(line, "kv_bytes_per_expert", line.expert_bytes)  # net of the staging buffer
-        wanted = -(-need * line.block_bytes // kv_bytes) + 1
+        wanted = self._experts_for(line, need) + 1
         region = residency.next_offload_region(max_experts=min(room, wanted))
         while region and line.blocks_gained(len(region) - 1) >= need:
             region.pop()  # the rounding's spare expert is not needed
@@ -240,7 +241,7 @@ class VampPolicy:
         """Re-prefill seconds per second that ``W`` more blocks of KV would have saved (ghost hits at depth < W)."""
         return self._next.rate(now_s) or 0.0
 
-    def _staging_s_per_s(self, line, now_s: float, start: int, end: int) -> float:
+    def _staging_s_per_s(self, now_s: float, start: int, end: int) -> float:
         """Exposed staging seconds per second that offloading ``end`` rather than ``start`` experts adds, at the
         recent busy share."""
         steps = self.params.steps
@@ -249,8 +250,8 @@ class VampPolicy:
         return max(delta, 0.0) * (1.0 if busy is None else min(busy, 1.0))
 
     def _experts_for(self, line, num_blocks: int) -> int:
-        kv_bytes = getattr(line, "kv_bytes_per_expert", line.expert_bytes)
-        return -(-num_blocks * line.block_bytes // kv_bytes)
+        """Experts whose KV bytes (net of the staging buffer) hold ``num_blocks`` blocks."""
+        return -(-num_blocks * line.block_bytes // line.kv_bytes_per_expert)
 
     def _review(self, line, now_s: float) -> None:
         """Once per ``horizon_s``, move the allowed line by at most one window (see the module docstring)."""
@@ -265,12 +266,12 @@ class VampPolicy:
         margin = self.params.margin
         grow = min(allowed + step, cap)
         remap_s_per_s = (grow - allowed) * self.params.remap_s_per_expert / self.params.horizon_s  # once a review
-        if allowed < cap and value > margin * (self._staging_s_per_s(line, now_s, allowed, grow) + remap_s_per_s):
-            self._allowed = min(allowed + step, cap)
+        if allowed < cap and value > margin * (self._staging_s_per_s(now_s, allowed, grow) + remap_s_per_s):
+            self._allowed = grow
         elif allowed > 0:
             back = min(step, allowed)
             kept = self._tail.rate(now_s) or 0.0  # what the last window saves (hits in the LRU tail)
-            if self._staging_s_per_s(line, now_s, allowed - back, allowed) > margin * kept * back / step:
+            if self._staging_s_per_s(now_s, allowed - back, allowed) > margin * kept * back / step:
                 self._allowed = allowed - back
 
     # ---- measurements -----------------------------------------------------------------------------------------

@@ -109,7 +109,8 @@ def build_replay(
                                                 routing_shares=_routing_shares(config, model),
                                                 host_link_shared_by=config.host_link_shared_by))
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers, mix_tau_s=config.vamp_horizon_s,
-                                    reference_step=_reference_decode(config, step_model))
+                                    reference_step=_reference_decode(config, step_model),
+                                    track_mix=config.policy.lower() in NEEDS_VAMP_PARAMS)
     policy = _policy(config, step_model, step_time)
     if getattr(policy, "offload_at_start", False):
         line.offload(line.residency.next_offload_region(max_experts=line.residency.max_num_offloaded))
@@ -125,13 +126,16 @@ class StepTimeWithStaging:
     It also keeps the recent step mix — steps grouped by the bit length of their token count, each group's
     weighted count, tokens and staging-free modeled time, weights decaying as e^(−age/``mix_tau_s``) over step
     time — so that ``vamp`` prices an offload with the very staging model charged here, over the steps that
-    actually run (``core.pressure.vamp.StepStats``). Before any step it prices a reference decode step."""
+    actually run (``core.pressure.vamp.StepStats``). Before any step it prices a reference decode step. Only a
+    policy that reads it needs the mix: ``track_mix=False`` skips it (the replay's other policies)."""
 
     NUM_GROUPS = 24  # token counts up to 2^23 per step
 
     def __init__(self, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine, num_layers: int, *,
-                 mix_tau_s: float = 300.0, reference_step: tuple[int, float] = (32, 0.014)) -> None:
+                 mix_tau_s: float = 300.0, reference_step: tuple[int, float] = (32, 0.014),
+                 track_mix: bool = True) -> None:
         self.step_model, self.staging, self.line, self.num_layers = step_model, staging, line, num_layers
+        self.track_mix = track_mix
         self.staged_bytes = 0.0
         self.busy = 0.0
         self.mix_tau_s = mix_tau_s
@@ -151,6 +155,8 @@ class StepTimeWithStaging:
             self.staged_bytes += staged
             duration += exposed
         self.busy += duration
+        if not self.track_mix:
+            return duration
         x = (self.busy - self._origin) / self.mix_tau_s
         if x > 600.0:
             self._rescale()

@@ -78,13 +78,7 @@ class PagedAttentionBackend:
             write_blocks += [table[p // bs] for p in range(computed, computed + n)]
             write_offsets += [p % bs for p in range(computed, computed + n)]
         write = torch.tensor([*self.storage.block_coords(write_blocks), write_offsets], device=self.storage.device)
-        decode = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
-        prefill = [[i] for i, n in enumerate(batch.num_new_tokens) if n > 1]
-        rows = ([decode] if decode else []) + prefill
-        direct = None
-        if len(rows) == 1:  # a pure decode step, or a single sequence: no query gather/scatter
-            direct = (len(decode), 1) if decode else (1, batch.num_tokens)
-        starts = None if direct else [s.start for s in batch.token_slices()]
+        rows, direct, starts = query_groups(batch)
         self._plan = _StepPlan((write[0], write[1], write[2]),
                                [self._group(batch, block_tables, starts, r) for r in rows], batch.num_tokens, direct)
 
@@ -108,10 +102,7 @@ class PagedAttentionBackend:
         else:
             query_pos = [[c + j for j in range(num_q)] for c in (batch.num_computed_tokens[i] for i in rows)]
             attend = ((key_pos <= torch.tensor(query_pos, device=device)[:, :, None]) & key_valid[:, None])[:, None]
-        token_index = None
-        if starts is not None:  # padding rows point at row T, a zero row
-            token_index = torch.tensor([[starts[i] + j if j < batch.num_new_tokens[i] else batch.num_tokens
-                                         for j in range(num_q)] for i in rows], device=device)
+        token_index = group_token_index(batch, starts, rows, num_q, device)
         return _Group(torch.where(key_valid, key_rows, key_rows[:, :1]).flatten(), num_keys, token_index, attend)
 
     def end_step(self) -> None:
@@ -130,16 +121,49 @@ class PagedAttentionBackend:
         if plan.direct is not None:
             out = self._attend_group(q.view(*plan.direct, *q.shape[1:]), k_rows, v_rows, plan.groups[0], scale)
             return out.reshape(q.shape)
-        q_rows = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row T: the zero query padding rows read
-        out = q.new_empty(plan.num_tokens + 1, *q.shape[1:])
-        for group in plan.groups:
-            out[group.token_index] = self._attend_group(q_rows[group.token_index], k_rows, v_rows, group, scale)
-        return out[: plan.num_tokens]
+        q_rows = pad_queries(q)
+        results = [self._attend_group(q_rows[g.token_index], k_rows, v_rows, g, scale) for g in plan.groups]
+        return scatter_groups(q, plan.num_tokens, [g.token_index for g in plan.groups], results)
 
     @staticmethod
     def _attend_group(q: Tensor, k_rows: Tensor, v_rows: Tensor, group: _Group, scale: float) -> Tensor:
         keys, values = gather_kv(k_rows, v_rows, group.key_rows, q.shape[0], group.num_keys)
         return attend_gathered(q, keys, values, group.attend, scale)
+
+
+def query_groups(batch: StepBatch) -> tuple[list[list[int]], tuple[int, int] | None, list[int] | None]:
+    """The step's attention groups — all one-token sequences together, then each prefill chunk alone — as
+    sequence indices; ``direct`` ([b, Q] of the one group) when one group is the whole step (no query
+    gather/scatter); else ``starts``, each sequence's first token in the step."""
+    decode = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
+    rows = ([decode] if decode else []) + [[i] for i, n in enumerate(batch.num_new_tokens) if n > 1]
+    direct = None
+    if len(rows) == 1:
+        direct = (len(decode), 1) if decode else (1, batch.num_tokens)
+    return rows, direct, None if direct else [s.start for s in batch.token_slices()]
+
+
+def group_token_index(batch: StepBatch, starts: list[int] | None, rows: list[int], num_q: int,
+                      device: torch.device) -> Tensor | None:
+    """[b, Q] step-token index of each query row of the group (padding rows point at row T, a zero row), or None
+    when the group is the whole step."""
+    if starts is None:
+        return None
+    return torch.tensor([[starts[i] + j if j < batch.num_new_tokens[i] else batch.num_tokens for j in range(num_q)]
+                         for i in rows], device=device)
+
+
+def pad_queries(q: Tensor) -> Tensor:
+    """q [T, Hq, D] with a zero row T appended: what a group's padding query rows read."""
+    return torch.cat([q, q.new_zeros(1, *q.shape[1:])])
+
+
+def scatter_groups(q: Tensor, num_tokens: int, token_indexes: list[Tensor], results: list[Tensor]) -> Tensor:
+    """The groups' outputs [b, Q, Hq, D] back in step-token order, [T, Hq, D]."""
+    out = q.new_empty(num_tokens + 1, *q.shape[1:])
+    for token_index, result in zip(token_indexes, results):
+        out[token_index] = result
+    return out[:num_tokens]
 
 
 def gather_kv(k_rows: Tensor, v_rows: Tensor, key_rows: Tensor, b: int, num_keys: int) -> tuple[Tensor, Tensor]:

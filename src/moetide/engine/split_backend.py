@@ -43,7 +43,14 @@ import torch
 from torch import Tensor
 
 from moetide.core.splits import SeqResidency, StepSplit
-from moetide.engine.attention import attend_gathered, gather_kv
+from moetide.engine.attention import (
+    attend_gathered,
+    gather_kv,
+    group_token_index,
+    pad_queries,
+    query_groups,
+    scatter_groups,
+)
 from moetide.engine.host_kv import HostKVStorage, StagingRing
 from moetide.engine.models import StepBatch
 from moetide.engine.split_attention import lse_attention, merge_partials
@@ -116,12 +123,7 @@ class SplitAttentionBackend:
         writes = self._writes(batch, block_tables)
         num_cpu = self._split_step(batch, used, contexts)
         regions = [self._regions(blocks, c) for blocks, c in zip(used, num_cpu)]
-        decode = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
-        rows = ([decode] if decode else []) + [[i] for i, n in enumerate(batch.num_new_tokens) if n > 1]
-        direct = None
-        if len(rows) == 1:
-            direct = (len(decode), 1) if decode else (1, batch.num_tokens)
-        starts = None if direct else [s.start for s in batch.token_slices()]
+        rows, direct, starts = query_groups(batch)
         groups = [self._group(batch, contexts, regions, starts, r) for r in rows]
         self._plan = _StepPlan(*writes, groups, batch.num_tokens, direct, any(g.cpu is not None for g in groups))
         self._step_cpu_s = 0.0
@@ -210,10 +212,7 @@ class SplitAttentionBackend:
                 ("stream", self.host.row_step, CPU, self.device)):
             parts[region] = self._part([regions[i][region] for i in rows], ctx, query_pos, row_step, rows_device,
                                        mask_device)
-        token_index = None
-        if starts is not None:
-            token_index = torch.tensor([[starts[i] + j if j < batch.num_new_tokens[i] else batch.num_tokens
-                                         for j in range(num_q)] for i in rows], device=self.device)
+        token_index = group_token_index(batch, starts, rows, num_q, self.device)
         return _Group(token_index, (len(rows), num_q), parts["device"], parts["cpu"], parts["stream"])
 
     def _part(self, lists: list[tuple[list[int], list[int]]], ctx: Tensor, query_pos: Tensor | None,
@@ -268,7 +267,7 @@ class SplitAttentionBackend:
         if plan.direct is not None:
             queries = [q.view(*plan.direct, *q.shape[1:])]
         else:
-            q_rows = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row T: the zero query padding rows read
+            q_rows = pad_queries(q)
             queries = [q_rows[g.token_index] for g in plan.groups]
         future = self._submit_cpu(a, plan, queries, scale) if plan.has_cpu else None
         outs: list[Tensor | list] = []
@@ -283,10 +282,7 @@ class SplitAttentionBackend:
         results = [o if isinstance(o, Tensor) else self._merge(o, qg) for o, qg in zip(outs, queries)]
         if plan.direct is not None:
             return results[0].reshape(q.shape)
-        out = q.new_empty(plan.num_tokens + 1, *q.shape[1:])
-        for group, result in zip(plan.groups, results):
-            out[group.token_index] = result
-        return out[: plan.num_tokens]
+        return scatter_groups(q, plan.num_tokens, [g.token_index for g in plan.groups], results)
 
     def _write(self, a: int, k: Tensor, v: Tensor, plan: _StepPlan) -> None:
         """Every token's K/V into its block, device or host, before any attention (module docstring)."""

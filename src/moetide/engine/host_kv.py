@@ -30,7 +30,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from moetide.engine.storage import KVLayout, dtype_bytes
+from moetide.engine.storage import KVLayout, dtype_bytes, layer_kv_rows, layer_kv_views
 
 
 class HostKVStorage:
@@ -45,23 +45,11 @@ class HostKVStorage:
         self.data = torch.zeros(num_blocks * self.block_bytes, dtype=torch.uint8, pin_memory=pin)
         self.block_bytes_view = self.data.view(num_blocks, self.block_bytes)  # [num_blocks, kv_block_bytes]
         elt = dtype_bytes(layout.dtype)
-        self._width = layout.num_kv_heads * layout.head_dim  # elements of one token slot of one K (or V)
-        self._block_rows = self.block_bytes // elt // self._width  # rows of ``kv_rows`` per block
-        tile = layout.block_size * self._width
+        width = layout.num_kv_heads * layout.head_dim  # elements of one token slot of one K (or V): one row
+        self._block_rows = self.block_bytes // elt // width  # rows of ``kv_rows`` per block
         typed = self.data.view(layout.dtype)
-        self._views: list[tuple[Tensor, Tensor]] = []
-        self._rows: list[tuple[Tensor, Tensor]] = []
-        size = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        stride = (self.block_bytes // elt, self._width, layout.head_dim, 1)
-        for a in range(len(layout.attn_layer_ids)):
-            views, rows = [], []
-            for offset in (2 * a * tile, (2 * a + 1) * tile):
-                views.append(typed.as_strided(size, stride, storage_offset=offset))
-                num_rows = max(0, (typed.numel() - offset) // self._width)
-                rows.append(typed.as_strided((num_rows, layout.num_kv_heads, layout.head_dim),
-                                             (self._width, layout.head_dim, 1), storage_offset=offset))
-            self._views.append((views[0], views[1]))
-            self._rows.append((rows[0], rows[1]))
+        self._views = layer_kv_views(typed, layout, (num_blocks,), (self.block_bytes // elt,))
+        self._rows = layer_kv_rows(typed, layout, width)
 
     # ---- ids ----------------------------------------------------------------------------------------------
     @property

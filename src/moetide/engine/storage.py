@@ -151,35 +151,16 @@ class ArenaStorage:
     def _build_kv_views(self, cfg: ArenaConfig, kv: KVLayout) -> list[tuple[Tensor, Tensor]]:
         """Per full-attention layer a, (K, V) views [G, bpg, block_size, Hkv, D] over every block position."""
         elt = dtype_bytes(kv.dtype)
-        typed = self.data.view(kv.dtype)
-        tile = kv.block_size * kv.num_kv_heads * kv.head_dim  # elements of one layer's K (or V) in one block
-        size = (cfg.num_groups, cfg.blocks_per_group, kv.block_size, kv.num_kv_heads, kv.head_dim)
-        stride = (cfg.pages_per_block * cfg.page_bytes // elt, cfg.kv_block_bytes // elt,
-                  kv.num_kv_heads * kv.head_dim, kv.head_dim, 1)
-        views = []
-        for a in range(len(kv.attn_layer_ids)):
-            k = typed.as_strided(size, stride, storage_offset=2 * a * tile)
-            v = typed.as_strided(size, stride, storage_offset=(2 * a + 1) * tile)
-            views.append((k, v))
-        return views
+        return layer_kv_views(self.data.view(kv.dtype), kv, (cfg.num_groups, cfg.blocks_per_group),
+                              (cfg.pages_per_block * cfg.page_bytes // elt, cfg.kv_block_bytes // elt))
 
     def _build_kv_rows(self, cfg: ArenaConfig, kv: KVLayout) -> tuple[int, list[tuple[Tensor, Tensor]]]:
-        """Per full-attention layer a, (K, V) as read views [rows, Hkv, D]: row r starts r·u elements after the
-        layer's first tile, u = gcd(group stride, block stride, Hkv·D), so every token slot of every block starts
-        on a row. Rows overlap when u < Hkv·D: read only (attention gathers keys with one ``index_select``)."""
+        """Per full-attention layer a, (K, V) as read views [rows, Hkv, D] with u = gcd(group stride, block
+        stride, Hkv·D), so every token slot of every block starts on a row (``layer_kv_rows``)."""
         elt = dtype_bytes(kv.dtype)
-        typed = self.data.view(kv.dtype)
-        width, tile = kv.num_kv_heads * kv.head_dim, kv.block_size * kv.num_kv_heads * kv.head_dim
-        unit = math.gcd(cfg.pages_per_block * cfg.page_bytes // elt, cfg.kv_block_bytes // elt, width)
-        views = []
-        for a in range(len(kv.attn_layer_ids)):
-            pair = []
-            for offset in (2 * a * tile, (2 * a + 1) * tile):
-                rows = (typed.numel() - offset - width) // unit + 1
-                pair.append(typed.as_strided((rows, kv.num_kv_heads, kv.head_dim), (unit, kv.head_dim, 1),
-                                             storage_offset=offset))
-            views.append((pair[0], pair[1]))
-        return unit, views
+        unit = math.gcd(cfg.pages_per_block * cfg.page_bytes // elt, cfg.kv_block_bytes // elt,
+                        kv.num_kv_heads * kv.head_dim)
+        return unit, layer_kv_rows(self.data.view(kv.dtype), kv, unit)
 
     def _build_stacked_experts(self, cfg: ArenaConfig, experts: ExpertLayout, m: int) -> tuple[Tensor, Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) of MoE layer m over every expert's home pages (expert e's pages
@@ -247,6 +228,34 @@ class ArenaStorage:
     def store_expert(self, moe_index: int, expert_id: int, packed: Tensor) -> None:
         """Write a packed expert ([numel], any device) into its home pages."""
         self.expert_flat(moe_index, expert_id).copy_(packed)
+
+
+def layer_kv_views(typed: Tensor, kv: KVLayout, lead_size: tuple[int, ...],
+                   lead_stride: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
+    """Per full-attention layer a, (K, V) views [*lead_size, block_size, Hkv, D] of ``typed`` (the storage in the KV
+    dtype), one block per position of the leading dims (``lead_stride`` elements apart), in the per-block layout
+    ``[layer a][k | v][slot][kv head][head dim]``."""
+    tile = kv.block_size * kv.num_kv_heads * kv.head_dim  # elements of one layer's K (or V) in one block
+    size = (*lead_size, kv.block_size, kv.num_kv_heads, kv.head_dim)
+    stride = (*lead_stride, kv.num_kv_heads * kv.head_dim, kv.head_dim, 1)
+    return [(typed.as_strided(size, stride, storage_offset=2 * a * tile),
+             typed.as_strided(size, stride, storage_offset=(2 * a + 1) * tile)) for a in range(len(kv.attn_layer_ids))]
+
+
+def layer_kv_rows(typed: Tensor, kv: KVLayout, unit: int) -> list[tuple[Tensor, Tensor]]:
+    """Per full-attention layer a, (K, V) as read views [rows, Hkv, D] of ``typed``: row r starts r·``unit``
+    elements after the layer's first tile. Rows overlap when ``unit`` < Hkv·D: read only (attention gathers keys
+    with one ``index_select``)."""
+    width, tile = kv.num_kv_heads * kv.head_dim, kv.block_size * kv.num_kv_heads * kv.head_dim
+    views = []
+    for a in range(len(kv.attn_layer_ids)):
+        pair = []
+        for offset in (2 * a * tile, (2 * a + 1) * tile):
+            rows = max(0, (typed.numel() - offset - width) // unit + 1)
+            pair.append(typed.as_strided((rows, kv.num_kv_heads, kv.head_dim), (unit, kv.head_dim, 1),
+                                         storage_offset=offset))
+        views.append((pair[0], pair[1]))
+    return views
 
 
 def pack_experts(model: MoECausalLM, layout: ExpertLayout, pin: bool) -> Tensor:

@@ -398,6 +398,15 @@ class StepSplit:
     def cpu_share(self) -> float:
         return self.cpu_bytes / self.host_bytes if self.host_bytes else 0.0
 
+    @classmethod
+    def of(cls, costs: SplitCosts, seqs: Sequence[SeqResidency], splits: tuple[SeqSplit, ...], block_bytes: float,
+           factor: float = 1.0) -> StepSplit:
+        """A step's split with its bytes and modeled times (the CPU side scaled by ``factor`` in the total)."""
+        cpu_bytes = sum(s.num_cpu_blocks for s in splits) * block_bytes
+        n_c = sum(1 for s in splits if s.num_cpu_blocks)
+        return cls(splits, cpu_bytes, sum(s.num_host_blocks for s in seqs) * block_bytes,
+                   cpu_side_s(costs, cpu_bytes, n_c), phase_time_s(costs, splits, block_bytes, factor))
+
 
 class SplitPlanner:
     """Writescope each step, with the CPU side scaled by the online correction; ``observe`` closes the loop."""
@@ -407,11 +416,7 @@ class SplitPlanner:
 
     def plan(self, costs: SplitCosts, seqs: Sequence[SeqResidency], block_bytes: float) -> StepSplit:
         factor = self.correction.factor
-        splits = WriteScope().split(costs, seqs, block_bytes, factor)
-        cpu_bytes = sum(s.num_cpu_blocks for s in splits) * block_bytes
-        n_c = sum(1 for s in splits if s.num_cpu_blocks)
-        return StepSplit(splits, cpu_bytes, sum(s.num_host_blocks for s in seqs) * block_bytes,
-                         cpu_side_s(costs, cpu_bytes, n_c), phase_time_s(costs, splits, block_bytes, factor))
+        return StepSplit.of(costs, seqs, WriteScope().split(costs, seqs, block_bytes, factor), block_bytes, factor)
 
     def observe(self, plan: StepSplit, measured_cpu_s: float) -> float:
         return self.correction.observe(measured_cpu_s, plan.predicted_cpu_s)

@@ -32,8 +32,6 @@ from moetide.core.splits import (
     SplitPlanner,
     SplitPolicy,
     StepSplit,
-    cpu_side_s,
-    phase_time_s,
 )
 from moetide.errors import UserError
 
@@ -104,21 +102,18 @@ class SplitStepper:
             raise UserError(f"the fixed-ratio CPU share must be in [0, 1], got {fixed_ratio!r}")
         self.costs, self.block_bytes = costs, block_bytes
         self.name = policy if isinstance(policy, str) else policy.name
-        self.planner = SplitPlanner() if policy == "writescope" else None
+        self.planner = SplitPlanner() if policy == "writescope" else None  # writescope: with the online correction
+        self.policy: SplitPolicy | None = None
         if isinstance(policy, SplitPolicy):
             self.policy = policy
-        else:
+        elif self.planner is None:
             self.policy = FixedRatio(fixed_ratio) if policy == "fixed-ratio" else SPLIT_POLICIES[policy]()
 
     def plan(self, seqs: Sequence[SeqResidency], device_tokens: int, num_queries: int) -> StepSplit:
         costs = self.costs(device_tokens, num_queries)
         if self.planner is not None:
             return self.planner.plan(costs, seqs, self.block_bytes)
-        splits = self.policy.split(costs, seqs, self.block_bytes)
-        cpu_bytes = sum(s.num_cpu_blocks for s in splits) * self.block_bytes
-        num_cpu_seqs = sum(1 for s in splits if s.num_cpu_blocks)
-        return StepSplit(splits, cpu_bytes, sum(s.num_host_blocks for s in seqs) * self.block_bytes,
-                         cpu_side_s(costs, cpu_bytes, num_cpu_seqs), phase_time_s(costs, splits, self.block_bytes))
+        return StepSplit.of(costs, seqs, self.policy.split(costs, seqs, self.block_bytes), self.block_bytes)
 
     def observe(self, plan: StepSplit, measured_cpu_s: float) -> float:
         """Feed a step's measured CPU time back (writescope only); returns the correction factor."""

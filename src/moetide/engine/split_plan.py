@@ -41,13 +41,12 @@ DEFAULT_SPLIT_HOST = "ddr4-3200-8ch"  # plan-split's default host
 
 
 class PerfSplitCosts:
-    """``SplitCosts`` from ``perf.offload.OffloadStepModel.coefficients`` (module docstring)."""
+    """``SplitCosts`` from ``perf.offload.split_coefficients`` (module docstring)."""
 
     def __init__(self, model_dir: Path, *, gpu: str, host: str, kv_dtype_bytes: int, block_size: int) -> None:
         from moetide.perf.attention import AttentionCostModel, HostKVLayout
         from moetide.perf.calibrate import offload_efficiency_for_host
-        from moetide.perf.offload import OffloadStepModel, VramLayout
-        from moetide.perf.step import StepTimeModel
+        from moetide.perf.offload import split_coefficients
         from moetide.specs import get_gpu, get_host, get_model
 
         model = get_model(str(model_dir / "config.json"))
@@ -58,15 +57,11 @@ class PerfSplitCosts:
                                            offload=offload_efficiency_for_host(host))
         except ValueError as exc:
             raise UserError(f"split costs for {model_dir}: {exc}") from None
-        # The coefficients read only the attention model; the VRAM layout is the constructor's, unused by them.
-        layout = VramLayout(vram_bytes=gpu_spec.hbm_bytes, non_expert_bytes=0, activation_reserve_bytes=0,
-                            ring_bytes=attention.layout.ring_bytes, device_kv_bytes=0, expert_bytes=1,
-                            num_experts_total=1, num_experts_resident=1)
         self.attention = attention
-        self._model = OffloadStepModel(attention, StepTimeModel(model, gpu_spec), layout)
+        self._coefficients = split_coefficients
 
     def __call__(self, device_tokens: int, num_queries: int) -> SplitCosts:
-        return SplitCosts(**dataclasses.asdict(self._model.coefficients(device_tokens, num_queries)))
+        return SplitCosts(**dataclasses.asdict(self._coefficients(self.attention, device_tokens, num_queries)))
 
 
 @dataclass

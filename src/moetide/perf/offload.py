@@ -150,26 +150,14 @@ class OffloadStepModel:
         return bd["total_s"] - bd["attention_s"] + self.expert_offload_s(shape.num_tokens)
 
     def _gpu_fixed_s(self, device_tokens: float, num_queries: int) -> float:
-        a = self.attention
-        return (a.device_attention_s(device_tokens * a.kv_bytes_per_token, num_queries)
-                + a.num_layers * a.offload.kernel_launch_s)
+        return gpu_fixed_s(self.attention, device_tokens, num_queries)
 
     def _fill_s(self, layer_bytes: float, num_queries: int) -> float:
-        a = self.attention
-        slot = min(layer_bytes, a.layout.slot_bytes) * a.num_layers
-        return a.device_attention_s(slot, num_queries) + a.num_layers * a.offload.kernel_launch_s
+        return fill_s(self.attention, layer_bytes, num_queries)
 
     def coefficients(self, device_tokens: int, num_queries: int = 1) -> SplitCoefficients:
         """Linear attention-phase coefficients for a step whose device-resident tokens total ``device_tokens``."""
-        a, o, L = self.attention, self.attention.offload, self.attention.num_layers
-        link = a.link_s_per_byte() + o.transfer_latency_s / a.transfer_unit_bytes
-        device = a.device_s_per_byte(num_queries) + o.kernel_launch_s / a.layout.slot_bytes
-        return SplitCoefficients(
-            cpu_s_per_byte=a.cpu_s_per_byte(num_queries), cpu_fixed_s=a.cpu_step_overhead_s(),
-            cpu_per_seq_s=a.cpu_seq_overhead_s(num_queries), stream_s_per_byte=max(link, device),
-            stream_fixed_s=self._fill_s(a.layout.slot_bytes, num_queries), stream_per_seq_s=L * o.transfer_latency_s,
-            gpu_fixed_s=self._gpu_fixed_s(device_tokens, num_queries),
-            merge_per_seq_s=L * a.partial_output_bytes(num_queries) * a.link_s_per_byte())
+        return split_coefficients(self.attention, device_tokens, num_queries)
 
     def attention_phase(self, seqs: Sequence[SeqTokens], num_queries: int = 1,
                         cpu_slowdown: float = 1.0) -> PhaseTime:
@@ -197,3 +185,29 @@ class OffloadStepModel:
     def step_s(self, shape: StepShape, seqs: Sequence[SeqTokens], cpu_slowdown: float = 1.0) -> float:
         num_queries = max(1, shape.num_tokens // max(1, shape.num_seqs))
         return self.non_attention_s(shape) + self.attention_phase(seqs, num_queries, cpu_slowdown).total_s
+
+
+def gpu_fixed_s(a: AttentionCostModel, device_tokens: float, num_queries: int) -> float:
+    """The device's attention over its own KV plus one launch per layer."""
+    return (a.device_attention_s(device_tokens * a.kv_bytes_per_token, num_queries)
+            + a.num_layers * a.offload.kernel_launch_s)
+
+
+def fill_s(a: AttentionCostModel, layer_bytes: float, num_queries: int) -> float:
+    """Filling the pipeline: the first staging slot's attention on every layer, plus its launches."""
+    slot = min(layer_bytes, a.layout.slot_bytes) * a.num_layers
+    return a.device_attention_s(slot, num_queries) + a.num_layers * a.offload.kernel_launch_s
+
+
+def split_coefficients(a: AttentionCostModel, device_tokens: int, num_queries: int = 1) -> SplitCoefficients:
+    """Linear attention-phase coefficients for a step whose device-resident tokens total ``device_tokens`` (they
+    read only the attention model)."""
+    o, L = a.offload, a.num_layers
+    link = a.link_s_per_byte() + o.transfer_latency_s / a.transfer_unit_bytes
+    device = a.device_s_per_byte(num_queries) + o.kernel_launch_s / a.layout.slot_bytes
+    return SplitCoefficients(
+        cpu_s_per_byte=a.cpu_s_per_byte(num_queries), cpu_fixed_s=a.cpu_step_overhead_s(),
+        cpu_per_seq_s=a.cpu_seq_overhead_s(num_queries), stream_s_per_byte=max(link, device),
+        stream_fixed_s=fill_s(a, a.layout.slot_bytes, num_queries), stream_per_seq_s=L * o.transfer_latency_s,
+        gpu_fixed_s=gpu_fixed_s(a, device_tokens, num_queries),
+        merge_per_seq_s=L * a.partial_output_bytes(num_queries) * a.link_s_per_byte())

@@ -59,6 +59,25 @@ def hf_model(tiny_checkpoint):
     return get
 
 
+@pytest.fixture(scope="session")
+def hf_reference(hf_model):
+    """``hf_reference(arch)``: transformers' greedy continuations of the engine parity prompts, computed once per
+    session (``engine_parity``)."""
+    from engine_parity import MAX_TOKENS, greedy_reference, parity_prompts
+
+    return greedy_reference(hf_model, parity_prompts(), MAX_TOKENS)
+
+
+@pytest.fixture
+def mixtral_engine(tiny_checkpoint):
+    """A fresh engine on the tiny Mixtral: 4 KV pages of 8 KiB, blocks of 4, half the experts may be offloaded."""
+    from engine_parity import BLOCK_SIZE, PAGE_BYTES
+    from moetide.engine.runner import Engine
+
+    return Engine(tiny_checkpoint("mixtral"), kv_budget_bytes=4 * PAGE_BYTES, page_bytes=PAGE_BYTES,
+                  block_size=BLOCK_SIZE, max_offload_ratio=0.5, ignore_eos=True)
+
+
 @pytest.fixture
 def copy_checkpoint(tiny_checkpoint, tmp_path):
     """``copy_checkpoint(arch) -> Path``: a private copy of the tiny checkpoint, free to damage."""

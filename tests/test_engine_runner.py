@@ -19,14 +19,15 @@ from moetide.core.pressure.vllm import VllmPolicy  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.errors import UserError  # noqa: E402
 from moetide.engine.testmodel import ARCHS as ENGINE_ARCHS  # noqa: E402
-from engine_parity import MAX_TOKENS, hf_reference, parity_prompts  # noqa: E402,F401
-
-PAGE_BYTES = 8192  # tiny experts are 24 KiB: 3 pages each, so the KV budget moves in small steps
-BLOCK_SIZE = 4
-TIGHT = dict(page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE, max_num_batched_tokens=64, ignore_eos=True)
-# KV pages (of 8 KiB) that make every mechanism fire for N=64 while the largest request still fits alone
-STATIC_PAGES = {"qwen3_moe": 10, "mixtral": 6, "qwen3_next": 4}
-POLICY_PAGES = {"qwen3_moe": 16, "mixtral": 8, "qwen3_next": 6}
+from engine_parity import (  # noqa: E402
+    MAX_TOKENS,
+    PAGE_BYTES,
+    POLICY_PAGES,
+    STATIC_PAGES,
+    TIGHT,
+    check_books,
+    parity_prompts,
+)
 
 
 class OffloadOnPressure:
@@ -46,15 +47,6 @@ class OffloadOnPressure:
                 self.num_offload_actions += 1
                 return [OffloadExperts(tuple(region))]
         return self.fallback.relieve(view)
-
-
-def check_books(engine: Engine) -> None:
-    kv = engine.scheduler.kv
-    kv.check_invariants()
-    engine.storage.arena.check_invariants()
-    engine.residency.check_invariants()
-    assert kv.pool.num_used_blocks == 0, "a finished generate must release every block"
-    assert sorted(kv.pool.block_ids()) == engine.storage.arena.kv_block_ids()
 
 
 def assert_complete(result) -> None:

@@ -19,19 +19,18 @@ from moetide.core.blocks import BlockPool  # noqa: E402
 from moetide.core.splits import BASELINES, SPLIT_POLICIES, SeqSplit, SplitCosts, SplitPolicy  # noqa: E402
 from moetide.engine.attention import PagedAttentionBackend  # noqa: E402
 from moetide.engine.models import StepBatch  # noqa: E402
+from moetide.engine.loader import load_model  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.engine.split_attention import cpu_partial_attention, partial_attention  # noqa: E402
 from moetide.engine.split_backend import SplitAttentionBackend  # noqa: E402
 from moetide.engine.split_plan import SplitStepper  # noqa: E402
+from moetide.engine.storage import KVLayout  # noqa: E402
 from moetide.engine.testmodel import ARCHS as ENGINE_ARCHS  # noqa: E402
 from moetide.errors import UserError  # noqa: E402
-from engine_parity import MAX_TOKENS, hf_reference, parity_prompts  # noqa: E402,F401
+from engine_parity import BLOCK_SIZE, MAX_TOKENS, PAGE_BYTES, TIGHT, check_books, parity_prompts  # noqa: E402
 
-PAGE_BYTES = 8192
-BLOCK_SIZE = 4
 DEVICE_PAGES = 3  # a few device blocks: every sequence but the first few spills to host
-SPILL = dict(kv_budget_bytes=DEVICE_PAGES * PAGE_BYTES, kv_host_mib=1, page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE,
-             max_num_batched_tokens=64, ignore_eos=True)
+SPILL = dict(TIGHT, kv_budget_bytes=DEVICE_PAGES * PAGE_BYTES, kv_host_mib=1)
 
 
 def balanced_costs(device_tokens: int, num_queries: int) -> SplitCosts:
@@ -39,15 +38,6 @@ def balanced_costs(device_tokens: int, num_queries: int) -> SplitCosts:
     correction moves it, but within its [0.25, 4] bound, never to an end)."""
     return SplitCosts(cpu_s_per_byte=1e-9, cpu_fixed_s=0.0, cpu_per_seq_s=0.0, stream_s_per_byte=1e-9,
                       stream_fixed_s=0.0, stream_per_seq_s=0.0, gpu_fixed_s=0.0, merge_per_seq_s=0.0)
-
-
-def check_books(engine: Engine) -> None:
-    kv, arena, host = engine.scheduler.kv, engine.storage.arena, engine.host_kv
-    kv.check_invariants()
-    arena.check_invariants()
-    assert kv.pool.num_used_blocks == 0, "a finished generate must release every block"
-    assert sorted(kv.pool.block_ids()) == arena.kv_block_ids() + list(host.block_ids)
-    assert kv.pool.preferred_below == host.first_block_id == arena.config.num_block_ids
 
 
 # ---- the pool: device first ----------------------------------------------------------------------------------
@@ -203,10 +193,9 @@ def test_everything_on_the_host_with_perf_costs_matches_transformers(arch, tiny_
     """A device KV budget of 0: every block — and Qwen3-Next's linear state blocks — is a host block; the split
     comes from perf's costs (the default path), and preemption happens on top (a small host budget)."""
     checkpoint = tiny_checkpoint(arch)
-    probe = Engine(checkpoint, kv_budget_bytes=0, kv_host_mib=1, page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE)
-    host_bytes = 60 * probe.storage.kv_layout.block_bytes + (68 * 1024 if arch == "qwen3_next" else 0)
-    engine = Engine(checkpoint, kv_budget_bytes=0, kv_host_mib=host_bytes / 2**20, page_bytes=PAGE_BYTES,
-                    block_size=BLOCK_SIZE, max_num_batched_tokens=64, ignore_eos=True)
+    block_bytes = KVLayout.of(load_model(checkpoint), BLOCK_SIZE).block_bytes
+    host_bytes = 60 * block_bytes + (68 * 1024 if arch == "qwen3_next" else 0)
+    engine = Engine(checkpoint, kv_budget_bytes=0, kv_host_mib=host_bytes / 2**20, **TIGHT)
     assert engine.storage.arena.num_kv_blocks == 0
     result = engine.generate(parity_prompts(), MAX_TOKENS)
     assert [o.token_ids for o in result.outputs] == hf_reference(arch)

@@ -18,9 +18,7 @@ from moetide.engine.models import ExpertWeights, StepBatch, causal_attention  # 
 from moetide.engine.models.common import RopeCache, rope_tables  # noqa: E402
 from moetide.engine.models.moe import grouped_experts, looped_experts, single_token_experts  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
-
-PAGE_BYTES = 8192
-BLOCK_SIZE = 4
+from engine_parity import BLOCK_SIZE, PAGE_BYTES  # noqa: E402
 
 
 class StackedExperts:
@@ -60,9 +58,8 @@ def test_grouped_and_single_token_experts_give_the_loops_bits(num_tokens, torch_
         assert torch.equal(single_token_experts(x, weights, expert_ids, gate_up, down), looped)
 
 
-def test_stacked_views_are_withheld_while_a_routed_expert_is_staged(tiny_checkpoint):
-    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_bytes=4 * PAGE_BYTES, page_bytes=PAGE_BYTES,
-                    block_size=BLOCK_SIZE, max_offload_ratio=0.5, ignore_eos=True)
+def test_stacked_views_are_withheld_while_a_routed_expert_is_staged(mixtral_engine):
+    engine = mixtral_engine
     provider, storage = engine.parts.experts, engine.storage
     gate_up, down = provider.stacked_weights(0)
     for e in range(gate_up.shape[0]):

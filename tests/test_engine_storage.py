@@ -17,15 +17,7 @@ from moetide.engine.models import StepBatch, causal_attention  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.engine.state import StateLayout  # noqa: E402
 from moetide.engine.storage import ExpertLayout, default_page_bytes, pack_experts  # noqa: E402
-
-PAGE_BYTES = 8192
-BLOCK_SIZE = 4
-
-
-@pytest.fixture
-def mixtral_engine(tiny_checkpoint):
-    return Engine(tiny_checkpoint("mixtral"), kv_budget_bytes=4 * PAGE_BYTES, page_bytes=PAGE_BYTES,
-                  block_size=BLOCK_SIZE, max_offload_ratio=0.5, ignore_eos=True)
+from engine_parity import BLOCK_SIZE, PAGE_BYTES  # noqa: E402
 
 
 def rand(generator, *shape):

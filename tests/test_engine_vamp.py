@@ -17,8 +17,7 @@ pytest.importorskip("transformers")
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.engine.vamp import EngineStepStats  # noqa: E402
 from moetide.errors import UserError  # noqa: E402
-from engine_parity import MAX_TOKENS, hf_reference, parity_prompts  # noqa: E402,F401
-from test_engine_runner import PAGE_BYTES, POLICY_PAGES, TIGHT, check_books  # noqa: E402
+from engine_parity import MAX_TOKENS, PAGE_BYTES, POLICY_PAGES, TIGHT, check_books, parity_prompts  # noqa: E402
 
 
 class StepClock:

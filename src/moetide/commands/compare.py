@@ -38,13 +38,18 @@ COLUMNS = ["policy", "TTFT p50 ms", "TTFT p90 ms", "TPOT ms", "req/s", "req/busy
            "offload max", "offload mean", "staged GiB", "done/failed"]
 
 
-def add_derived_metrics(result: dict, collector) -> None:
-    """Add ``offloaded_ratio_mean`` (over the sampled steps, which are evenly spaced in step count) and
-    ``requests_per_busy_s``."""
+def replay_with_metrics(workload, config, label: str) -> tuple[dict, object]:
+    """One replay under a progress bar, as ``run_replay`` returns it, its metrics with
+    ``offloaded_ratio_mean`` (over the sampled steps, which are evenly spaced in step count) and
+    ``requests_per_busy_s`` added."""
+    progress = ProgressBar(label)
+    result, collector = run_replay(workload, config, progress)
+    progress.close()
     m = result["metrics"]
     samples = collector.offload_usage
     m["offloaded_ratio_mean"] = sum(r for _, r in samples) / len(samples) if samples else 0.0
     m["requests_per_busy_s"] = m["completed"] / m["busy_s"] if m["busy_s"] else 0.0
+    return result, collector
 
 
 def comparison_rows(runs: dict[str, dict]) -> list[list[str]]:
@@ -52,9 +57,9 @@ def comparison_rows(runs: dict[str, dict]) -> list[list[str]]:
     for policy, result in runs.items():
         m = result["metrics"]
         rows.append([policy, _ms(m["ttft_s"]["p50"]), _ms(m["ttft_s"]["p90"]), _ms(m["tpot_s"]["mean"]),
-                     f"{m['request_throughput_per_s']:.4f}", f"{m.get('requests_per_busy_s', 0.0):.4f}",
+                     f"{m['request_throughput_per_s']:.4f}", f"{m['requests_per_busy_s']:.4f}",
                      f"{m['prefix_hit_rate']:.3f}", f"{m['preemptions']:,}", f"{m['offloaded_ratio_max']:.3f}",
-                     f"{m.get('offloaded_ratio_mean', 0.0):.3f}", f"{m['staged_bytes'] / 2**30:,.1f}",
+                     f"{m['offloaded_ratio_mean']:.3f}", f"{m['staged_bytes'] / 2**30:,.1f}",
                      f"{m['completed']:,}/{m['failed']:,}"])
     return rows
 
@@ -70,7 +75,7 @@ def ratios(runs: dict[str, dict]) -> dict[str, dict[str, float | None]]:
             "ttft_p90": _ratio(m["ttft_s"]["p90"], base["ttft_s"]["p90"]),
             "tpot_mean": _ratio(m["tpot_s"]["mean"], base["tpot_s"]["mean"]),
             "request_throughput": _ratio(m["request_throughput_per_s"], base["request_throughput_per_s"]),
-            "requests_per_busy_s": _ratio(m.get("requests_per_busy_s"), base.get("requests_per_busy_s")),
+            "requests_per_busy_s": _ratio(m["requests_per_busy_s"], base["requests_per_busy_s"]),
         }
     return out
 
@@ -86,10 +91,7 @@ def run(args: argparse.Namespace) -> int:
     workload = load(args)
     runs, collectors = {}, {}
     for policy in policies:
-        progress = ProgressBar(f"replay {policy}")
-        runs[policy], collectors[policy] = run_replay(workload, config_from(args, policy), progress)
-        add_derived_metrics(runs[policy], collectors[policy])
-        progress.close()
+        runs[policy], collectors[policy] = replay_with_metrics(workload, config_from(args, policy), f"replay {policy}")
     first = runs[policies[0]]["config"]
     print(f"{first['workload']['name']}: {first['workload']['requests']:,} requests | {first['model']} on "
           f"{first['tp']} x {first['gpu']} | {first['memory']['num_blocks']:,} KV blocks per GPU at start | "

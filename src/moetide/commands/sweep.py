@@ -9,12 +9,10 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from moetide.commands.compare import COLUMNS, add_derived_metrics, comparison_rows
+from moetide.commands.compare import COLUMNS, comparison_rows, replay_with_metrics
 from moetide.commands.replay import add_engine_arguments, add_workload_arguments, config_from, load, write_json
 from moetide.errors import UserError
-from moetide.report.progress import ProgressBar
 from moetide.report.tables import format_table
-from moetide.sim.setup import run_replay
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,11 +43,8 @@ def run(args: argparse.Namespace) -> int:
     runs, collectors = {}, {}
     for ratio in ratios:
         key = f"{ratio:g}"
-        progress = ProgressBar(f"{args.policy} cap {key}")
-        runs[key], collectors[key] = run_replay(workload, dataclasses.replace(base, max_offload_ratio=ratio),
-                                                progress)
-        add_derived_metrics(runs[key], collectors[key])
-        progress.close()
+        runs[key], collectors[key] = replay_with_metrics(
+            workload, dataclasses.replace(base, max_offload_ratio=ratio), f"{args.policy} cap {key}")
     print(f"{args.policy} at each max offload ratio; times are MODELED by the roofline step-time model\n")
     print(format_table(["cap", *COLUMNS[1:]], comparison_rows(runs), align="<" + ">" * (len(COLUMNS) - 1)))
     if args.json:

@@ -87,14 +87,18 @@ def checkpoint(workdir: str) -> Path:
 def run_worker(args: argparse.Namespace) -> dict:
     import torch
 
+    from moetide.engine.loader import load_model
     from moetide.engine.runner import Engine
+    from moetide.engine.storage import KVLayout
+    from moetide.perf.budget import cdiv
 
     torch.set_num_threads(args.threads)
     model = checkpoint(args.workdir)
-    bytes_per_token = MODEL["num_layers"] * 2 * MODEL["num_kv_heads"] * MODEL["head_dim"] * 4
-    total_tokens = args.num_seqs * (args.prompt_tokens + args.decode_tokens + 1)
-    block_bytes = args.block_size * bytes_per_token
-    blocks = args.num_seqs * -(-(args.prompt_tokens + args.decode_tokens + 1) // args.block_size)
+    kv = KVLayout.of(load_model(model), args.block_size)
+    bytes_per_token, block_bytes = kv.bytes_per_token, kv.block_bytes
+    tokens_per_seq = args.prompt_tokens + args.decode_tokens + 1
+    total_tokens = args.num_seqs * tokens_per_seq
+    blocks = args.num_seqs * cdiv(tokens_per_seq, args.block_size)
     host_mib = args.host_kv_mib
     if host_mib is None:
         host_mib = max(1.0, 1.05 * (blocks * block_bytes - args.device_kv_mib * MiB) / MiB)
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_worker(args)), flush=True)
         return 0
     checkpoint(args.workdir)  # once, before the workers
-    forward = [a for a in (argv if argv is not None else sys.argv[1:])]
+    forward = list(argv if argv is not None else sys.argv[1:])
     status = 0
     for policy in args.policy_list:
         proc = subprocess.run([sys.executable, __file__, *forward, "--worker", policy], capture_output=True,

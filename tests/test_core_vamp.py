@@ -16,10 +16,10 @@ BLOCK_BYTES = 100
 EXPERT_BYTES = 200  # one offloaded expert gives two blocks
 
 
-def make_line(pool, max_ratio=0.25):
+def make_line(pool, max_ratio=0.25, **line_options):
     residency = ExpertResidency(ExpertResidencyConfig(num_layers=2, num_experts=4, expert_bytes=EXPERT_BYTES,
                                                       max_offload_ratio=max_ratio))
-    return ExpertLine(residency, pool, block_bytes=BLOCK_BYTES, first_block_id=1000)
+    return ExpertLine(residency, pool, block_bytes=BLOCK_BYTES, first_block_id=1000, **line_options)
 
 
 class FakeSteps:
@@ -271,9 +271,8 @@ def test_the_staging_buffer_is_not_given_to_the_pool():
     """Staging needs room for the offloaded experts of the layers in flight; with a one-layer buffer on a
     two-layer model half of every offloaded expert's bytes stay with the experts."""
     pool = BlockPool([])
-    residency = ExpertResidency(ExpertResidencyConfig(num_layers=2, num_experts=4, expert_bytes=EXPERT_BYTES,
-                                                      max_offload_ratio=0.5))
-    line = ExpertLine(residency, pool, block_bytes=BLOCK_BYTES, first_block_id=1000, staging_buffer_layers=1)
+    line = make_line(pool, 0.5, staging_buffer_layers=1)
+    residency = line.residency
     assert line.kv_bytes_per_expert == EXPERT_BYTES // 2 and line.blocks_gained(2) == 2
     assert line.offload([(0, 0), (1, 0)]) == [1000, 1001]
     assert line.reclaim_last() and pool.num_blocks == 0

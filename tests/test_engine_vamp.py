@@ -9,6 +9,8 @@ keep coming back, the cap holds, and a reclaimed expert computes exactly as befo
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -88,7 +90,7 @@ def test_reclaim_gives_experts_back_and_they_compute_as_before(device, tiny_chec
         reclaims += light.stats.expert_reclaims
     assert reclaims > 0 and engine.parts.expert_line.num_reclaims == reclaims
     storage, host = engine.storage, engine.parts.experts.stager.host
-    for m, e in [(m, e) for m in range(host.shape[0]) for e in range(host.shape[1])]:
+    for m, e in itertools.product(range(host.shape[0]), range(host.shape[1])):
         if engine.residency.is_resident(m, e):  # reclaimed ones included: their pages hold their weights again
             assert torch.equal(storage.expert_flat(m, e).cpu(), host[m, e])
 

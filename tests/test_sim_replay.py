@@ -99,10 +99,8 @@ def long_prompt_sessions(num_sessions=8, turns=3, base=6000, key_block=64):
         turns_ = []
         for t in range(turns):
             prompt = base * (t + 1) + 37 * s
-            turns_.append(Turn(prompt_tokens=prompt, output_tokens=150 + 10 * s,
-                               block_keys=BlockKeys.from_keys([s * 1000 + i for i in range(prompt // key_block)]),
-                               arrival_s=0.3 * s if t == 0 else None, think_time_s=0.5, cached_tokens=None,
-                               request_id=f"s{s}t{t}"))
+            keys = [s * 1000 + i for i in range(prompt // key_block)]
+            turns_.append(turn(f"s{s}t{t}", prompt, 150 + 10 * s, keys, arrival=0.3 * s if t == 0 else None, think=0.5))
         sessions.append(Session(session_id=f"s{s}", start_s=0.3 * s, turns=tuple(turns_), parent_session_id=None,
                                 key_scope=f"s{s}"))
     return Workload("long", "test", "closed", key_block, tuple(sessions))

@@ -14,9 +14,9 @@ A *prefill run* of k steps is certified (``prefill_run``) when, for each of the 
 * P is scheduled for ``budget - D`` tokens, a full chunk that does not reach the end of its prompt, so it emits
   nothing and the token budget is spent: no waiting request is considered;
 * P's blocks are found as the ``vllm`` policy finds them (``evicts_when_it_can``): from uncached free blocks, else
-  by evicting that many cached-free blocks in LRU order. ``step`` does exactly that and returns False, changing
-  nothing, when eviction could not cover the step (the policy would preempt): the run ends before that step and
-  replay takes it the ordinary way.
+  by evicting that many cached-free blocks in LRU order. ``step`` asks the scheduler's own allocation (and so the
+  policy) for them, and returns False, changing nothing, when eviction could not cover the step (the policy would
+  preempt): the run ends before that step and replay takes it the ordinary way.
 
 Why deferring the decoders is exact: a decoder holds every block of its chain, so P's evictions (cached-free
 blocks and their registered descendants) can never reach a decoder's blocks, and registering a decoder's newly
@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetide.core.request import Request
-from moetide.core.scheduler import Scheduler
+from moetide.core.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass
@@ -65,17 +65,14 @@ def prefill_run(sched: Scheduler) -> PrefillRun | None:
 
 
 def step(sched: Scheduler, run: PrefillRun) -> bool:
-    """Allocate P's next chunk as the ``vllm`` policy would; False (nothing changed) if that needs a preemption."""
+    """Allocate P's next chunk through the scheduler's own allocation (the policy evicts what is short); False
+    (nothing changed) if eviction could not cover it, where the policy would preempt."""
     kv, request = sched.kv, run.prefiller
-    shortfall = kv.num_blocks_short(request.request_id, run.chunk, request.num_computed_tokens)
-    if shortfall:
-        if kv.pool.num_cached_free_blocks < shortfall:
-            return False
-        evicted = kv.pool.evict(shortfall, protect=frozenset())
-        sched.num_evicted_blocks += len(evicted)
-    new = kv.allocate_slots(request.request_id, run.chunk, request.block_hashes,
-                            num_computed_tokens=request.num_computed_tokens)
-    if new is None:  # cannot happen after the eviction above; fail loudly rather than diverge from schedule()
+    if kv.num_blocks_short(request.request_id, run.chunk, request.num_computed_tokens) > kv.pool.num_cached_free_blocks:
+        return False
+    out = SchedulerOutput()  # collects the evictions' count, as in schedule()
+    # P is the last running request, so nothing is offered for preemption
+    if not sched._allocate(request, run.chunk, [], True, len(sched.running) - 1, out):
         raise RuntimeError(f"prefill run: allocation for {request.request_id!r} failed after eviction")
     request.computed_to(request.num_computed_tokens, request.num_computed_tokens + run.chunk)
     return True

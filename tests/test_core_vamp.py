@@ -249,6 +249,7 @@ def test_the_line_moves_out_while_reuse_is_measured_and_back_when_it_stops():
     assert line.residency.num_offloaded == 0 and 100 < t < 600
     line.check_invariants()
 
+
 def test_plain_vamp_is_exact_under_the_decode_fast_path():
     """vamp reads nothing the replay's decode fast path skips, so it may use it; every metric must agree."""
     from moetide.sim.setup import ReplayConfig, build_replay

@@ -12,7 +12,9 @@ them into index tensors once per step; each full-attention layer then
    ``index_select`` each over the arena's row views, ``ArenaStorage.kv_rows``; the row indices are built once
    per step and shared by every layer) into ``[context, Hkv, D]`` and run causal attention with torch's
    ``scaled_dot_product_attention`` (GQA heads as transformers' ``repeat_kv``; the same kernel transformers'
-   default ``sdpa`` attention calls), one call per group.
+   default ``sdpa`` attention calls), one call per group. A group of decode tokens on the CPU in fp32 instead
+   reads its keys and values where they lie, in one native call (``engine.native.paged_decode_attention``: no
+   gather, no mask; equal to SDPA to fp32 round-off), unless the native kernels are unavailable.
 
 Sequences are attended in groups: all one-token (decode) sequences of the step together, padded to the longest
 context, and every multi-token (prefill chunk) sequence on its own, so padding never multiplies a long chunk by the
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moetide.engine import native
 from moetide.engine.models import StepBatch
 from moetide.engine.storage import ArenaStorage
 
@@ -45,6 +48,7 @@ class _Group:
     token_index: Tensor | None  # [b, Q] packed token of each query row (padding: row T, a zero row); None
     # when the group is the whole step, in order (``_StepPlan.direct``)
     attend: Tensor  # [b, 1, Q, L] True = the query attends the key (causal, inside the context)
+    lengths: Tensor  # [b] each sequence's context (keys attended by its last query row)
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,8 @@ class PagedAttentionBackend:
             query_pos = [[c + j for j in range(num_q)] for c in (batch.num_computed_tokens[i] for i in rows)]
             attend = ((key_pos <= torch.tensor(query_pos, device=device)[:, :, None]) & key_valid[:, None])[:, None]
         token_index = group_token_index(batch, starts, rows, num_q, device)
-        return _Group(torch.where(key_valid, key_rows, key_rows[:, :1]).flatten(), num_keys, token_index, attend)
+        return _Group(torch.where(key_valid, key_rows, key_rows[:, :1]).flatten(), num_keys, token_index, attend,
+                      ints[:b])
 
     def end_step(self) -> None:
         """Nothing to close: the paged backend measures nothing (the split backend does)."""
@@ -127,6 +132,11 @@ class PagedAttentionBackend:
 
     @staticmethod
     def _attend_group(q: Tensor, k_rows: Tensor, v_rows: Tensor, group: _Group, scale: float) -> Tensor:
+        b, num_q, Hq, D = q.shape
+        if num_q == 1 and native.worth_it(q, 2 * b * Hq * group.num_keys * D):  # decode: read the pages in place
+            key_rows = group.key_rows.view(b, group.num_keys)
+            return native.paged_decode_attention(q.view(b, Hq, D), k_rows, v_rows, key_rows, group.lengths,
+                                                 scale).view(q.shape)
         keys, values = gather_kv(k_rows, v_rows, group.key_rows, q.shape[0], group.num_keys)
         return attend_gathered(q, keys, values, group.attend, scale)
 

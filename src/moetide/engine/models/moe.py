@@ -1,9 +1,9 @@
-"""The feed-forward blocks: SwiGLU MLP, and the sparse MoE block with its two ways of running the routed experts.
+"""The feed-forward blocks: SwiGLU MLP, and the sparse MoE block with its ways of running the routed experts.
 
 Routing is transformers 5.19's (see ``SparseMoE``). What differs from transformers is how the selected experts
-run. Both paths compute, for every (token, rank) pair, ``down(silu(gate) * up) * weight`` and add the pairs of a
-token into its output in ascending expert order — the order transformers' loop adds them — so both paths give the
-same bits (tested):
+run. The torch paths compute, for every (token, rank) pair, ``down(silu(gate) * up) * weight`` and add the pairs of a
+token into its output in ascending expert order — the order transformers' loop adds them — so they give the same
+bits (tested):
 
 * **grouped** (``grouped_experts``): sort the step's T·K (token, rank) pairs by expert, gather their inputs once,
   and run every expert's GEMM in one ``torch._grouped_mm`` call per projection over the stacked ``[E, ...]``
@@ -12,6 +12,11 @@ same bits (tested):
   E experts of the layer (the arena's strided expert views, or the module's parameters), which exist only while
   every routed expert is resident. Used on the CPU, where ``_grouped_mm`` runs any dtype; on CUDA it needs bf16
   and 16-byte-aligned shapes and has not been run here, so CUDA takes the loop for now.
+* **native** (``engine.native.moe_experts``): one C call for decode-sized steps on the CPU in fp32 (at most
+  ``NATIVE_PAIRS_PER_EXPERT`` (token, expert) pairs per expert, where grouping reuses little), pair by pair in the
+  same ascending expert order, straight from the stacked views; equal to the others to fp32 round-off, not bit for
+  bit (its dot products sum in another order), and independent of the step's other tokens. Where the native
+  kernels cannot be built, the torch paths run.
 * **loop** (``looped_experts``): one Python iteration per selected expert, fetching each expert's weights from
   the provider (``expert_weights``): the path that serves staged (offloaded) experts, and the reference.
 """
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moetide.engine import native
 from moetide.engine.models.hooks import ExpertProvider
 
 
@@ -109,6 +115,9 @@ def looped_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, experts: Expe
     return out
 
 
+NATIVE_PAIRS_PER_EXPERT = 4  # native takes a step whose (token, expert) pairs are at most this many per expert
+
+
 class SparseMoE(nn.Module):
     """Router, then only the experts the step selected (grouped or looped, see the module docstring). Routing is
     transformers 5.19's: softmax over all experts in fp32, top-k, optional renormalization of the k weights
@@ -141,7 +150,11 @@ class SparseMoE(nn.Module):
         experts.route(self.layer_id, expert_ids)
         stacked = getattr(experts, "stacked_weights", None)
         stacked = stacked(self.layer_id) if stacked is not None else None
-        if stacked is not None and expert_ids.shape[0] == 1 and x.device.type == "cpu":
+        T, K = expert_ids.shape
+        if stacked is not None and T * K <= NATIVE_PAIRS_PER_EXPERT * stacked[0].shape[0] and native.worth_it(
+                x, T * K * 3 * stacked[1].shape[1] * stacked[1].shape[2]):
+            out = native.moe_experts(x, weights, expert_ids, *stacked)
+        elif stacked is not None and T == 1 and x.device.type == "cpu":
             out = single_token_experts(x, weights, expert_ids, *stacked)
         elif stacked is not None and grouped_mm_supported(x.device.type, x.dtype):
             out = grouped_experts(x, weights, expert_ids, *stacked)

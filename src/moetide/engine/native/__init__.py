@@ -1,0 +1,137 @@
+"""Native CPU kernels for decode-sized steps: the routed experts of a few tokens, and decode attention read in place
+from the paged arena (``kernels.c``). On the CPU, at decode sizes, torch's per-op dispatch costs more than the
+arithmetic: a MoE layer is ~20 ops and a paged attention ~10 (write, gather, mask, SDPA); each kernel here is one
+call. vLLM's CPU build does the same with its C++ kernels.
+
+Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native``) into a cache directory
+(``$MOETIDE_NATIVE_DIR``, else ``~/.cache/moetide/native``), keyed by the source, the flags and the machine; loaded
+with ``ctypes`` (no torch headers, so the build takes well under a second). Where no compiler works, or with
+``MOETIDE_NATIVE=0``, ``available()`` is False and the engine keeps its torch paths — the same results to fp32
+round-off (tested), only slower; the reason is in ``unavailable_reason()``.
+
+Only fp32 CPU tensors; the kernels are single-threaded, so ``worth_it`` keeps torch (which may use several
+threads) for work large enough to gain from them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+_SOURCE = Path(__file__).with_name("kernels.c")
+_ABI_VERSION = 1
+_FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
+_SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
+_reason: list[str] = []
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MOETIDE_NATIVE_DIR") or Path.home() / ".cache" / "moetide" / "native")
+
+
+def _build(compiler: str, flags: list[str]) -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *flags, platform.machine()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"moetide_kernels_{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then one atomic rename
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(_SOURCE), "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("MOETIDE_NATIVE", "1") == "0":
+        _reason.append("disabled by MOETIDE_NATIVE=0")
+        return None
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        _reason.append(f"no C compiler ({compiler!r} not found)")
+        return None
+    errors = []
+    for flags in _FLAG_SETS:
+        try:
+            lib = ctypes.CDLL(str(_build(compiler, flags)))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            errors.append(f"{' '.join(flags)}: {exc} {detail.decode(errors='replace').strip()[:200]}")
+            continue
+        if lib.moetide_abi_version() != _ABI_VERSION:
+            errors.append(f"{' '.join(flags)}: ABI version {lib.moetide_abi_version()} != {_ABI_VERSION}")
+            continue
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.moetide_moe_experts_f32.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, p, p]
+        lib.moetide_moe_experts_f32.restype = None
+        lib.moetide_paged_decode_attention_f32.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64,
+                                                           ctypes.c_float, p, p]
+        lib.moetide_paged_decode_attention_f32.restype = None
+        return lib
+    _reason.append("the native kernels did not build: " + "; ".join(errors))
+    return None
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else _reason[-1]
+
+
+def worth_it(x: Tensor, macs: int) -> bool:
+    """Whether a native kernel should take work of ``macs`` multiply-adds on tensors like ``x``."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not available():
+        return False
+    return torch.get_num_threads() == 1 or macs <= _SINGLE_THREAD_MACS
+
+
+def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """Like ``moe.grouped_experts``: x [T, H] fp32; weights, expert_ids [T, K]; gate_up [E, 2I, H] and down
+    [E, H, I] with unit column stride and packed rows (the arena's or a module's stacked experts) -> [T, H]."""
+    lib = _library()
+    E, two_i, H = gate_up.shape
+    I = two_i // 2  # noqa: E741 (the expert width, as everywhere in the engine)
+    if lib is None or gate_up.stride()[1:] != (H, 1) or down.stride()[1:] != (I, 1) or down.shape != (E, H, I):
+        raise ValueError("moe_experts needs the native library and [E, 2I, H] / [E, H, I] expert views with "
+                         "packed rows")
+    x = x.contiguous()
+    ids, w = expert_ids.contiguous(), weights.to(torch.float32).contiguous()
+    out, scratch = torch.empty_like(x), x.new_empty(2 * I)
+    lib.moetide_moe_experts_f32(x.data_ptr(), x.shape[0], ids.shape[1], ids.data_ptr(), w.data_ptr(),
+                                gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), H, I,
+                                out.data_ptr(), scratch.data_ptr())
+    return out
+
+
+def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: Tensor, lengths: Tensor,
+                           scale: float) -> Tensor:
+    """q [b, Hq, D] fp32, one query per sequence at the end of its context; k_rows, v_rows [rows, Hkv, D] views
+    (same strides; unit stride along D); key_rows [b, L] int64 rows of each sequence's keys, the first
+    ``lengths[s]`` of them valid -> [b, Hq, D]."""
+    lib = _library()
+    b, Hq, D = q.shape
+    Hkv = k_rows.shape[1]
+    if lib is None or k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1 or Hq % Hkv:
+        raise ValueError("paged_decode_attention needs the native library and K/V row views of equal strides")
+    q, key_rows, lengths = q.contiguous(), key_rows.contiguous(), lengths.contiguous()
+    L = key_rows.shape[1]
+    out, scratch = torch.empty_like(q), q.new_empty(L + D)
+    lib.moetide_paged_decode_attention_f32(q.data_ptr(), b, Hq, Hkv, D, k_rows.data_ptr(), v_rows.data_ptr(),
+                                           k_rows.stride(0), k_rows.stride(1), key_rows.data_ptr(),
+                                           lengths.data_ptr(), L, scale, out.data_ptr(), scratch.data_ptr())
+    return out

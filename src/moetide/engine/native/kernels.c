@@ -1,0 +1,144 @@
+/* moetide's native CPU kernels for decode-sized steps (fp32), called through ctypes (engine/native/__init__.py).
+
+   Why: at decode sizes (a few tokens, hidden 256) each torch op costs a few microseconds of dispatch, and a MoE
+   layer or a paged attention is tens of ops; these do the same arithmetic in one call, reading the arena in place
+   (vLLM's CPU build does the same with its csrc/cpu kernels). Single-threaded; no allocation; no Python objects.
+
+   Both are batch-invariant: a token's result does not depend on which other tokens share the step. Accumulation
+   orders differ from torch's kernels, so results equal torch's to fp32 round-off, not bit for bit (tested). */
+
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MOETIDE_AVX2 1
+#endif
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y[r] = W[r, :n] . x for r < rows; W's rows are ld elements apart. */
+static void gemv(const float *W, int64_t ld, const float *x, int64_t n, int64_t rows, float *y) {
+    int64_t r = 0;
+#ifdef MOETIDE_AVX2
+    int64_t n8 = n - n % 8;
+    for (; r + 4 <= rows; r += 4) {
+        const float *w0 = W + r * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+               a3 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n8; i += 8) {
+            __m256 xv = _mm256_loadu_ps(x + i);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), xv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + i), xv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + i), xv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + i), xv, a3);
+        }
+        __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        __m128 sum = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        float out[4];
+        _mm_storeu_ps(out, sum);
+        for (int64_t i = n8; i < n; i++) {
+            out[0] += w0[i] * x[i];
+            out[1] += w1[i] * x[i];
+            out[2] += w2[i] * x[i];
+            out[3] += w3[i] * x[i];
+        }
+        y[r] = out[0];
+        y[r + 1] = out[1];
+        y[r + 2] = out[2];
+        y[r + 3] = out[3];
+    }
+#endif
+    for (; r < rows; r++) y[r] = dot(W + r * ld, x, n);
+}
+
+/* y += a * x over n floats */
+static void axpy(float *y, float a, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+int moetide_abi_version(void) { return 1; }
+
+/* The routed experts of T tokens, K each: out[t] = sum over t's K (expert e, weight w), in ascending e, of
+   w * down_e(silu(gate_e x_t) * up_e x_t). gate_up_e = gate_up + e*gu_stride is [2I, H] (gate rows first, rows H
+   apart), down_e = down + e*dn_stride is [H, I] (rows I apart) — the arena's strided expert views. x [T, H] and
+   out [T, H] contiguous; ids [T, K] int64, weights [T, K] fp32; scratch holds 2I floats. */
+void moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t *ids, const float *weights,
+                             const float *gate_up, int64_t gu_stride, const float *down, int64_t dn_stride,
+                             int64_t H, int64_t I, float *out, float *scratch) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t *id = ids + t * K;
+        const float *xt = x + t * H;
+        float *ot = out + t * H;
+        for (int64_t r = 0; r < H; r++) ot[r] = 0.f;
+        int64_t last = -1;
+        for (int64_t done = 0; done < K; done++) {  /* the next larger expert id (K is small): ascending order */
+            int64_t k = -1;
+            for (int64_t j = 0; j < K; j++)
+                if (id[j] > last && (k < 0 || id[j] < id[k])) k = j;
+            if (k < 0) break;
+            for (int64_t j = 0; j < K; j++) {  /* an expert chosen twice (not possible with top-k) adds twice */
+                if (id[j] != id[k]) continue;
+                const float w = weights[t * K + j];
+                gemv(gate_up + id[k] * gu_stride, H, xt, H, 2 * I, scratch);
+                for (int64_t i = 0; i < I; i++) {
+                    float g = scratch[i];
+                    scratch[i] = g / (1.f + expf(-g)) * scratch[I + i];
+                }
+                const float *dn = down + id[k] * dn_stride;
+                float y[4];
+                int64_t r = 0;
+                for (; r + 4 <= H; r += 4) {
+                    gemv(dn + r * I, I, scratch, I, 4, y);
+                    ot[r] += y[0] * w;
+                    ot[r + 1] += y[1] * w;
+                    ot[r + 2] += y[2] * w;
+                    ot[r + 3] += y[3] * w;
+                }
+                for (; r < H; r++) ot[r] += dot(dn + r * I, scratch, I) * w;
+            }
+            last = id[k];
+        }
+    }
+}
+
+/* Decode attention over paged KV, read in place: b sequences, one query each. q [b, Hq, D] contiguous; key j of
+   sequence s is row key_rows[s*L + j] (j < lengths[s]) of the K and V views, whose rows are row_stride elements
+   apart and whose heads are head_stride apart; query head h reads KV head h / (Hq / Hkv). Softmax in fp32 with the
+   max subtracted. out [b, Hq, D] contiguous; scratch holds L + D floats. A sequence of length 0 gets zeros. */
+void moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, int64_t Hkv, int64_t D,
+                                        const float *k_base, const float *v_base, int64_t row_stride,
+                                        int64_t head_stride, const int64_t *key_rows, const int64_t *lengths,
+                                        int64_t L, float scale, float *out, float *scratch) {
+    const int64_t group = Hq / Hkv;
+    float *scores = scratch, *acc = scratch + L;
+    for (int64_t s = 0; s < b; s++) {
+        const int64_t n = lengths[s];
+        const int64_t *rows = key_rows + s * L;
+        for (int64_t h = 0; h < Hq; h++) {
+            const int64_t kv_offset = (h / group) * head_stride;
+            const float *qh = q + (s * Hq + h) * D;
+            float *oh = out + (s * Hq + h) * D;
+            for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+            float m = -INFINITY, sum = 0.f;
+            for (int64_t j = 0; j < n; j++) {
+                scores[j] = dot(qh, k_base + rows[j] * row_stride + kv_offset, D) * scale;
+                if (scores[j] > m) m = scores[j];
+            }
+            for (int64_t j = 0; j < n; j++) {
+                float p = expf(scores[j] - m);
+                sum += p;
+                axpy(acc, p, v_base + rows[j] * row_stride + kv_offset, D);
+            }
+            for (int64_t d = 0; d < D; d++) oh[d] = n > 0 ? acc[d] / sum : 0.f;
+        }
+    }
+}

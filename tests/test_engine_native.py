@@ -1,0 +1,129 @@
+"""The native CPU kernels (``engine.native``): each against the torch path it replaces (fp32 round-off), padding and
+unreferenced rows that hold NaN never reaching an output, the engine taking them at decode, and the engine without
+them (no compiler, or ``MOETIDE_NATIVE=0``) still matching transformers token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from moetide.engine import native  # noqa: E402
+from moetide.engine.attention import attend_gathered, gather_kv  # noqa: E402
+from moetide.engine.models import moe  # noqa: E402
+from moetide.engine.runner import Engine  # noqa: E402
+from engine_parity import MAX_TOKENS, PAGE_BYTES, STATIC_PAGES, TIGHT, check_books, parity_prompts  # noqa: E402
+from test_engine_step_paths import strided_experts  # noqa: E402
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+
+
+@pytest.fixture
+def without_native(monkeypatch):
+    """The engine as it runs where the native kernels cannot be built."""
+    monkeypatch.setenv("MOETIDE_NATIVE", "0")
+    native._library.cache_clear()
+    yield
+    monkeypatch.undo()
+    native._library.cache_clear()
+
+
+def assert_close(actual, expected):
+    """fp32 round-off of sums with cancellation: errors relative to the output's scale, not to each element."""
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@needs_native
+@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (3, 3), (8, 1), (40, 2)])
+def test_native_experts_equal_the_grouped_path(num_tokens, top_k):
+    generator = torch.Generator().manual_seed(num_tokens)
+    num_experts, hidden, inter = 8, 40, 12  # widths that are not multiples of the vector width
+    gate_up, down = strided_experts(generator, num_experts, hidden, inter)
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    expert_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=generator)
+    expected = moe.grouped_experts(x, weights, expert_ids, gate_up, down)
+    assert_close(native.moe_experts(x, weights, expert_ids, gate_up, down), expected)
+    # a token's result does not depend on the other tokens of the step
+    assert torch.equal(native.moe_experts(x[-1:], weights[-1:], expert_ids[-1:], gate_up, down),
+                       native.moe_experts(x, weights, expert_ids, gate_up, down)[-1:])
+
+
+@needs_native
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (6, 6, 20), (8, 1, 16)])
+def test_native_decode_attention_equals_gather_and_sdpa(heads, kv_heads, head_dim):
+    generator = torch.Generator().manual_seed(heads * head_dim)
+    num_rows, b, L = 300, 5, 37
+    # overlapping row views, as the arena's (rows a gcd apart, each reading Hkv·D elements)
+    step = kv_heads * head_dim // 2 if kv_heads * head_dim % 2 == 0 else kv_heads * head_dim
+    data = torch.randn(2, num_rows * step + kv_heads * head_dim, generator=generator)
+    k_rows, v_rows = (data[i].as_strided((num_rows, kv_heads, head_dim), (step, head_dim, 1)) for i in range(2))
+    lengths = torch.tensor([L, 1, 17, 36, 8])
+    key_rows = torch.randint(0, num_rows, (b, L), generator=generator)
+    key_rows = torch.where(torch.arange(L) < lengths[:, None], key_rows, key_rows[:, :1])  # padding: slot 0
+    q = torch.randn(b, heads, head_dim, generator=generator)
+    keys, values = gather_kv(k_rows, v_rows, key_rows.flatten(), b, L)
+    mask = (torch.arange(L) < lengths[:, None])[:, None, None, :]
+    expected = attend_gathered(q[:, None], keys, values, mask, 0.3)[:, 0]
+    assert_close(native.paged_decode_attention(q, k_rows, v_rows, key_rows, lengths, 0.3), expected)
+
+
+@needs_native
+def test_native_decode_attention_reads_no_row_past_a_sequence_length():
+    k_rows, v_rows = torch.full((2, 10, 1, 8), float("nan")).unbind(0)
+    k_rows[:3], v_rows[:3] = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+    key_rows = torch.tensor([[0, 1, 9, 9], [2, 9, 9, 9]])  # rows past each length point at NaN rows
+    out = native.paged_decode_attention(torch.randn(2, 2, 8), k_rows, v_rows, key_rows, torch.tensor([2, 1]), 1.0)
+    assert torch.isfinite(out).all()
+    assert_close(out[1], v_rows[2].expand(2, 8))  # one key: the output is its value
+
+
+@needs_native
+def test_the_engine_takes_the_native_kernels_at_decode(tiny_checkpoint, monkeypatch):
+    calls = {"moe_experts": 0, "paged_decode_attention": 0}
+    for name in calls:
+        def counted(*args, _name=name, _kernel=getattr(native, name)):
+            calls[_name] += 1
+            return _kernel(*args)
+        monkeypatch.setattr(native, name, counted)
+    Engine(tiny_checkpoint("qwen3_moe"), kv_budget_mib=4).generate([[1, 2, 3], [4, 5, 6, 7]], 4)
+    assert calls["moe_experts"] > 0 and calls["paged_decode_attention"] > 0
+
+
+def test_without_a_compiler_the_reason_is_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MOETIDE_NATIVE_DIR", str(tmp_path))
+    native._library.cache_clear()
+    try:
+        assert not native.available()
+        assert "no C compiler" in native.unavailable_reason()
+        assert not native.worth_it(torch.ones(2), 1)
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()
+
+
+def test_disabled_native_kernels_leave_the_torch_paths(without_native):
+    assert not native.available() and native.unavailable_reason() == "disabled by MOETIDE_NATIVE=0"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_without_native_kernels_a_tight_budget_still_matches_transformers(arch, tiny_checkpoint, hf_reference,
+                                                                           without_native):
+    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
+                    static_offload=True, **TIGHT)
+    result = engine.generate(parity_prompts(), MAX_TOKENS)
+    assert [o.token_ids for o in result.outputs] == hf_reference(arch)
+    assert result.stats.preemptions > 0 and result.stats.experts_offloaded > 0
+    check_books(engine)
+
+
+def test_native_kernels_refuse_views_they_cannot_read():
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    gate_up = torch.zeros(4, 8, 6).transpose(1, 2)  # columns not unit-stride
+    with pytest.raises(ValueError, match="packed rows"):
+        native.moe_experts(torch.zeros(1, 8), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), gate_up,
+                           torch.zeros(4, 8, 3))

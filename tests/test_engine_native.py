@@ -71,6 +71,26 @@ def test_native_decode_attention_equals_gather_and_sdpa(heads, kv_heads, head_di
 
 
 @needs_native
+def test_native_decode_attention_writes_each_new_token_into_its_slot_first():
+    generator = torch.Generator().manual_seed(3)
+    b, L, heads, kv_heads, head_dim = 3, 9, 4, 2, 16
+    k_rows, v_rows = torch.randn(2, 40, kv_heads, head_dim, generator=generator).unbind(0)
+    key_rows = torch.randperm(40, generator=generator)[: b * L].view(b, L)  # distinct slots
+    lengths = torch.tensor([9, 4, 1])
+    q, k_new, v_new = torch.randn(3, b, heads, head_dim, generator=generator).unbind(0)
+    k_new, v_new = k_new[:, :kv_heads], v_new[:, :kv_heads]
+    expected_k, expected_v = k_rows.clone(), v_rows.clone()
+    last = key_rows[torch.arange(b), lengths - 1]
+    expected_k[last], expected_v[last] = k_new, v_new
+    keys, values = gather_kv(expected_k, expected_v, key_rows.flatten(), b, L)
+    mask = (torch.arange(L) < lengths[:, None])[:, None, None, :]
+    expected = attend_gathered(q[:, None], keys, values, mask, 0.25)[:, 0]
+    out = native.paged_decode_attention(q, k_rows, v_rows, key_rows, lengths, 0.25, new_kv=(k_new, v_new))
+    assert_close(out, expected)
+    assert torch.equal(k_rows, expected_k) and torch.equal(v_rows, expected_v)  # only the new slots changed
+
+
+@needs_native
 def test_native_decode_attention_reads_no_row_past_a_sequence_length():
     k_rows, v_rows = torch.full((2, 10, 1, 8), float("nan")).unbind(0)
     k_rows[:3], v_rows[:3] = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
@@ -84,9 +104,9 @@ def test_native_decode_attention_reads_no_row_past_a_sequence_length():
 def test_the_engine_takes_the_native_kernels_at_decode(tiny_checkpoint, monkeypatch):
     calls = {"moe_experts": 0, "paged_decode_attention": 0}
     for name in calls:
-        def counted(*args, _name=name, _kernel=getattr(native, name)):
+        def counted(*args, _name=name, _kernel=getattr(native, name), **kwargs):
             calls[_name] += 1
-            return _kernel(*args)
+            return _kernel(*args, **kwargs)
         monkeypatch.setattr(native, name, counted)
     Engine(tiny_checkpoint("qwen3_moe"), kv_budget_mib=4).generate([[1, 2, 3], [4, 5, 6, 7]], 4)
     assert calls["moe_experts"] > 0 and calls["paged_decode_attention"] > 0

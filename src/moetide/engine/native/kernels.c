@@ -65,7 +65,7 @@ static void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-int moetide_abi_version(void) { return 1; }
+int moetide_abi_version(void) { return 2; }
 
 /* The routed experts of T tokens, K each: out[t] = sum over t's K (expert e, weight w), in ascending e, of
    w * down_e(silu(gate_e x_t) * up_e x_t). gate_up_e = gate_up + e*gu_stride is [2I, H] (gate rows first, rows H
@@ -113,16 +113,28 @@ void moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t
 /* Decode attention over paged KV, read in place: b sequences, one query each. q [b, Hq, D] contiguous; key j of
    sequence s is row key_rows[s*L + j] (j < lengths[s]) of the K and V views, whose rows are row_stride elements
    apart and whose heads are head_stride apart; query head h reads KV head h / (Hq / Hkv). Softmax in fp32 with the
-   max subtracted. out [b, Hq, D] contiguous; scratch holds L + D floats. A sequence of length 0 gets zeros. */
+   max subtracted. out [b, Hq, D] contiguous; scratch holds L + D floats. A sequence of length 0 gets zeros.
+   With k_new and v_new ([b, Hkv, D] contiguous, else NULL), sequence s's new key and value are first written into
+   its last row, key_rows[s*L + lengths[s] - 1] (the decode token's own slot). */
 void moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, int64_t Hkv, int64_t D,
-                                        const float *k_base, const float *v_base, int64_t row_stride,
-                                        int64_t head_stride, const int64_t *key_rows, const int64_t *lengths,
-                                        int64_t L, float scale, float *out, float *scratch) {
+                                        float *k_base, float *v_base, int64_t row_stride, int64_t head_stride,
+                                        const int64_t *key_rows, const int64_t *lengths, int64_t L, float scale,
+                                        const float *k_new, const float *v_new, float *out, float *scratch) {
     const int64_t group = Hq / Hkv;
     float *scores = scratch, *acc = scratch + L;
     for (int64_t s = 0; s < b; s++) {
         const int64_t n = lengths[s];
         const int64_t *rows = key_rows + s * L;
+        if (k_new != 0 && n > 0) {
+            for (int64_t h = 0; h < Hkv; h++) {
+                float *k_slot = k_base + rows[n - 1] * row_stride + h * head_stride;
+                float *v_slot = v_base + rows[n - 1] * row_stride + h * head_stride;
+                for (int64_t d = 0; d < D; d++) {
+                    k_slot[d] = k_new[(s * Hkv + h) * D + d];
+                    v_slot[d] = v_new[(s * Hkv + h) * D + d];
+                }
+            }
+        }
         for (int64_t h = 0; h < Hq; h++) {
             const int64_t kv_offset = (h / group) * head_stride;
             const float *qh = q + (s * Hq + h) * D;

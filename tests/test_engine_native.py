@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from moetide.engine import native  # noqa: E402
 from moetide.engine.attention import attend_gathered, gather_kv  # noqa: E402
 from moetide.engine.models import moe  # noqa: E402
+from moetide.engine.models.common import RMSNorm, apply_rope, rms_normalize, rope_tables  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from engine_parity import MAX_TOKENS, PAGE_BYTES, STATIC_PAGES, TIGHT, check_books, parity_prompts  # noqa: E402
 from test_engine_step_paths import strided_experts  # noqa: E402
@@ -68,6 +69,38 @@ def test_native_decode_attention_equals_gather_and_sdpa(heads, kv_heads, head_di
     mask = (torch.arange(L) < lengths[:, None])[:, None, None, :]
     expected = attend_gathered(q[:, None], keys, values, mask, 0.3)[:, 0]
     assert_close(native.paged_decode_attention(q, k_rows, v_rows, key_rows, lengths, 0.3), expected)
+
+
+@needs_native
+@pytest.mark.parametrize(("norm", "rotary"), [(True, 16), (True, 0), (False, 16), (True, 10)])
+def test_native_norm_and_rope_equal_the_torch_ops(norm, rotary):
+    generator = torch.Generator().manual_seed(rotary)
+    T, q_heads, k_heads, v_heads, D = 5, 4, 2, 2, 16
+    heads = torch.randn(T, q_heads + k_heads + v_heads, D, generator=generator) * 3
+    qk = heads[:, : q_heads + k_heads]  # a strided view, as the fused projection's
+    q_weight, k_weight = torch.randn(2, D, generator=generator).unbind(0)
+    expected = qk
+    if norm:
+        expected = rms_normalize(qk, 1e-6)
+        expected[:, :q_heads] *= q_weight
+        expected[:, q_heads:] *= k_weight
+    rope = None
+    if rotary:
+        rope = rope_tables(torch.tensor([0, 3, 7, 100, 5000]), rotary, 10000.0, torch.float32)
+        expected = apply_rope(expected, rope)
+    out = native.rms_norm_rope(qk, 1e-6 if norm else None, (q_weight, k_weight), q_heads, rope)
+    assert_close(out, expected)
+
+
+@needs_native
+def test_rmsnorm_takes_the_native_kernel_and_equals_the_torch_ops():
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48))
+    x = torch.randn(7, 48) * 5
+    with torch.no_grad():
+        assert_close(norm(x), norm.weight * rms_normalize(x, 1e-5))
+    assert norm(x).requires_grad  # with autograd on, the torch ops run
 
 
 @needs_native

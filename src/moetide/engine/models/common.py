@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moetide.engine import native
 from moetide.engine.models.hooks import (
     ContiguousKVCache,
     DictLinearStateStore,
@@ -82,7 +83,8 @@ def rms_normalize(x: Tensor, eps: float) -> Tensor:
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim. ``zero_centered`` (Qwen3-Next) scales by ``1 + weight`` in fp32 and casts last;
-    the plain form (Qwen3-MoE, Mixtral) casts the normalized input back first, then scales by ``weight``."""
+    the plain form (Qwen3-MoE, Mixtral) casts the normalized input back first, then scales by ``weight`` — in one
+    native call for fp32 on the CPU without autograd (``engine.native``; equal to fp32 round-off)."""
 
     def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
         super().__init__()
@@ -91,6 +93,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.zero_centered:
+            if native.worth_it(x, x.numel()):  # one call instead of seven ops (same to fp32 round-off)
+                return native.rms_norm_rope(x.view(-1, 1, x.shape[-1]), self.eps, (self.weight, None)).view(x.shape)
             return self.weight * rms_normalize(x, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -173,7 +177,13 @@ class Attention(nn.Module):
         if self.joint_qk:
             heads = qkv.view(T, Hq + 2 * Hkv, D)
             qk, v = heads[:, : Hq + Hkv], heads[:, Hq + Hkv :]  # [T, Hq + Hkv, D], [T, Hkv, D]
-            qk = apply_rope(self._norm_qk(qk) if self.qk_norm else qk, rope)
+            if native.worth_it(x, qk.numel()):  # q/k norms and RoPE in one call (same to fp32 round-off)
+                if self.qk_norm:
+                    qk = native.rms_norm_rope(qk, self.q_norm.eps, (self.q_norm.weight, self.k_norm.weight), Hq, rope)
+                else:
+                    qk = native.rms_norm_rope(qk, None, rope=rope)
+            else:
+                qk = apply_rope(self._norm_qk(qk) if self.qk_norm else qk, rope)
             q, k = qk[:, :Hq], qk[:, Hq:]
         else:
             q, k, v = qkv.split(self.widths, dim=-1)

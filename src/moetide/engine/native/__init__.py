@@ -1,7 +1,7 @@
-"""Native CPU kernels for decode-sized steps: the routed experts of a few tokens, and decode attention read in place
-from the paged arena (``kernels.c``). On the CPU, at decode sizes, torch's per-op dispatch costs more than the
-arithmetic: a MoE layer is ~20 ops and a paged attention ~10 (write, gather, mask, SDPA); each kernel here is one
-call. vLLM's CPU build does the same with its C++ kernels.
+"""Native CPU kernels for decode-sized steps: the routed experts of a few tokens, decode attention read in place
+from the paged arena, and RMSNorm with RoPE (``kernels.c``). On the CPU, at decode sizes, torch's per-op dispatch
+costs more than the arithmetic: a MoE layer is ~20 ops, a paged attention ~10 (write, gather, mask, SDPA), q/k
+norms with RoPE ~10; each kernel here is one call. vLLM's CPU build does the same with its C++ kernels.
 
 Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native``) into a cache directory
 (``$MOETIDE_NATIVE_DIR``, else ``~/.cache/moetide/native``), keyed by the source, the flags and the machine; loaded
@@ -9,8 +9,8 @@ with ``ctypes`` (no torch headers, so the build takes well under a second). Wher
 ``MOETIDE_NATIVE=0``, ``available()`` is False and the engine keeps its torch paths — the same results to fp32
 round-off (tested), only slower; the reason is in ``unavailable_reason()``.
 
-Only fp32 CPU tensors; the kernels are single-threaded, so ``worth_it`` keeps torch (which may use several
-threads) for work large enough to gain from them.
+Only fp32 CPU tensors, without autograd; the kernels are single-threaded, so ``worth_it`` keeps torch (which may
+use several threads) for work large enough to gain from them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 _SOURCE = Path(__file__).with_name("kernels.c")
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
@@ -80,6 +80,9 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_paged_decode_attention_f32.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64,
                                                            ctypes.c_float, p, p, p, p]
         lib.moetide_paged_decode_attention_f32.restype = None
+        lib.moetide_rms_norm_rope_f32.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, p, i64,
+                                                  p, p]
+        lib.moetide_rms_norm_rope_f32.restype = None
         return lib
     _reason.append("the native kernels did not build: " + "; ".join(errors))
     return None
@@ -94,8 +97,9 @@ def unavailable_reason() -> str | None:
 
 
 def worth_it(x: Tensor, macs: int) -> bool:
-    """Whether a native kernel should take work of ``macs`` multiply-adds on tensors like ``x``."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not available():
+    """Whether a native kernel should take work of ``macs`` multiply-adds on tensors like ``x``: fp32 CPU tensors,
+    with autograd off (the kernels have no backward; the engine runs under ``torch.inference_mode``)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or not available():
         return False
     return torch.get_num_threads() == 1 or macs <= _SINGLE_THREAD_MACS
 
@@ -142,4 +146,33 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
                                            lengths.data_ptr(), L, scale, None if k_new is None else k_new.data_ptr(),
                                            None if v_new is None else v_new.data_ptr(), out.data_ptr(),
                                            scratch.data_ptr())
+    return out
+
+
+def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Tensor | None] = (None, None),
+                  split: int = 1, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """x [T, heads, D] fp32 (rows of D contiguous; any token stride) -> [T, heads, D]: RMSNorm over D unless
+    ``eps`` is None, scaled by ``weights[0]`` for the first ``split`` heads and ``weights[1]`` for the others
+    (either may be None), then RoPE with ``engine.models.common``'s (cos, signed sin) tables [T, rotary] if
+    given. The same as ``RMSNorm``/``rms_normalize`` then ``apply_rope``, to fp32 round-off."""
+    lib = _library()
+    T, heads, D = x.shape
+    if lib is None or x.stride(2) != 1 or x.stride(1) != D:
+        raise ValueError("rms_norm_rope needs the native library and rows of D contiguous floats")
+    w1, w2 = (None if w is None else w.contiguous() for w in weights)
+    rotary = 0
+    cos = sin = None
+    if rope is not None:
+        cos, sin = (t.contiguous() for t in rope)
+        rotary = cos.shape[1]
+        if cos.shape != (T, rotary) or sin.shape != (T, rotary) or rotary > D or rotary % 2:
+            raise ValueError(f"rope tables must be [T, rotary] with an even rotary <= {D}")
+    out = torch.empty(T, heads, D, dtype=x.dtype)
+    scratch = x.new_empty(D)
+
+    def ptr(t: Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    lib.moetide_rms_norm_rope_f32(x.data_ptr(), T, x.stride(0), heads, D, eps is not None, eps or 0.0, ptr(w1),
+                                  split, ptr(w2), ptr(cos), ptr(sin), rotary, out.data_ptr(), scratch.data_ptr())
     return out

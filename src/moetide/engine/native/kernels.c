@@ -65,7 +65,7 @@ static void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-int moetide_abi_version(void) { return 2; }
+int moetide_abi_version(void) { return 3; }
 
 /* The routed experts of T tokens, K each: out[t] = sum over t's K (expert e, weight w), in ascending e, of
    w * down_e(silu(gate_e x_t) * up_e x_t). gate_up_e = gate_up + e*gu_stride is [2I, H] (gate rows first, rows H
@@ -151,6 +151,40 @@ void moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, i
                 axpy(acc, p, v_base + rows[j] * row_stride + kv_offset, D);
             }
             for (int64_t d = 0; d < D; d++) oh[d] = n > 0 ? acc[d] / sum : 0.f;
+        }
+    }
+}
+
+/* RMSNorm and RoPE over T x heads rows of D: row (t, h) starts at x + t*x_stride + h*D; out [T, heads, D]
+   contiguous. With norm, y = w * (x / sqrt(mean(x^2) + eps)) (transformers' plain RMSNorm), w = w1 for the first
+   `split` heads of a token and w2 for the rest (q and k heads of one projection), no weight where NULL; else
+   y = x. With rotary > 0, the first `rotary` dims of y are rotated, halves convention: out = y*cos + swap(y)*sin
+   with cos and a sign-folded sin ([T, rotary] each, sin's first half negated: engine.models.common's tables);
+   the other dims pass through. */
+void moetide_rms_norm_rope_f32(const float *x, int64_t T, int64_t x_stride, int64_t heads, int64_t D, int64_t norm,
+                               float eps, const float *w1, int64_t split, const float *w2, const float *cos_t,
+                               const float *sin_t, int64_t rotary, float *out, float *scratch) {
+    const int64_t half = rotary / 2;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const float *row = x + t * x_stride + h * D;
+            float *o = out + (t * heads + h) * D;
+            float *y = rotary > 0 ? scratch : o;
+            if (norm) {
+                const float inv = 1.f / sqrtf(dot(row, row, D) / (float)D + eps);
+                const float *w = h < split ? w1 : w2;
+                for (int64_t d = 0; d < D; d++) y[d] = w != 0 ? w[d] * (row[d] * inv) : row[d] * inv;
+            } else {
+                for (int64_t d = 0; d < D; d++) y[d] = row[d];
+            }
+            if (rotary > 0) {
+                const float *c = cos_t + t * rotary, *sn = sin_t + t * rotary;
+                for (int64_t d = 0; d < half; d++) {
+                    o[d] = y[d] * c[d] + y[d + half] * sn[d];
+                    o[d + half] = y[d + half] * c[d + half] + y[d] * sn[d + half];
+                }
+                for (int64_t d = rotary; d < D; d++) o[d] = y[d];
+            }
         }
     }
 }

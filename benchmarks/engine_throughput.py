@@ -21,7 +21,8 @@ tiny ops slower); vLLM's OpenMP threads are bound to as many cores (``VLLM_CPU_O
 ``0-(N-1)`` for N; an exported value wins).
 
 Output: one JSON line per (peer, batch) — ``decode_tokens_per_s`` {median, min, max}, ``peak_rss_mib``,
-``tokens_match_moetide`` — then one line per batch and peer ratio, ``moetide/transformers`` and
+``tokens_match_moetide``, and for moetide ``native_kernels`` (true, or why its native CPU kernels did not run;
+``MOETIDE_NATIVE=0`` in the environment measures its torch paths) — then one line per batch and peer ratio, ``moetide/transformers`` and
 ``moetide/vllm`` (above 1: moetide is faster). Nothing asserts a speed.
 
 Run: ``.venv/bin/python benchmarks/engine_throughput.py`` from the repository root (a few minutes).
@@ -139,7 +140,12 @@ def run_worker(args: argparse.Namespace) -> None:
             rates.append(args.batch * args.decode_tokens / max(long - short, 1e-9))
     tokens = generate(check_prompts(args, vocab), args.decode_tokens)
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(dict(rates=rates, tokens=tokens, peak_rss_mib=peak_rss_mib)), flush=True)
+    result = dict(rates=rates, tokens=tokens, peak_rss_mib=peak_rss_mib)
+    if args.worker == "moetide":  # whether its native CPU kernels ran (MOETIDE_NATIVE=0 measures the torch paths)
+        from moetide.engine import native
+
+        result["native_kernels"] = native.available() or native.unavailable_reason()
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 # ---- coordinator -------------------------------------------------------------------------------------------
@@ -190,7 +196,8 @@ def summarize(peer: str, batch: int, result: dict, reference: list | None) -> di
     return dict(benchmark=BENCHMARK, peer=peer, batch=batch,
                 decode_tokens_per_s=dict(median=statistics.median(rates), min=min(rates), max=max(rates)),
                 peak_rss_mib=round(result["peak_rss_mib"], 1),
-                tokens_match_moetide=None if reference is None else result["tokens"] == reference)
+                tokens_match_moetide=None if reference is None else result["tokens"] == reference,
+                **{k: result[k] for k in ("native_kernels",) if k in result})
 
 
 def main() -> int:

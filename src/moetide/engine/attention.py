@@ -28,6 +28,7 @@ Nothing here allocates or frees blocks: the scheduler owns every memory decision
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,24 @@ class _Group:
     lengths: Tensor  # [b] each sequence's context (keys attended by its last query row)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _StepPlan:
-    write_index: tuple[Tensor, Tensor, Tensor]  # (group, slot, offset) [T] each: where each token's K/V goes
     groups: list[_Group]
     num_tokens: int
     direct: tuple[int, int] | None  # (b, Q) when one group holds every token in order, unpadded: no reshuffle
+    batch: StepBatch
+    block_tables: list[list[int]]
+    storage: ArenaStorage
+
+    @functools.cached_property
+    def write_index(self) -> tuple[Tensor, ...]:
+        """(group, slot, offset) [T] each: where each token's K/V goes in the arena's KV views. Built on first use:
+        a pure decode step that the native kernel writes never needs it."""
+        bs, blocks, offsets = self.storage.kv_layout.block_size, [], []
+        for table, n, computed in zip(self.block_tables, self.batch.num_new_tokens, self.batch.num_computed_tokens):
+            blocks += [table[p // bs] for p in range(computed, computed + n)]
+            offsets += [p % bs for p in range(computed, computed + n)]
+        return tuple(torch.tensor([*self.storage.block_coords(blocks), offsets], device=self.storage.device))
 
 
 class PagedAttentionBackend:
@@ -74,17 +87,12 @@ class PagedAttentionBackend:
     def prepare(self, batch: StepBatch, block_tables: list[list[int]]) -> None:
         """Index tensors for the step. ``block_tables[i]`` is sequence i's table and must cover its context."""
         bs = self.layout.block_size
-        write_blocks: list[int] = []
-        write_offsets: list[int] = []
         for table, n, computed in zip(block_tables, batch.num_new_tokens, batch.num_computed_tokens):
             if len(table) * bs < computed + n:
                 raise ValueError(f"a block table of {len(table)} blocks cannot hold {computed + n} tokens")
-            write_blocks += [table[p // bs] for p in range(computed, computed + n)]
-            write_offsets += [p % bs for p in range(computed, computed + n)]
-        write = torch.tensor([*self.storage.block_coords(write_blocks), write_offsets], device=self.storage.device)
         rows, direct, starts = query_groups(batch)
-        self._plan = _StepPlan((write[0], write[1], write[2]),
-                               [self._group(batch, block_tables, starts, r) for r in rows], batch.num_tokens, direct)
+        self._plan = _StepPlan([self._group(batch, block_tables, starts, r) for r in rows], batch.num_tokens, direct,
+                               batch, block_tables, self.storage)
 
     def _group(self, batch: StepBatch, tables: list[list[int]], starts: list[int] | None, rows: list[int]) -> _Group:
         """``starts``: each sequence's first token in the step, or None when the group is the whole step."""

@@ -4,7 +4,7 @@ costs more than the arithmetic: a MoE layer is ~20 ops, a paged attention ~10 (w
 norms with RoPE ~10; each kernel here is one call. vLLM's CPU build does the same with its C++ kernels.
 
 Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native``) into a cache directory
-(``$MOETIDE_NATIVE_DIR``, else ``~/.cache/moetide/native``), keyed by the source, the flags and the machine; loaded
+(``$MOETIDE_NATIVE_DIR``, else ``~/.cache/moetide/native``), keyed by the source, the flags and the CPU; loaded
 with ``ctypes`` (no torch headers, so the build takes well under a second). Where no compiler works, or with
 ``MOETIDE_NATIVE=0``, ``available()`` is False and the engine keeps its torch paths — the same results to fp32
 round-off (tested), only slower; the reason is in ``unavailable_reason()``.
@@ -39,9 +39,20 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MOETIDE_NATIVE_DIR") or Path.home() / ".cache" / "moetide" / "native")
 
 
+@functools.cache
+def _cpu_signature() -> str:
+    """What ``-march=native`` compiles for: the machine and, on Linux, the CPU's feature flags (a cache directory
+    shared by different CPUs must not hand one a library with instructions it lacks)."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + " " + platform.processor() + " " + flags
+
+
 def _build(compiler: str, flags: list[str]) -> Path:
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *flags, platform.machine()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"moetide_kernels_{key}.so"
     if target.is_file():
         return target

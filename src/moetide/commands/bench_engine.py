@@ -5,7 +5,9 @@ random prompts of ``--prompt-tokens`` tokens generating ``--decode-tokens`` each
 engine times its own steps (``EngineStats``): steps that carry any prompt token are prefill, steps of one output
 token per sequence are decode, so prefill tokens/s = prompt tokens / prefill seconds and decode tokens/s =
 decode tokens / decode seconds. Each run draws fresh prompts (seeded), so no run hits the previous one's prefix
-cache. One JSON line per batch size with the median and the spread; nothing asserts a speed.
+cache. One JSON line per batch size with the median and the spread, and ``native_kernels``: true if the engine's
+native CPU kernels were available, else why not (``MOETIDE_NATIVE=0`` measures the torch paths); nothing asserts a
+speed.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def _spread(values: list[float]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     _check(args)
     engine = build_engine(args, ignore_eos=True)
+    from moetide.engine import native  # imports torch: after build_engine, which says so clearly if it is missing
+
+    native_kernels = native.available() or native.unavailable_reason()
     vocab = engine.parts.model.config.vocab_size
     rng = random.Random(args.seed)
     for batch in args.batch_sizes:
@@ -64,6 +69,6 @@ def run(args: argparse.Namespace) -> int:
         line = dict(bench="engine", model=args.model, device=args.device, batch=batch,
                     prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
                     prefill_tokens_per_s=_spread(prefill),
-                    decode_tokens_per_s=_spread(decode) if decode else None)
+                    decode_tokens_per_s=_spread(decode) if decode else None, native_kernels=native_kernels)
         print(json.dumps(line), flush=True)
     return 0

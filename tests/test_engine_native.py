@@ -180,3 +180,9 @@ def test_native_kernels_refuse_views_they_cannot_read():
     with pytest.raises(ValueError, match="packed rows"):
         native.moe_experts(torch.zeros(1, 8), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), gate_up,
                            torch.zeros(4, 8, 3))
+    k_rows = torch.zeros(4, 1, 8, dtype=torch.bfloat16)  # raw memory of another dtype is refused, never misread
+    with pytest.raises(ValueError, match="fp32 CPU tensors"):
+        native.paged_decode_attention(torch.zeros(1, 1, 8), k_rows, k_rows, torch.zeros(1, 2, dtype=torch.long),
+                                      torch.ones(1, dtype=torch.long), 1.0)
+    with pytest.raises(ValueError, match="fp32 CPU tensors"):
+        native.rms_norm_rope(torch.zeros(2, 1, 8, dtype=torch.bfloat16), 1e-6)

@@ -115,6 +115,13 @@ def worth_it(x: Tensor, macs: int) -> bool:
     return torch.get_num_threads() == 1 or macs <= _SINGLE_THREAD_MACS
 
 
+def _require_f32(name: str, *tensors: Tensor | None) -> None:
+    """The kernels read raw fp32 memory: anything else is refused, never misread."""
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"{name} takes fp32 CPU tensors, got {t.dtype} on {t.device}")
+
+
 def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
     """Like ``moe.grouped_experts``: x [T, H] fp32; weights, expert_ids [T, K]; gate_up [E, 2I, H] and down
     [E, H, I] with unit column stride and packed rows (the arena's or a module's stacked experts) -> [T, H]."""
@@ -124,8 +131,9 @@ def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor,
     if lib is None or gate_up.stride()[1:] != (H, 1) or down.stride()[1:] != (I, 1) or down.shape != (E, H, I):
         raise ValueError("moe_experts needs the native library and [E, 2I, H] / [E, H, I] expert views with "
                          "packed rows")
+    _require_f32("moe_experts", x, gate_up, down)
     x = x.contiguous()
-    ids, w = expert_ids.contiguous(), weights.to(torch.float32).contiguous()
+    ids, w = expert_ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
     out, scratch = torch.empty_like(x), x.new_empty(2 * I)
     lib.moetide_moe_experts_f32(x.data_ptr(), x.shape[0], ids.shape[1], ids.data_ptr(), w.data_ptr(),
                                 gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), H, I,
@@ -144,7 +152,8 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     Hkv = k_rows.shape[1]
     if lib is None or k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1 or Hq % Hkv:
         raise ValueError("paged_decode_attention needs the native library and K/V row views of equal strides")
-    q, key_rows, lengths = q.contiguous(), key_rows.contiguous(), lengths.contiguous()
+    _require_f32("paged_decode_attention", q, k_rows, v_rows)
+    q, key_rows, lengths = q.contiguous(), key_rows.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
     L = key_rows.shape[1]
     k_new = v_new = None
     if new_kv is not None:
@@ -171,6 +180,7 @@ def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Te
     if lib is None or x.stride(2) != 1 or x.stride(1) != D:
         raise ValueError("rms_norm_rope needs the native library and rows of D contiguous floats")
     w1, w2 = (None if w is None else w.contiguous() for w in weights)
+    _require_f32("rms_norm_rope", x, w1, w2, *(rope or ()))
     rotary = 0
     cos = sin = None
     if rope is not None:

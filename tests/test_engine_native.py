@@ -15,6 +15,7 @@ from moetide.engine.attention import attend_gathered, gather_kv  # noqa: E402
 from moetide.engine.models import moe  # noqa: E402
 from moetide.engine.models.common import RMSNorm, apply_rope, rms_normalize, rope_tables  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
+from moetide.engine.split_attention import cpu_partial_attention  # noqa: E402
 from engine_parity import MAX_TOKENS, PAGE_BYTES, STATIC_PAGES, TIGHT, check_books, parity_prompts  # noqa: E402
 from test_engine_step_paths import strided_experts  # noqa: E402
 
@@ -101,6 +102,41 @@ def test_rmsnorm_takes_the_native_kernel_and_equals_the_torch_ops():
     with torch.no_grad():
         assert_close(norm(x), norm.weight * rms_normalize(x, 1e-5))
     assert norm(x).requires_grad  # with autograd on, the torch ops run
+
+
+@needs_native
+def test_native_decode_attention_returns_the_split_merges_log_sum_exp():
+    generator = torch.Generator().manual_seed(11)
+    b, L, heads, kv_heads, head_dim = 4, 12, 6, 2, 16
+    k_rows, v_rows = torch.randn(2, 60, kv_heads, head_dim, generator=generator).unbind(0)
+    key_rows = torch.randint(0, 60, (b, L), generator=generator)
+    lengths = torch.tensor([12, 0, 5, 1])  # a sequence with no key in this range: lse = -inf, output 0
+    q = torch.randn(b, heads, head_dim, generator=generator)
+    lse = torch.empty(b, heads)
+    out = native.paged_decode_attention(q, k_rows, v_rows, key_rows, lengths, 0.2, lse=lse)
+    keys, values = gather_kv(k_rows, v_rows, key_rows.flatten(), b, L)
+    mask = (torch.arange(L) < lengths[:, None])[:, None, None, :]
+    expected_out, expected_lse = cpu_partial_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                                       0.2, mask)
+    assert_close(out, expected_out[:, :, 0])
+    assert torch.equal(torch.isinf(lse), torch.isinf(expected_lse[:, :, 0]))
+    finite = torch.isfinite(expected_lse[:, :, 0])
+    assert_close(lse[finite], expected_lse[:, :, 0][finite])
+
+
+@needs_native
+def test_the_split_backend_attends_host_blocks_in_place_at_decode(tiny_checkpoint, monkeypatch):
+    calls = []
+
+    def counted(*args, _kernel=native.paged_decode_attention, **kwargs):
+        calls.append(kwargs.get("lse") is not None)
+        return _kernel(*args, **kwargs)
+
+    monkeypatch.setattr(native, "paged_decode_attention", counted)
+    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_budget_bytes=PAGE_BYTES, kv_host_mib=1, split_policy="cpu-all",
+                    page_bytes=PAGE_BYTES, block_size=4)
+    engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6, 7]], 6)
+    assert any(calls), "decode partials over host blocks went to the native kernel, with the log-sum-exp"
 
 
 @needs_native

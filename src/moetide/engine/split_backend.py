@@ -13,8 +13,10 @@ baseline, on ``perf``'s costs). Then each full-attention layer
 
 1. **writes** every token's K and V into its slot, device or host (all sequences first: ``engine.attention``
    says why);
-2. **hands the CPU its part**: the queries of every sequence with host/in-place blocks go to a worker thread,
-   which gathers those blocks' slots (one ``index_select`` per K and V over the host rows) and runs torch's CPU
+2. **hands the CPU its part**: the queries of every sequence with host/in-place blocks go to a worker thread.
+   A group of decode tokens (fp32) is attended where its host blocks lie, by the native kernel that also returns
+   the log-sum-exp (``engine.native.paged_decode_attention``; it releases the GIL while it runs); otherwise the
+   worker gathers those blocks' slots (one ``index_select`` per K and V over the host rows) and runs torch's CPU
    flash attention, which returns the log-sum-exp (``split_attention.cpu_partial_attention``);
 3. meanwhile, on the calling thread, attends the device blocks, and **streams** the host/streamed blocks: their
    slots are gathered on the host into the ring (CUDA: a pinned buffer, then one async copy to the device; CPU: the
@@ -43,6 +45,7 @@ import torch
 from torch import Tensor
 
 from moetide.core.splits import SeqResidency, StepSplit
+from moetide.engine import native
 from moetide.engine.attention import (
     attend_gathered,
     gather_kv,
@@ -347,9 +350,26 @@ class SplitAttentionBackend:
                     out.append(None)
                     continue
                 q, part = item
-                keys, values = self._gather(kv_rows, part, q.shape[0])
+                b, num_q, Hq, D = q.shape
+                if num_q == 1 and native.worth_it(q, 2 * b * Hq * part.num_keys * D):
+                    out.append(self._native_partial(q.view(b, Hq, D), kv_rows, part, scale))
+                    continue
+                keys, values = self._gather(kv_rows, part, b)
                 out.append(self._partial(q, keys, values, part, scale))
         return out, time.perf_counter() - start
+
+    @staticmethod
+    def _native_partial(q: Tensor, kv_rows: tuple[Tensor, Tensor], part: _Part,
+                        scale: float) -> tuple[Tensor, Tensor]:
+        """A decode group's CPU partial read where the host blocks lie (``native.paged_decode_attention``, with the
+        log-sum-exp), as ``_partial`` returns it. A sequence's valid slots in its CPU region are a prefix of its
+        rows: the region is the first host blocks in table order, and only the context's last block is partial."""
+        b, Hq, D = q.shape
+        lengths = (torch.full((b,), part.num_keys, dtype=torch.int64) if part.attend is None
+                   else part.attend.view(b, part.num_keys).sum(dim=1))
+        lse = q.new_empty(b, Hq, dtype=torch.float32)
+        out = native.paged_decode_attention(q, *kv_rows, part.rows.view(b, part.num_keys), lengths, scale, lse=lse)
+        return out.view(b, Hq, 1, D), lse.view(b, Hq, 1)
 
     def close(self) -> None:
         if self._executor is not None:

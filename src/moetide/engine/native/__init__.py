@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 _SOURCE = Path(__file__).with_name("kernels.c")
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
@@ -89,7 +89,7 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_moe_experts_f32.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, p, p]
         lib.moetide_moe_experts_f32.restype = None
         lib.moetide_paged_decode_attention_f32.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64,
-                                                           ctypes.c_float, p, p, p, p]
+                                                           ctypes.c_float, p, p, p, p, p]
         lib.moetide_paged_decode_attention_f32.restype = None
         lib.moetide_rms_norm_rope_f32.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, p, i64,
                                                   p, p]
@@ -142,11 +142,13 @@ def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor,
 
 
 def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: Tensor, lengths: Tensor,
-                           scale: float, new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                           scale: float, new_kv: tuple[Tensor, Tensor] | None = None,
+                           lse: Tensor | None = None) -> Tensor:
     """q [b, Hq, D] fp32, one query per sequence at the end of its context; k_rows, v_rows [rows, Hkv, D] views
     (same strides; unit stride along D); key_rows [b, L] int64 rows of each sequence's keys, the first
     ``lengths[s]`` of them valid -> [b, Hq, D]. ``new_kv`` ([b, Hkv, D] each): written first into each
-    sequence's last row (its decode token's slot)."""
+    sequence's last row (its decode token's slot). ``lse`` ([b, Hq] fp32, contiguous): filled with each row's
+    log-sum-exp (natural log, -inf for a sequence with no key; a split merge's input)."""
     lib = _library()
     b, Hq, D = q.shape
     Hkv = k_rows.shape[1]
@@ -160,12 +162,15 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
         k_new, v_new = (t.to(k_rows.dtype).contiguous() for t in new_kv)
         if k_new.shape != (b, Hkv, D) or v_new.shape != (b, Hkv, D):
             raise ValueError(f"new_kv must be [b, Hkv, D] = {[b, Hkv, D]}, got {list(k_new.shape)}")
+    if lse is not None and (lse.shape != (b, Hq) or not lse.is_contiguous()):
+        raise ValueError(f"lse must be a contiguous [b, Hq] = {[b, Hq]} tensor, got {list(lse.shape)}")
+    _require_f32("paged_decode_attention", lse)
     out, scratch = torch.empty_like(q), q.new_empty(L + D)
     lib.moetide_paged_decode_attention_f32(q.data_ptr(), b, Hq, Hkv, D, k_rows.data_ptr(), v_rows.data_ptr(),
                                            k_rows.stride(0), k_rows.stride(1), key_rows.data_ptr(),
                                            lengths.data_ptr(), L, scale, None if k_new is None else k_new.data_ptr(),
                                            None if v_new is None else v_new.data_ptr(), out.data_ptr(),
-                                           scratch.data_ptr())
+                                           None if lse is None else lse.data_ptr(), scratch.data_ptr())
     return out
 
 

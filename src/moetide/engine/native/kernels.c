@@ -65,7 +65,7 @@ static void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-int moetide_abi_version(void) { return 3; }
+int moetide_abi_version(void) { return 4; }
 
 /* The routed experts of T tokens, K each: out[t] = sum over t's K (expert e, weight w), in ascending e, of
    w * down_e(silu(gate_e x_t) * up_e x_t). gate_up_e = gate_up + e*gu_stride is [2I, H] (gate rows first, rows H
@@ -115,11 +115,13 @@ void moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t
    apart and whose heads are head_stride apart; query head h reads KV head h / (Hq / Hkv). Softmax in fp32 with the
    max subtracted. out [b, Hq, D] contiguous; scratch holds L + D floats. A sequence of length 0 gets zeros.
    With k_new and v_new ([b, Hkv, D] contiguous, else NULL), sequence s's new key and value are first written into
-   its last row, key_rows[s*L + lengths[s] - 1] (the decode token's own slot). */
+   its last row, key_rows[s*L + lengths[s] - 1] (the decode token's own slot). With lse ([b, Hq], else NULL), each
+   row's log-sum-exp of its scaled scores (natural log; -inf with no key), what a split merge needs. */
 void moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, int64_t Hkv, int64_t D,
                                         float *k_base, float *v_base, int64_t row_stride, int64_t head_stride,
                                         const int64_t *key_rows, const int64_t *lengths, int64_t L, float scale,
-                                        const float *k_new, const float *v_new, float *out, float *scratch) {
+                                        const float *k_new, const float *v_new, float *out, float *lse,
+                                        float *scratch) {
     const int64_t group = Hq / Hkv;
     float *scores = scratch, *acc = scratch + L;
     for (int64_t s = 0; s < b; s++) {
@@ -151,6 +153,7 @@ void moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, i
                 axpy(acc, p, v_base + rows[j] * row_stride + kv_offset, D);
             }
             for (int64_t d = 0; d < D; d++) oh[d] = n > 0 ? acc[d] / sum : 0.f;
+            if (lse != 0) lse[s * Hq + h] = n > 0 ? m + logf(sum) : -INFINITY;
         }
     }
 }

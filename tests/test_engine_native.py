@@ -222,3 +222,13 @@ def test_native_kernels_refuse_views_they_cannot_read():
                                       torch.ones(1, dtype=torch.long), 1.0)
     with pytest.raises(ValueError, match="fp32 CPU tensors"):
         native.rms_norm_rope(torch.zeros(2, 1, 8, dtype=torch.bfloat16), 1e-6)
+    k_rows = torch.zeros(4, 1, 8)  # indices past the views would read or write outside them: refused
+    with pytest.raises(ValueError, match=r"key_rows must lie in \[0, 4\)"):
+        native.paged_decode_attention(torch.zeros(1, 1, 8), k_rows, k_rows, torch.tensor([[0, 4]]),
+                                      torch.tensor([2]), 1.0)
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 2\]"):
+        native.paged_decode_attention(torch.zeros(1, 1, 8), k_rows, k_rows, torch.tensor([[0, 1]]),
+                                      torch.tensor([3]), 1.0)
+    gate_up, down = strided_experts(torch.Generator().manual_seed(0), 4, 8, 2)
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 4\)"):
+        native.moe_experts(torch.zeros(1, 8), torch.ones(1, 1), torch.tensor([[4]]), gate_up, down)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 _SOURCE = Path(__file__).with_name("kernels.c")
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
@@ -86,11 +86,11 @@ def _library() -> ctypes.CDLL | None:
             errors.append(f"{' '.join(flags)}: ABI version {lib.moetide_abi_version()} != {_ABI_VERSION}")
             continue
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.moetide_moe_experts_f32.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, p, p]
-        lib.moetide_moe_experts_f32.restype = None
-        lib.moetide_paged_decode_attention_f32.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64,
+        lib.moetide_moe_experts_f32.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, i64, p, p]
+        lib.moetide_moe_experts_f32.restype = ctypes.c_int
+        lib.moetide_paged_decode_attention_f32.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
                                                            ctypes.c_float, p, p, p, p, p]
-        lib.moetide_paged_decode_attention_f32.restype = None
+        lib.moetide_paged_decode_attention_f32.restype = ctypes.c_int
         lib.moetide_rms_norm_rope_f32.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, p, i64,
                                                   p, p]
         lib.moetide_rms_norm_rope_f32.restype = None
@@ -134,10 +134,15 @@ def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor,
     _require_f32("moe_experts", x, gate_up, down)
     x = x.contiguous()
     ids, w = expert_ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
+    if ids.shape[0] != x.shape[0] or w.shape != ids.shape or x.shape[1] != H:
+        raise ValueError(f"moe_experts: x {list(x.shape)}, weights {list(w.shape)} and expert_ids "
+                         f"{list(ids.shape)} disagree with [T, {H}] and [T, K]")
     out, scratch = torch.empty_like(x), x.new_empty(2 * I)
-    lib.moetide_moe_experts_f32(x.data_ptr(), x.shape[0], ids.shape[1], ids.data_ptr(), w.data_ptr(),
-                                gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), H, I,
-                                out.data_ptr(), scratch.data_ptr())
+    status = lib.moetide_moe_experts_f32(x.data_ptr(), x.shape[0], ids.shape[1], ids.data_ptr(), w.data_ptr(),
+                                         gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), E,
+                                         H, I, out.data_ptr(), scratch.data_ptr())
+    if status:  # the kernel checks the indices before it touches memory
+        raise ValueError(f"expert_ids must lie in [0, {E})")
     return out
 
 
@@ -157,6 +162,8 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     _require_f32("paged_decode_attention", q, k_rows, v_rows)
     q, key_rows, lengths = q.contiguous(), key_rows.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
     L = key_rows.shape[1]
+    if key_rows.shape[0] != b or lengths.shape != (b,):
+        raise ValueError(f"key_rows {list(key_rows.shape)} and lengths {list(lengths.shape)} must be [b, L] and [b]")
     k_new = v_new = None
     if new_kv is not None:
         k_new, v_new = (t.to(k_rows.dtype).contiguous() for t in new_kv)
@@ -166,11 +173,16 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
         raise ValueError(f"lse must be a contiguous [b, Hq] = {[b, Hq]} tensor, got {list(lse.shape)}")
     _require_f32("paged_decode_attention", lse)
     out, scratch = torch.empty_like(q), q.new_empty(L + D)
-    lib.moetide_paged_decode_attention_f32(q.data_ptr(), b, Hq, Hkv, D, k_rows.data_ptr(), v_rows.data_ptr(),
-                                           k_rows.stride(0), k_rows.stride(1), key_rows.data_ptr(),
-                                           lengths.data_ptr(), L, scale, None if k_new is None else k_new.data_ptr(),
-                                           None if v_new is None else v_new.data_ptr(), out.data_ptr(),
-                                           None if lse is None else lse.data_ptr(), scratch.data_ptr())
+    status = lib.moetide_paged_decode_attention_f32(q.data_ptr(), b, Hq, Hkv, D, k_rows.data_ptr(),
+                                                    v_rows.data_ptr(), k_rows.shape[0], k_rows.stride(0),
+                                                    k_rows.stride(1), key_rows.data_ptr(),
+                                                    lengths.data_ptr(), L, scale,
+                                                    None if k_new is None else k_new.data_ptr(),
+                                                    None if v_new is None else v_new.data_ptr(), out.data_ptr(),
+                                                    None if lse is None else lse.data_ptr(), scratch.data_ptr())
+    if status:  # the kernel checks the indices before it touches memory
+        raise ValueError(f"key_rows must lie in [0, {k_rows.shape[0]})" if status == 1
+                         else f"lengths must lie in [0, {L}]")
     return out
 
 

@@ -65,15 +65,18 @@ static void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-int moetide_abi_version(void) { return 4; }
+int moetide_abi_version(void) { return 5; }
 
 /* The routed experts of T tokens, K each: out[t] = sum over t's K (expert e, weight w), in ascending e, of
    w * down_e(silu(gate_e x_t) * up_e x_t). gate_up_e = gate_up + e*gu_stride is [2I, H] (gate rows first, rows H
    apart), down_e = down + e*dn_stride is [H, I] (rows I apart) — the arena's strided expert views. x [T, H] and
-   out [T, H] contiguous; ids [T, K] int64, weights [T, K] fp32; scratch holds 2I floats. */
-void moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t *ids, const float *weights,
-                             const float *gate_up, int64_t gu_stride, const float *down, int64_t dn_stride,
-                             int64_t H, int64_t I, float *out, float *scratch) {
+   out [T, H] contiguous; ids [T, K] int64, weights [T, K] fp32; scratch holds 2I floats. Returns 1, having
+   touched nothing, if an id is outside [0, E); else 0. */
+int moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t *ids, const float *weights,
+                            const float *gate_up, int64_t gu_stride, const float *down, int64_t dn_stride,
+                            int64_t E, int64_t H, int64_t I, float *out, float *scratch) {
+    for (int64_t p = 0; p < T * K; p++)
+        if (ids[p] < 0 || ids[p] >= E) return 1;  /* checked before anything is read or written */
     for (int64_t t = 0; t < T; t++) {
         const int64_t *id = ids + t * K;
         const float *xt = x + t * H;
@@ -108,6 +111,7 @@ void moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t
             last = id[k];
         }
     }
+    return 0;
 }
 
 /* Decode attention over paged KV, read in place: b sequences, one query each. q [b, Hq, D] contiguous; key j of
@@ -116,12 +120,18 @@ void moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t
    max subtracted. out [b, Hq, D] contiguous; scratch holds L + D floats. A sequence of length 0 gets zeros.
    With k_new and v_new ([b, Hkv, D] contiguous, else NULL), sequence s's new key and value are first written into
    its last row, key_rows[s*L + lengths[s] - 1] (the decode token's own slot). With lse ([b, Hq], else NULL), each
-   row's log-sum-exp of its scaled scores (natural log; -inf with no key), what a split merge needs. */
-void moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, int64_t Hkv, int64_t D,
-                                        float *k_base, float *v_base, int64_t row_stride, int64_t head_stride,
-                                        const int64_t *key_rows, const int64_t *lengths, int64_t L, float scale,
-                                        const float *k_new, const float *v_new, float *out, float *lse,
-                                        float *scratch) {
+   row's log-sum-exp of its scaled scores (natural log; -inf with no key), what a split merge needs. Returns 1 if
+   a row index used is outside [0, num_rows), 2 if a length is outside [0, L] — having touched nothing; else 0. */
+int moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, int64_t Hkv, int64_t D,
+                                       float *k_base, float *v_base, int64_t num_rows, int64_t row_stride,
+                                       int64_t head_stride, const int64_t *key_rows, const int64_t *lengths,
+                                       int64_t L, float scale, const float *k_new, const float *v_new, float *out,
+                                       float *lse, float *scratch) {
+    for (int64_t s = 0; s < b; s++) {  /* checked before anything is read or written */
+        if (lengths[s] < 0 || lengths[s] > L) return 2;
+        for (int64_t j = 0; j < lengths[s]; j++)
+            if (key_rows[s * L + j] < 0 || key_rows[s * L + j] >= num_rows) return 1;
+    }
     const int64_t group = Hq / Hkv;
     float *scores = scratch, *acc = scratch + L;
     for (int64_t s = 0; s < b; s++) {
@@ -156,6 +166,7 @@ void moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, i
             if (lse != 0) lse[s * Hq + h] = n > 0 ? m + logf(sum) : -INFINITY;
         }
     }
+    return 0;
 }
 
 /* RMSNorm and RoPE over T x heads rows of D: row (t, h) starts at x + t*x_stride + h*D; out [T, heads, D]

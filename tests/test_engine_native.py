@@ -5,6 +5,8 @@ them (no compiler, or ``MOETIDE_NATIVE=0``) still matching transformers token fo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -232,3 +234,40 @@ def test_native_kernels_refuse_views_they_cannot_read():
     gate_up, down = strided_experts(torch.Generator().manual_seed(0), 4, 8, 2)
     with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 4\)"):
         native.moe_experts(torch.zeros(1, 8), torch.ones(1, 1), torch.tensor([[4]]), gate_up, down)
+    short_v = torch.zeros(3, 1, 8)  # a row valid in K but not in V is refused too
+    with pytest.raises(ValueError, match=r"key_rows must lie in \[0, 3\)"):
+        native.paged_decode_attention(torch.zeros(1, 1, 8), k_rows, short_v, torch.tensor([[3]]), torch.tensor([1]),
+                                      1.0)
+    with pytest.raises(ValueError, match="head dim"):  # q's head dim must be the rows'
+        native.paged_decode_attention(torch.zeros(1, 1, 16), k_rows, k_rows, torch.tensor([[0]]), torch.tensor([1]),
+                                      1.0)
+    with pytest.raises(ValueError, match="weights must be"):
+        native.rms_norm_rope(torch.zeros(2, 1, 8), 1e-6, (torch.ones(4), None))
+
+
+@needs_native
+def test_native_paths_fall_back_to_torch_for_layouts_they_cannot_read():
+    norm = RMSNorm(8, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(8))
+    x = torch.randn(8, 4).t()  # rows not contiguous
+    with torch.inference_mode():
+        assert_close(norm(x), norm.weight * rms_normalize(x, 1e-6))
+    gate_up = torch.zeros(4, 8, 6).transpose(1, 2)
+    assert not native.experts_readable(gate_up, torch.zeros(4, 8, 3))
+
+
+@needs_native
+def test_a_native_library_another_user_could_write_is_not_loaded(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOETIDE_NATIVE_DIR", str(tmp_path))
+    native._library.cache_clear()
+    try:
+        assert native.available()
+        (library,) = tmp_path.glob("moetide_kernels_*.so")
+        library.chmod(0o777)
+        native._library.cache_clear()
+        loaded = native._library()  # it builds another (the next flag set) rather than load the writable one
+        assert loaded is None or Path(loaded._name) != library
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()

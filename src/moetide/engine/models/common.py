@@ -94,7 +94,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.zero_centered:
             if native.worth_it(x, x.numel()):  # one call instead of seven ops (same to fp32 round-off)
-                return native.rms_norm_rope(x.reshape(-1, 1, x.shape[-1]), self.eps, (self.weight, None)).view(x.shape)
+                rows = x.reshape(-1, 1, x.shape[-1]).contiguous()
+                return native.rms_norm_rope(rows, self.eps, (self.weight, None)).view(x.shape)
             return self.weight * rms_normalize(x, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -151,8 +151,9 @@ class SparseMoE(nn.Module):
         stacked = getattr(experts, "stacked_weights", None)
         stacked = stacked(self.layer_id) if stacked is not None else None
         T, K = expert_ids.shape
-        if stacked is not None and T * K <= NATIVE_PAIRS_PER_EXPERT * stacked[0].shape[0] and native.worth_it(
-                x, T * K * 3 * stacked[1].shape[1] * stacked[1].shape[2]):
+        if (stacked is not None and T * K <= NATIVE_PAIRS_PER_EXPERT * stacked[0].shape[0]
+                and native.worth_it(x, T * K * 3 * stacked[1].shape[1] * stacked[1].shape[2])
+                and native.experts_readable(*stacked)):
             out = native.moe_experts(x, weights, expert_ids, *stacked)
         elif stacked is not None and T == 1 and x.device.type == "cpu":
             out = single_token_experts(x, weights, expert_ids, *stacked)

@@ -4,8 +4,9 @@ costs more than the arithmetic: a MoE layer is ~20 ops, a paged attention ~10 (w
 norms with RoPE ~10; each kernel here is one call. vLLM's CPU build does the same with its C++ kernels.
 
 Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native``) into a cache directory
-(``$MOETIDE_NATIVE_DIR``, else ``~/.cache/moetide/native``), keyed by the source, the flags and the CPU; loaded
-with ``ctypes`` (no torch headers, so the build takes well under a second). Where no compiler works, or with
+(``$MOETIDE_NATIVE_DIR``, else ``~/.cache/moetide/native``, else a private temp directory), keyed by the
+source, the flags and the CPU, and loaded with ``ctypes`` only if this user owns it and nobody else can write it
+(no torch headers, so the build takes about a second). Where no compiler works, or with
 ``MOETIDE_NATIVE=0``, ``available()`` is False and the engine keeps its torch paths — the same results to fp32
 round-off (tested), only slower; the reason is in ``unavailable_reason()``.
 
@@ -29,14 +30,30 @@ import torch
 from torch import Tensor
 
 _SOURCE = Path(__file__).with_name("kernels.c")
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("MOETIDE_NATIVE_DIR") or Path.home() / ".cache" / "moetide" / "native")
+def _cache_dirs() -> list[Path]:
+    """Where the library may be built: ``$MOETIDE_NATIVE_DIR`` alone if set, else ``~/.cache/moetide/native`` and,
+    where that cannot be written (a read-only or absent home), a private directory under the system temp dir."""
+    if os.environ.get("MOETIDE_NATIVE_DIR"):
+        return [Path(os.environ["MOETIDE_NATIVE_DIR"])]
+    dirs = []
+    try:
+        dirs.append(Path.home() / ".cache" / "moetide" / "native")
+    except RuntimeError:  # no home directory
+        pass
+    return [*dirs, Path(tempfile.gettempdir()) / f"moetide-native-{os.getuid()}"]
+
+
+def _trusted(path: Path) -> bool:
+    """A library we built ourselves: owned by this user, not writable by others (a shared cache directory must
+    not let another user plant the code we load)."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 @functools.cache
@@ -50,17 +67,20 @@ def _cpu_signature() -> str:
     return platform.machine() + " " + platform.processor() + " " + flags
 
 
-def _build(compiler: str, flags: list[str]) -> Path:
+def _build(compiler: str, flags: list[str], cache_dir: Path) -> Path:
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"moetide_kernels_{key}.so"
+    target = cache_dir / f"moetide_kernels_{key}.so"
     if target.is_file():
+        if not _trusted(target):
+            raise OSError(f"{target} is not owned by this user or is writable by others: not loaded")
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then one atomic rename
         built = Path(tmp) / target.name
         subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(_SOURCE), "-lm"], check=True,
                        capture_output=True, timeout=120)
+        built.chmod(0o755)  # whatever the umask: never writable by others (``_trusted``)
         os.replace(built, target)
     return target
 
@@ -75,12 +95,12 @@ def _library() -> ctypes.CDLL | None:
         _reason.append(f"no C compiler ({compiler!r} not found)")
         return None
     errors = []
-    for flags in _FLAG_SETS:
+    for flags, cache_dir in ((f, d) for f in _FLAG_SETS for d in _cache_dirs()):
         try:
-            lib = ctypes.CDLL(str(_build(compiler, flags)))
+            lib = ctypes.CDLL(str(_build(compiler, flags, cache_dir)))
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
-            errors.append(f"{' '.join(flags)}: {exc} {detail.decode(errors='replace').strip()[:200]}")
+            errors.append(f"{' '.join(flags)} in {cache_dir}: {exc} {detail.decode(errors='replace').strip()[:200]}")
             continue
         if lib.moetide_abi_version() != _ABI_VERSION:
             errors.append(f"{' '.join(flags)}: ABI version {lib.moetide_abi_version()} != {_ABI_VERSION}")
@@ -122,13 +142,20 @@ def _require_f32(name: str, *tensors: Tensor | None) -> None:
             raise ValueError(f"{name} takes fp32 CPU tensors, got {t.dtype} on {t.device}")
 
 
+def experts_readable(gate_up: Tensor, down: Tensor) -> bool:
+    """Whether ``moe_experts`` can read these stacked views: [E, 2I, H] and [E, H, I] with packed rows."""
+    E, two_i, H = gate_up.shape
+    return (down.shape == (E, H, two_i // 2) and gate_up.stride()[1:] == (H, 1)
+            and down.stride()[1:] == (two_i // 2, 1))
+
+
 def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
     """Like ``moe.grouped_experts``: x [T, H] fp32; weights, expert_ids [T, K]; gate_up [E, 2I, H] and down
     [E, H, I] with unit column stride and packed rows (the arena's or a module's stacked experts) -> [T, H]."""
     lib = _library()
     E, two_i, H = gate_up.shape
     I = two_i // 2  # noqa: E741 (the expert width, as everywhere in the engine)
-    if lib is None or gate_up.stride()[1:] != (H, 1) or down.stride()[1:] != (I, 1) or down.shape != (E, H, I):
+    if lib is None or not experts_readable(gate_up, down):
         raise ValueError("moe_experts needs the native library and [E, 2I, H] / [E, H, I] expert views with "
                          "packed rows")
     _require_f32("moe_experts", x, gate_up, down)
@@ -152,13 +179,17 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     """q [b, Hq, D] fp32, one query per sequence at the end of its context; k_rows, v_rows [rows, Hkv, D] views
     (same strides; unit stride along D); key_rows [b, L] int64 rows of each sequence's keys, the first
     ``lengths[s]`` of them valid -> [b, Hq, D]. ``new_kv`` ([b, Hkv, D] each): written first into each
-    sequence's last row (its decode token's slot). ``lse`` ([b, Hq] fp32, contiguous): filled with each row's
-    log-sum-exp (natural log, -inf for a sequence with no key; a split merge's input)."""
+    sequence's last row (its decode token's slot), all of them before any sequence attends. ``lse`` ([b, Hq]
+    fp32, contiguous): filled with each row's log-sum-exp (natural log, -inf for a sequence with no key; a split
+    merge's input)."""
     lib = _library()
     b, Hq, D = q.shape
     Hkv = k_rows.shape[1]
     if lib is None or k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1 or Hq % Hkv:
         raise ValueError("paged_decode_attention needs the native library and K/V row views of equal strides")
+    if k_rows.shape[1:] != (Hkv, D) or v_rows.shape[1:] != (Hkv, D):
+        raise ValueError(f"K/V rows {list(k_rows.shape)} / {list(v_rows.shape)} do not match q's head dim {D}")
+    num_rows = min(k_rows.shape[0], v_rows.shape[0])  # a row index must be valid in both views
     _require_f32("paged_decode_attention", q, k_rows, v_rows)
     q, key_rows, lengths = q.contiguous(), key_rows.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
     L = key_rows.shape[1]
@@ -174,14 +205,14 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     _require_f32("paged_decode_attention", lse)
     out, scratch = torch.empty_like(q), q.new_empty(L + D)
     status = lib.moetide_paged_decode_attention_f32(q.data_ptr(), b, Hq, Hkv, D, k_rows.data_ptr(),
-                                                    v_rows.data_ptr(), k_rows.shape[0], k_rows.stride(0),
+                                                    v_rows.data_ptr(), num_rows, k_rows.stride(0),
                                                     k_rows.stride(1), key_rows.data_ptr(),
                                                     lengths.data_ptr(), L, scale,
                                                     None if k_new is None else k_new.data_ptr(),
                                                     None if v_new is None else v_new.data_ptr(), out.data_ptr(),
                                                     None if lse is None else lse.data_ptr(), scratch.data_ptr())
     if status:  # the kernel checks the indices before it touches memory
-        raise ValueError(f"key_rows must lie in [0, {k_rows.shape[0]})" if status == 1
+        raise ValueError(f"key_rows must lie in [0, {num_rows})" if status == 1
                          else f"lengths must lie in [0, {L}]")
     return out
 
@@ -198,6 +229,8 @@ def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Te
         raise ValueError("rms_norm_rope needs the native library and rows of D contiguous floats")
     w1, w2 = (None if w is None else w.contiguous() for w in weights)
     _require_f32("rms_norm_rope", x, w1, w2, *(rope or ()))
+    if any(w is not None and w.shape != (D,) for w in (w1, w2)) or not 0 <= split <= heads:
+        raise ValueError(f"rms_norm_rope: weights must be [{D}] and split within [0, {heads}]")
     rotary = 0
     cos = sin = None
     if rope is not None:

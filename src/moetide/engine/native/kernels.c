@@ -65,7 +65,7 @@ static void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-int moetide_abi_version(void) { return 5; }
+int moetide_abi_version(void) { return 6; }
 
 /* The routed experts of T tokens, K each: out[t] = sum over t's K (expert e, weight w), in ascending e, of
    w * down_e(silu(gate_e x_t) * up_e x_t). gate_up_e = gate_up + e*gu_stride is [2I, H] (gate rows first, rows H
@@ -118,10 +118,11 @@ int moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t 
    sequence s is row key_rows[s*L + j] (j < lengths[s]) of the K and V views, whose rows are row_stride elements
    apart and whose heads are head_stride apart; query head h reads KV head h / (Hq / Hkv). Softmax in fp32 with the
    max subtracted. out [b, Hq, D] contiguous; scratch holds L + D floats. A sequence of length 0 gets zeros.
-   With k_new and v_new ([b, Hkv, D] contiguous, else NULL), sequence s's new key and value are first written into
-   its last row, key_rows[s*L + lengths[s] - 1] (the decode token's own slot). With lse ([b, Hq], else NULL), each
-   row's log-sum-exp of its scaled scores (natural log; -inf with no key), what a split merge needs. Returns 1 if
-   a row index used is outside [0, num_rows), 2 if a length is outside [0, L] — having touched nothing; else 0. */
+   With k_new and v_new ([b, Hkv, D] contiguous, else NULL), every sequence's new key and value are first written
+   into its last row, key_rows[s*L + lengths[s] - 1] (the decode token's own slot), before any sequence attends.
+   With lse ([b, Hq], else NULL), each row's log-sum-exp of its scaled scores (natural log; -inf with no key),
+   what a split merge needs. Returns 1 if a row index used is outside [0, num_rows), 2 if a length is outside
+   [0, L] — having touched nothing; else 0. */
 int moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, int64_t Hkv, int64_t D,
                                        float *k_base, float *v_base, int64_t num_rows, int64_t row_stride,
                                        int64_t head_stride, const int64_t *key_rows, const int64_t *lengths,
@@ -134,19 +135,21 @@ int moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, in
     }
     const int64_t group = Hq / Hkv;
     float *scores = scratch, *acc = scratch + L;
+    for (int64_t s = 0; k_new != 0 && s < b; s++) {  /* every new K/V first: one may be in another's context */
+        const int64_t n = lengths[s];
+        if (n == 0) continue;
+        for (int64_t h = 0; h < Hkv; h++) {
+            float *k_slot = k_base + key_rows[s * L + n - 1] * row_stride + h * head_stride;
+            float *v_slot = v_base + key_rows[s * L + n - 1] * row_stride + h * head_stride;
+            for (int64_t d = 0; d < D; d++) {
+                k_slot[d] = k_new[(s * Hkv + h) * D + d];
+                v_slot[d] = v_new[(s * Hkv + h) * D + d];
+            }
+        }
+    }
     for (int64_t s = 0; s < b; s++) {
         const int64_t n = lengths[s];
         const int64_t *rows = key_rows + s * L;
-        if (k_new != 0 && n > 0) {
-            for (int64_t h = 0; h < Hkv; h++) {
-                float *k_slot = k_base + rows[n - 1] * row_stride + h * head_stride;
-                float *v_slot = v_base + rows[n - 1] * row_stride + h * head_stride;
-                for (int64_t d = 0; d < D; d++) {
-                    k_slot[d] = k_new[(s * Hkv + h) * D + d];
-                    v_slot[d] = v_new[(s * Hkv + h) * D + d];
-                }
-            }
-        }
         for (int64_t h = 0; h < Hq; h++) {
             const int64_t kv_offset = (h / group) * head_stride;
             const float *qh = q + (s * Hq + h) * D;

@@ -22,8 +22,8 @@ tiny ops slower); vLLM's OpenMP threads are bound to as many cores (``VLLM_CPU_O
 
 Output: one JSON line per (peer, batch) — ``decode_tokens_per_s`` {median, min, max}, ``peak_rss_mib``,
 ``tokens_match_moetide``, and for moetide ``native_kernels`` (true, or why its native CPU kernels did not run;
-``MOETIDE_NATIVE=0`` in the environment measures its torch paths) — then one line per batch and peer ratio, ``moetide/transformers`` and
-``moetide/vllm`` (above 1: moetide is faster). Nothing asserts a speed.
+``MOETIDE_NATIVE=0`` in the environment measures its torch paths) — then one line per batch and peer ratio,
+``moetide/transformers`` and ``moetide/vllm`` (above 1: moetide is faster). Nothing asserts a speed.
 
 Run: ``.venv/bin/python benchmarks/engine_throughput.py`` from the repository root (a few minutes).
 """

@@ -69,6 +69,11 @@ class ExpertLine:
         self.num_offloads += 1
         return list(new_ids)
 
+    def kv_room(self, pool: BlockPool) -> tuple[int, int]:
+        """(uncached free, all) blocks of the pool: the device room a reclaim watermark reads (the whole pool is
+        device KV here; the engine's line counts its arena's blocks only)."""
+        return pool.num_uncached_free_blocks, pool.num_blocks
+
     def last_region(self) -> tuple[tuple[ExpertKey, ...], range] | None:
         return self._regions[-1] if self._regions else None
 

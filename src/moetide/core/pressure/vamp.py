@@ -362,8 +362,7 @@ class VampPolicy:
         if last is None or line.residency.num_offloaded <= self._allowed:
             self._roomy_since = None
             return False
-        room = getattr(line, "kv_room", None)  # the engine counts device blocks only (not host KV)
-        free, total = room(pool) if room is not None else (pool.num_uncached_free_blocks, pool.num_blocks)
+        free, total = line.kv_room(pool)  # device room (the engine's line leaves host KV out)
         own = sum(1 for b in last[1] if pool.is_free(b) and pool.block_hash(b) is None)  # in ``free`` already
         if free - own < p.reclaim_watermark * total:
             self._roomy_since = None

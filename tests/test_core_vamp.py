@@ -64,21 +64,29 @@ def view(pool, line, shortfall, requester, running=False, preemptible=(), now=10
                         list(preemptible))
 
 
+def relieve(policy, pressure, hits=()):
+    """What the scheduler does on a shortfall: the admission hook first for a waiting requester (its prefix hits,
+    in prefix order), then the policy."""
+    if not pressure.requester_is_running:
+        policy.admitting(pressure.requester, list(hits), pressure.pool, pressure.now_s, pressure.expert_line)
+    return policy.relieve(pressure)
+
+
 def evicted_then_back(policy, pool, line, now, seed, running=()):
     """A prefix is evicted through the policy, then asked for again by a waiting request (a ghost hit);
     returns the policy's answer to that request."""
     hashes = cached_prefix(pool, "s", 2, seed)
-    plan = policy.relieve(view(pool, line, 2, request(f"new-{seed}", 0), preemptible=running, now=now))
+    plan = relieve(policy, view(pool, line, 2, request(f"new-{seed}", 0), preemptible=running, now=now))
     assert plan == [EvictPrefix(2)]
     pool.evict(2)
-    return policy.relieve(view(pool, line, 1, request(f"back-{seed}", 0, hashes=hashes), preemptible=running,
+    return relieve(policy, view(pool, line, 1, request(f"back-{seed}", 0, hashes=hashes), preemptible=running,
                                now=now + 0.5))
 
 
 def test_without_measured_reuse_the_line_stays_and_lru_eviction_covers():
     pool = BlockPool(range(8))
     cached_prefix(pool, "s", 4, seed=1)
-    plan = get_policy("vamp", params=params(1e-7)).relieve(view(pool, make_line(pool), 2, request("new", 0)))
+    plan = relieve(get_policy("vamp", params=params(1e-7)), view(pool, make_line(pool), 2, request("new", 0)))
     assert plan == [EvictPrefix(2)]
 
 
@@ -91,7 +99,7 @@ def test_cold_experts_go_once_evicted_prefixes_are_seen_to_come_back():
     assert evicted_then_back(policy, pool, line, 1000.0, seed=1, running=running) == []
     # the next review (one horizon on) finds the ghost hits worth more than the staging: the line moves
     cached_prefix(pool, "s", 2, seed=2)
-    plan = policy.relieve(view(pool, line, 1, request("next", 0), preemptible=running, now=1011.0))
+    plan = relieve(policy, view(pool, line, 1, request("next", 0), preemptible=running, now=1011.0))
     assert plan == [OffloadExperts(((0, 0),))]  # one expert (two blocks) covers the shortfall of one
 
 
@@ -109,8 +117,8 @@ def test_the_last_window_stays_while_requests_keep_hitting_the_pools_lru_tail():
 
     def ask(t, rid):
         steps.busy = t - 1000.0  # busy all along
-        return policy.relieve(view(lru, line, 1, request(rid, BS, hashes=hashes), preemptible=running, now=t,
-                                   hits=block))
+        return relieve(policy, view(lru, line, 1, request(rid, BS, hashes=hashes), preemptible=running, now=t,
+                                    hits=block), block)
 
     assert ask(1011.0, "grown") == [OffloadExperts(((0, 0),))]  # the review at 1010 s grew the allowance
     for t in range(1012, 1100):  # no more ghost hits, but the tail is hit every second
@@ -118,7 +126,7 @@ def test_the_last_window_stays_while_requests_keep_hitting_the_pools_lru_tail():
     assert ask(1100.5, "still") == [OffloadExperts(((0, 0),))]
     for t in range(1101, 1200):  # nothing any more: the allowance goes back, eviction covers shortfalls
         steps.busy = t - 1000.0
-        plan = policy.relieve(view(lru, line, 1, request(f"cold-{t}", 0), preemptible=running, now=float(t)))
+        plan = relieve(policy, view(lru, line, 1, request(f"cold-{t}", 0), preemptible=running, now=float(t)))
     assert plan == [EvictPrefix(1)]
 
 
@@ -130,7 +138,7 @@ def test_staging_dearer_than_the_measured_reuse_keeps_the_line():
     evicted_then_back(policy, pool, line, 1000.0, seed=1, running=running)
     policy.params.steps.busy = 11.0  # busy all along: staging costs its full share
     cached_prefix(pool, "s", 2, seed=2)
-    plan = policy.relieve(view(pool, line, 1, request("next", 0), preemptible=running, now=1011.0))
+    plan = relieve(policy, view(pool, line, 1, request("next", 0), preemptible=running, now=1011.0))
     assert plan == [EvictPrefix(1)] and line.residency.num_offloaded == 0
 
 
@@ -145,7 +153,7 @@ def test_a_running_requester_with_nothing_to_evict_preempts_the_newest():
     pool = BlockPool(range(8))
     line = make_line(pool)
     fresh, old = request("fresh", computed=4), request("old", computed=400)
-    plan = get_policy("vamp", params=params(1e-2)).relieve(view(pool, line, 1, old, running=True,
+    plan = relieve(get_policy("vamp", params=params(1e-2)), view(pool, line, 1, old, running=True,
                                                                   preemptible=[fresh]))
     assert plan == [Preempt("fresh")]
 
@@ -155,15 +163,15 @@ def test_the_cap_is_never_exceeded():
     line = make_line(pool, max_ratio=0.25)  # 2 of 8 experts
     assert line.residency.max_num_offloaded == 2
     policy = get_policy("vamp", params=params(0.0))
-    plan = policy.relieve(view(pool, line, 100, request("w", 0)))
+    plan = relieve(policy, view(pool, line, 100, request("w", 0)))
     assert plan == []  # the cap's 4 blocks cannot cover 100: a waiting request waits, nothing moves
-    plan = policy.relieve(view(pool, line, 4, request("w", 0)))
+    plan = relieve(policy, view(pool, line, 4, request("w", 0)))
     assert plan == [OffloadExperts(((0, 0), (1, 0)))]  # nothing runs: moving the line is the only way
     line.offload(plan[0].region)
     with pytest.raises(ValueError):
         line.offload([(0, 1)])
     assert line.residency.offloaded_ratio == 0.25
-    assert policy.relieve(view(pool, line, 1, request("w", 0))) == []
+    assert relieve(policy, view(pool, line, 1, request("w", 0))) == []
 
 
 def test_conversion_moves_no_resident_kv():
@@ -229,14 +237,14 @@ def test_the_line_moves_out_while_reuse_is_measured_and_back_when_it_stops():
     for t in range(0, 80):
         steps.busy = float(t)
         hashes = cached_prefix(pool, "s", 2, seed=t)
-        plan = policy.relieve(view(pool, line, pool.num_cached_free_blocks, request(f"new-{t}", 0),
+        plan = relieve(policy, view(pool, line, pool.num_cached_free_blocks, request(f"new-{t}", 0),
                                    preemptible=running, now=float(t)))
         for action in plan:
             if isinstance(action, OffloadExperts):
                 line.offload(action.region)
             else:
                 pool.evict(action.num_blocks)
-        policy.relieve(view(pool, line, 1, request(f"back-{t}", 0, hashes=hashes), preemptible=running,
+        relieve(policy, view(pool, line, 1, request(f"back-{t}", 0, hashes=hashes), preemptible=running,
                             now=t + 0.5))
         policy.maybe_reclaim(line, pool, t + 0.9)
         most = max(most, line.residency.num_offloaded)

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,8 +169,6 @@ class VampPolicy:
         if line is not None:
             self._size_ghost_list(line)
             self._review(line, view.now_s)
-        if not view.requester_is_running:  # a scheduler without the admission hook still gets it measured
-            self.admitting(view.requester, view.protected_blocks, view.pool, view.now_s, line)
         need = view.shortfall_blocks
         room = max(self._allowed - line.residency.num_offloaded, 0) if line is not None else 0
         region, gained = self._offload_region(view, need, room) if room else ([], 0)
@@ -275,9 +273,9 @@ class VampPolicy:
                 self._allowed = allowed - back
 
     # ---- measurements -----------------------------------------------------------------------------------------
-    def admitting(self, request, hits: Collection[int], pool, now_s: float, line=None) -> None:
+    def admitting(self, request, hits: Sequence[int], pool, now_s: float, line=None) -> None:
         """The scheduler's admission hook: a waiting request's prefix lookup (``hits``: the cached blocks it will
-        take), before anything is allocated — every admission, not only those that hit a shortfall, so a stable
+        take, block j of its prefix at j), before anything is allocated — every admission, not only those that hit a shortfall, so a stable
         pool's LRU-tail hits are seen too. Measured once per request (a blocked request is retried every step)."""
         if request.request_id == self._admitted:
             return
@@ -285,7 +283,7 @@ class VampPolicy:
         if line is not None:
             self._size_ghost_list(line)
         self._count_ghost_hits(request, now_s)
-        self._count_tail_hits(request, hits, pool, now_s)
+        self._count_tail_hits(hits, pool, now_s)
 
     def _remember(self, pool, lost) -> None:
         """Put evicted blocks' hashes in the ghost list; each freed block advances its clock."""
@@ -320,23 +318,16 @@ class VampPolicy:
         if saved:
             self._next.add(now_s, saved)
 
-    def _count_tail_hits(self, requester, hits: Collection[int], pool, now_s: float) -> None:
+    def _count_tail_hits(self, hits: Sequence[int], pool, now_s: float) -> None:
         """A waiting request's prefix hits blocks among the W next victims (the LRU head of the cached-free
         queue): a pool W blocks smaller would have lost them before the request came back — what the last window
         of capacity is worth (the ghost list prices the next window, not the last)."""
         if not hits or not self._ghost_capacity:
             return
         victims = set(pool.peek_victims(self._window()))
-        tail = [b for b in hits if b in victims]
-        if not tail:
-            return
-        position = {h: j for j, h in enumerate(requester.block_hashes)}
-        seconds = 0.0
-        for block_id in tail:
-            j = position.get(pool.block_hash(block_id))
-            if j is not None:
-                seconds += self.params.block_prefill_s(j)
-        self._tail.add(now_s, seconds)
+        seconds = sum(self.params.block_prefill_s(j) for j, b in enumerate(hits) if b in victims)  # hits[j]: block j
+        if seconds:
+            self._tail.add(now_s, seconds)
 
     # ---- rates -------------------------------------------------------------------------------------------------
     def _observe(self, now_s: float) -> None:

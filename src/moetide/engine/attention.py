@@ -128,7 +128,7 @@ class PagedAttentionBackend:
             raise RuntimeError("PagedAttentionBackend.attend() before prepare() for this step")
         a = self._attn_index[layer_id]
         k_rows, v_rows = self.storage.kv_rows(a)
-        if plan.direct is not None and plan.direct[1] == 1 and self._native_decode(q, plan.groups[0]):
+        if plan.direct is not None and plan.direct[1] == 1 and native.decode_worth_it(q, plan.groups[0].num_keys):
             group = plan.groups[0]  # a pure decode step: each token's K/V written into its slot, then attended
             b, Hq, D = q.shape
             return native.paged_decode_attention(q, k_rows, v_rows, group.key_rows.view(b, group.num_keys),
@@ -144,15 +144,9 @@ class PagedAttentionBackend:
         return scatter_groups(q, plan.num_tokens, [g.token_index for g in plan.groups], results)
 
     @staticmethod
-    def _native_decode(q: Tensor, group: _Group) -> bool:
-        """Whether a group of one-query sequences goes to the native kernel (``native.worth_it``)."""
-        b, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
-        return native.worth_it(q, 2 * b * Hq * group.num_keys * D)
-
-    @classmethod
-    def _attend_group(cls, q: Tensor, k_rows: Tensor, v_rows: Tensor, group: _Group, scale: float) -> Tensor:
+    def _attend_group(q: Tensor, k_rows: Tensor, v_rows: Tensor, group: _Group, scale: float) -> Tensor:
         b, num_q, Hq, D = q.shape
-        if num_q == 1 and cls._native_decode(q, group):  # decode: read the pages in place
+        if num_q == 1 and native.decode_worth_it(q, group.num_keys):  # decode: read the pages in place
             key_rows = group.key_rows.view(b, group.num_keys)
             return native.paged_decode_attention(q.view(b, Hq, D), k_rows, v_rows, key_rows, group.lengths,
                                                  scale).view(q.shape)

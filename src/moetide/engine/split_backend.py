@@ -71,6 +71,8 @@ class _Part:
     num_keys: int  # L
     attend: Tensor | None  # [b, 1, Q, L] True = attend; None when every query attends every key
     row_has_key: Tensor | None  # [b, 1, Q]: the query row attends some key here (None with ``attend``)
+    lengths: Tensor  # [b] each sequence's keys in this region: its valid slots, a prefix of its rows (the region
+    # is its blocks in table order, and only the context's last block can be partial); on the CPU
 
 
 @dataclass(frozen=True)
@@ -247,8 +249,9 @@ class SplitAttentionBackend:
         fallback = torch.where(valid.any(dim=1, keepdim=True), first, any_row.expand_as(first))
         rows = torch.where(valid, rows, fallback).flatten()
         if full:
-            return _Part(rows.to(rows_device), key_pos.shape[1], None, None)
-        return _Part(rows.to(rows_device), key_pos.shape[1], attend.to(mask_device), row_has_key.to(mask_device))
+            return _Part(rows.to(rows_device), key_pos.shape[1], None, None, valid.sum(dim=1))
+        return _Part(rows.to(rows_device), key_pos.shape[1], attend.to(mask_device), row_has_key.to(mask_device),
+                     valid.sum(dim=1))
 
     def end_step(self) -> None:
         """Close the step: feed the measured CPU time to the online correction (writescope)."""
@@ -351,7 +354,7 @@ class SplitAttentionBackend:
                     continue
                 q, part = item
                 b, num_q, Hq, D = q.shape
-                if num_q == 1 and native.worth_it(q, 2 * b * Hq * part.num_keys * D):
+                if num_q == 1 and native.decode_worth_it(q, part.num_keys):
                     out.append(self._native_partial(q.view(b, Hq, D), kv_rows, part, scale))
                     continue
                 keys, values = self._gather(kv_rows, part, b)
@@ -362,13 +365,11 @@ class SplitAttentionBackend:
     def _native_partial(q: Tensor, kv_rows: tuple[Tensor, Tensor], part: _Part,
                         scale: float) -> tuple[Tensor, Tensor]:
         """A decode group's CPU partial read where the host blocks lie (``native.paged_decode_attention``, with the
-        log-sum-exp), as ``_partial`` returns it. A sequence's valid slots in its CPU region are a prefix of its
-        rows: the region is the first host blocks in table order, and only the context's last block is partial."""
+        log-sum-exp), as ``_partial`` returns it: each sequence attends its first ``part.lengths`` rows."""
         b, Hq, D = q.shape
-        lengths = (torch.full((b,), part.num_keys, dtype=torch.int64) if part.attend is None
-                   else part.attend.view(b, part.num_keys).sum(dim=1))
         lse = q.new_empty(b, Hq, dtype=torch.float32)
-        out = native.paged_decode_attention(q, *kv_rows, part.rows.view(b, part.num_keys), lengths, scale, lse=lse)
+        out = native.paged_decode_attention(q, *kv_rows, part.rows.view(b, part.num_keys), part.lengths, scale,
+                                            lse=lse)
         return out.view(b, Hq, 1, D), lse.view(b, Hq, 1)
 
     def close(self) -> None:

@@ -135,6 +135,11 @@ def worth_it(x: Tensor, macs: int) -> bool:
     return torch.get_num_threads() == 1 or macs <= _SINGLE_THREAD_MACS
 
 
+def decode_worth_it(q: Tensor, num_keys: int) -> bool:
+    """``worth_it`` for decode attention of one query per sequence (q [b, (1,) Hq, D]) over ``num_keys`` keys each."""
+    return worth_it(q, 2 * q.numel() * num_keys)
+
+
 def _require_f32(name: str, *tensors: Tensor | None) -> None:
     """The kernels read raw fp32 memory: anything else is refused, never misread."""
     for t in tensors:

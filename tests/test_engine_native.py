@@ -25,13 +25,47 @@ needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel
 
 
 @pytest.fixture
-def without_native(monkeypatch):
-    """The engine as it runs where the native kernels cannot be built."""
-    monkeypatch.setenv("MOETIDE_NATIVE", "0")
-    native._library.cache_clear()
-    yield
+def native_env(monkeypatch):
+    """``native_env(NAME=value, ...)``: the loader as it runs under these environment variables (its cached
+    library dropped before, and again after the test)."""
+
+    def set_env(**env: str) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        native._library.cache_clear()
+
+    yield set_env
     monkeypatch.undo()
     native._library.cache_clear()
+
+
+@pytest.fixture
+def without_native(native_env):
+    """The engine as it runs where the native kernels cannot be built."""
+    native_env(MOETIDE_NATIVE="0")
+
+
+def count_calls(monkeypatch, *names):
+    """Wrap ``native.<name>`` so each call's keyword arguments are recorded: {name: [kwargs, ...]}."""
+    calls = {name: [] for name in names}
+    for name in names:
+        def counted(*args, _name=name, _kernel=getattr(native, name), **kwargs):
+            calls[_name].append(kwargs)
+            return _kernel(*args, **kwargs)
+        monkeypatch.setattr(native, name, counted)
+    return calls
+
+
+def length_mask(lengths, num_keys):
+    """[b, 1, 1, L]: key j of sequence s is attended iff j < lengths[s]."""
+    return (torch.arange(num_keys) < lengths[:, None])[:, None, None, :]
+
+
+def reference_decode(q, k_rows, v_rows, key_rows, lengths, scale):
+    """The torch path the native decode attention replaces: gather, mask, SDPA."""
+    b, num_keys = key_rows.shape
+    keys, values = gather_kv(k_rows, v_rows, key_rows.flatten(), b, num_keys)
+    return attend_gathered(q[:, None], keys, values, length_mask(lengths, num_keys), scale)[:, 0]
 
 
 def assert_close(actual, expected):
@@ -68,9 +102,7 @@ def test_native_decode_attention_equals_gather_and_sdpa(heads, kv_heads, head_di
     key_rows = torch.randint(0, num_rows, (b, L), generator=generator)
     key_rows = torch.where(torch.arange(L) < lengths[:, None], key_rows, key_rows[:, :1])  # padding: slot 0
     q = torch.randn(b, heads, head_dim, generator=generator)
-    keys, values = gather_kv(k_rows, v_rows, key_rows.flatten(), b, L)
-    mask = (torch.arange(L) < lengths[:, None])[:, None, None, :]
-    expected = attend_gathered(q[:, None], keys, values, mask, 0.3)[:, 0]
+    expected = reference_decode(q, k_rows, v_rows, key_rows, lengths, 0.3)
     assert_close(native.paged_decode_attention(q, k_rows, v_rows, key_rows, lengths, 0.3), expected)
 
 
@@ -117,9 +149,8 @@ def test_native_decode_attention_returns_the_split_merges_log_sum_exp():
     lse = torch.empty(b, heads)
     out = native.paged_decode_attention(q, k_rows, v_rows, key_rows, lengths, 0.2, lse=lse)
     keys, values = gather_kv(k_rows, v_rows, key_rows.flatten(), b, L)
-    mask = (torch.arange(L) < lengths[:, None])[:, None, None, :]
     expected_out, expected_lse = cpu_partial_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
-                                                       0.2, mask)
+                                                       0.2, length_mask(lengths, L))
     assert_close(out, expected_out[:, :, 0])
     assert torch.equal(torch.isinf(lse), torch.isinf(expected_lse[:, :, 0]))
     finite = torch.isfinite(expected_lse[:, :, 0])
@@ -128,16 +159,11 @@ def test_native_decode_attention_returns_the_split_merges_log_sum_exp():
 
 @needs_native
 def test_the_split_backend_attends_host_blocks_in_place_at_decode(tiny_checkpoint, monkeypatch):
-    calls = []
-
-    def counted(*args, _kernel=native.paged_decode_attention, **kwargs):
-        calls.append(kwargs.get("lse") is not None)
-        return _kernel(*args, **kwargs)
-
-    monkeypatch.setattr(native, "paged_decode_attention", counted)
+    recorded = count_calls(monkeypatch, "paged_decode_attention")
     engine = Engine(tiny_checkpoint("qwen3_moe"), kv_budget_bytes=PAGE_BYTES, kv_host_mib=1, split_policy="cpu-all",
                     page_bytes=PAGE_BYTES, block_size=4)
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6, 7]], 6)
+    calls = [kwargs.get("lse") is not None for kwargs in recorded["paged_decode_attention"]]
     assert any(calls), "decode partials over host blocks went to the native kernel, with the log-sum-exp"
 
 
@@ -153,9 +179,7 @@ def test_native_decode_attention_writes_each_new_token_into_its_slot_first():
     expected_k, expected_v = k_rows.clone(), v_rows.clone()
     last = key_rows[torch.arange(b), lengths - 1]
     expected_k[last], expected_v[last] = k_new, v_new
-    keys, values = gather_kv(expected_k, expected_v, key_rows.flatten(), b, L)
-    mask = (torch.arange(L) < lengths[:, None])[:, None, None, :]
-    expected = attend_gathered(q[:, None], keys, values, mask, 0.25)[:, 0]
+    expected = reference_decode(q, expected_k, expected_v, key_rows, lengths, 0.25)
     out = native.paged_decode_attention(q, k_rows, v_rows, key_rows, lengths, 0.25, new_kv=(k_new, v_new))
     assert_close(out, expected)
     assert torch.equal(k_rows, expected_k) and torch.equal(v_rows, expected_v)  # only the new slots changed
@@ -173,27 +197,17 @@ def test_native_decode_attention_reads_no_row_past_a_sequence_length():
 
 @needs_native
 def test_the_engine_takes_the_native_kernels_at_decode(tiny_checkpoint, monkeypatch):
-    calls = {"moe_experts": 0, "paged_decode_attention": 0}
-    for name in calls:
-        def counted(*args, _name=name, _kernel=getattr(native, name), **kwargs):
-            calls[_name] += 1
-            return _kernel(*args, **kwargs)
-        monkeypatch.setattr(native, name, counted)
+    recorded = count_calls(monkeypatch, "moe_experts", "paged_decode_attention")
     Engine(tiny_checkpoint("qwen3_moe"), kv_budget_mib=4).generate([[1, 2, 3], [4, 5, 6, 7]], 4)
+    calls = {name: len(kwargs) for name, kwargs in recorded.items()}
     assert calls["moe_experts"] > 0 and calls["paged_decode_attention"] > 0
 
 
-def test_without_a_compiler_the_reason_is_kept(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("MOETIDE_NATIVE_DIR", str(tmp_path))
-    native._library.cache_clear()
-    try:
-        assert not native.available()
-        assert "no C compiler" in native.unavailable_reason()
-        assert not native.worth_it(torch.ones(2), 1)
-    finally:
-        monkeypatch.undo()
-        native._library.cache_clear()
+def test_without_a_compiler_the_reason_is_kept(native_env, tmp_path):
+    native_env(CC=str(tmp_path / "no-such-cc"), MOETIDE_NATIVE_DIR=str(tmp_path))
+    assert not native.available()
+    assert "no C compiler" in native.unavailable_reason()
+    assert not native.worth_it(torch.ones(2), 1)
 
 
 def test_disabled_native_kernels_leave_the_torch_paths(without_native):
@@ -258,16 +272,11 @@ def test_native_paths_fall_back_to_torch_for_layouts_they_cannot_read():
 
 
 @needs_native
-def test_a_native_library_another_user_could_write_is_not_loaded(monkeypatch, tmp_path):
-    monkeypatch.setenv("MOETIDE_NATIVE_DIR", str(tmp_path))
+def test_a_native_library_another_user_could_write_is_not_loaded(native_env, tmp_path):
+    native_env(MOETIDE_NATIVE_DIR=str(tmp_path))
+    assert native.available()
+    (library,) = tmp_path.glob("moetide_kernels_*.so")
+    library.chmod(0o777)
     native._library.cache_clear()
-    try:
-        assert native.available()
-        (library,) = tmp_path.glob("moetide_kernels_*.so")
-        library.chmod(0o777)
-        native._library.cache_clear()
-        loaded = native._library()  # it builds another (the next flag set) rather than load the writable one
-        assert loaded is None or Path(loaded._name) != library
-    finally:
-        monkeypatch.undo()
-        native._library.cache_clear()
+    loaded = native._library()  # it builds another (the next flag set) rather than load the writable one
+    assert loaded is None or Path(loaded._name) != library

@@ -102,8 +102,8 @@ class Scheduler:
         self.num_evicted_blocks = 0
         # (request, pool free_version, token budget) of the last failed admission: until blocks are freed, the
         # same head with no smaller budget fails again, so it is not retried (it would cost O(context) per step).
-        # Exact for `vllm`; for a policy whose answer also moves with time (vamp's wait cost, p(reuse)) the head
-        # is asked again only after the next free — a known approximation.
+        # Exact for `vllm`; for a policy whose answer also moves with time (vamp's allowance, moved at reviews)
+        # the head is asked again only after the next free — a known approximation.
         self._blocked: tuple[Request, int, int] | None = None
 
     # ---- requests in and out ------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ class Scheduler:
         if not running or len(running) > self.config.max_num_batched_tokens:
             return 0
         if getattr(self.policy, "reads_every_step", False):
-            return 0  # the policy keeps per-step state (step-time averages, reclaim clocks): step normally
+            return 0  # the policy keeps per-step state (vamp-reclaim's clock): step normally
         if self.waiting and len(running) < self.config.max_num_seqs:
             blocked = self._blocked
             if (blocked is None or blocked[0] is not self.waiting[0]

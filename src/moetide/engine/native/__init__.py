@@ -140,6 +140,11 @@ def decode_worth_it(q: Tensor, num_keys: int) -> bool:
     return worth_it(q, 2 * q.numel() * num_keys)
 
 
+def _ptr(t: Tensor | None) -> int | None:
+    """A tensor's data pointer for ctypes (NULL for None); the tensor must stay referenced across the call."""
+    return None if t is None else t.data_ptr()
+
+
 def _require_f32(name: str, *tensors: Tensor | None) -> None:
     """The kernels read raw fp32 memory: anything else is refused, never misread."""
     for t in tensors:
@@ -213,9 +218,8 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
                                                     v_rows.data_ptr(), num_rows, k_rows.stride(0),
                                                     k_rows.stride(1), key_rows.data_ptr(),
                                                     lengths.data_ptr(), L, scale,
-                                                    None if k_new is None else k_new.data_ptr(),
-                                                    None if v_new is None else v_new.data_ptr(), out.data_ptr(),
-                                                    None if lse is None else lse.data_ptr(), scratch.data_ptr())
+                                                    _ptr(k_new), _ptr(v_new), out.data_ptr(), _ptr(lse),
+                                                    scratch.data_ptr())
     if status:  # the kernel checks the indices before it touches memory
         raise ValueError(f"key_rows must lie in [0, {num_rows})" if status == 1
                          else f"lengths must lie in [0, {L}]")
@@ -245,10 +249,6 @@ def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Te
             raise ValueError(f"rope tables must be [T, rotary] with an even rotary <= {D}")
     out = torch.empty(T, heads, D, dtype=x.dtype)
     scratch = x.new_empty(D)
-
-    def ptr(t: Tensor | None) -> int | None:
-        return None if t is None else t.data_ptr()
-
-    lib.moetide_rms_norm_rope_f32(x.data_ptr(), T, x.stride(0), heads, D, eps is not None, eps or 0.0, ptr(w1),
-                                  split, ptr(w2), ptr(cos), ptr(sin), rotary, out.data_ptr(), scratch.data_ptr())
+    lib.moetide_rms_norm_rope_f32(x.data_ptr(), T, x.stride(0), heads, D, eps is not None, eps or 0.0, _ptr(w1),
+                                  split, _ptr(w2), _ptr(cos), _ptr(sin), rotary, out.data_ptr(), scratch.data_ptr())
     return out

@@ -1,10 +1,13 @@
 """Staging cost of offloaded experts, against hand arithmetic."""
 
+from dataclasses import replace
+
 import pytest
 
+from moetide.errors import UserError
 from moetide.perf.staging import StagingConfig, StagingModel
 from moetide.sim.setup import ReplayConfig, run_replay
-from moetide.specs import get_gpu, get_model
+from moetide.specs import get_gpu, get_host, get_model
 from moetide.workloads import generate_agent_sessions
 
 MIB = 1 << 20
@@ -88,11 +91,70 @@ def test_the_policy_prices_offload_with_the_staging_the_replay_charges():
     assert predicted > 0 and predicted == pytest.approx(charged_s / base_s, rel=1e-6)
 
 
+def host_model(**config):
+    return model(cold_experts="cpu", host=get_host("ddr5-4800-8ch"), **config)
+
+
+def test_cold_experts_on_the_cpu_by_hand():
+    staging = host_model(transfer_latency_s=0.0, cpu_dispatch_s=0.0)
+    host = get_host("ddr5-4800-8ch")
+    bytes_per_s = host.dram_bandwidth_bytes_per_s * 0.8
+    flops_per_s = host.fp32_flops_per_s * 0.5
+    # one token, one offloaded expert (uniform routing): q = p = 10/512; nothing prefetched (no window)
+    p = 10 / 512
+    read_s = p * 3 * MIB / bytes_per_s
+    flop_s = p * 2 * (3 * MIB / 2) / flops_per_s  # one pair through a 1.5M-parameter shard
+    rows_s = p * 2 * 2048 * 2 / (55e9 * 0.9)  # the row to the host and its result back, bf16
+    assert staging.cpu_layer_s(1, 1) == pytest.approx(max(read_s, flop_s) + rows_s)
+    moved, exposed = staging.layer(1, 1, overlap_s=0.0)
+    assert moved == 0.0 and exposed == pytest.approx(max(read_s, flop_s) + rows_s)  # cheaper than the fetch
+    # a big prefill chunk is compute-bound on the host: the whole segment is fetched instead
+    fetch = model(transfer_latency_s=0.0).layer(8192, 77, overlap_s=0.0)
+    assert staging.layer(8192, 77, overlap_s=0.0) == pytest.approx(fetch)
+
+
+@pytest.mark.parametrize("zipf_s", [0.0, 0.88])
+def test_cold_experts_on_the_cpu_are_never_worse_than_fetching_them(zipf_s):
+    fetch, cpu = model(routing_zipf_s=zipf_s), host_model(routing_zipf_s=zipf_s)
+    shared = host_model(routing_zipf_s=zipf_s, gpus_per_socket=4)
+    cheaper = 0
+    for tokens in (1, 8, 64, 512, 8192):
+        for n in (1, 5, 26, 77):
+            for window in (0.0, 1e-4, 1e-3):
+                f, c, s = (x.layer(tokens, n, window)[1] for x in (fetch, cpu, shared))
+                assert c <= f + 1e-12 and c <= s + 1e-12  # a quarter of the socket is never better
+                cheaper += c < 0.5 * f
+    assert cheaper  # and at decode sizes it is much cheaper
+
+
 def test_bad_staging_settings():
     with pytest.raises(ValueError, match="staging mode"):
         StagingConfig(mode="eager")
     with pytest.raises(ValueError, match="routing_zipf_s"):
         StagingConfig(routing_zipf_s=-1)
+    with pytest.raises(ValueError, match="cold_experts"):
+        StagingConfig(cold_experts="gpu")
+    with pytest.raises(ValueError, match="host CPU spec"):
+        StagingConfig(cold_experts="cpu")
+    with pytest.raises(ValueError, match="host CPU spec"):
+        StagingConfig(cold_experts="cpu", host=get_host("ddr5-4800-8ch"), mode="segment")
+    with pytest.raises(ValueError, match="gpus_per_socket"):
+        StagingConfig(gpus_per_socket=0)
+
+
+def test_replay_with_cold_experts_on_the_cpu_stages_less(tmp_path):
+    from moetide.cli import main
+
+    workload = generate_agent_sessions(4, num_sessions=6)
+    config = ReplayConfig(policy="static-offload", kv_budget_gib=4.0, max_offload_ratio=0.05)
+    fetched, _ = run_replay(workload, config)
+    computed, _ = run_replay(workload, replace(config, cold_experts="cpu"))
+    assert computed["config"]["cold_experts"] == "cpu" and computed["config"]["cpu"] == "ddr5-4800-8ch"
+    assert computed["metrics"]["staged_bytes"] < fetched["metrics"]["staged_bytes"]
+    assert computed["metrics"]["tpot_s"]["mean"] < fetched["metrics"]["tpot_s"]["mean"]
+    with pytest.raises(UserError, match="--staging auto"):
+        ReplayConfig(cold_experts="cpu", staging_mode="touched")
+    assert main(["replay", "--cold-experts", "cpu", "--cpu", "no-such-host", "--policy", "static-offload"]) == 2
 
 
 @pytest.mark.parametrize("policy", ["vamp", "vamp-reclaim", "static-offload"])

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moetide.perf.staging import STAGING_MODES
+from moetide.perf.staging import COLD_EXPERT_MODES, STAGING_MODES
 from moetide.errors import UserError
 from moetide.report.progress import ProgressBar
 from moetide.report.tables import format_table
@@ -60,6 +60,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--host-link-shared-by", type=int, default=defaults.host_link_shared_by, metavar="N",
                         help="GPUs that stage experts through one host uplink at the same time (2: tensor-parallel "
                              "partners behind one PCIe switch); each gets 1/N of the link (default %(default)s)")
+    parser.add_argument("--cold-experts", choices=list(COLD_EXPERT_MODES), default=defaults.cold_experts,
+                        help="offloaded experts the prefetch does not carry: fetch them over the host link on demand, "
+                             "or let the host CPU compute them where they lie when that is cheaper for the step "
+                             "(modeled; default %(default)s)")
+    parser.add_argument("--cpu", default=defaults.cpu, metavar="HOST",
+                        help="--cold-experts cpu: the host CPU socket, a preset or a `moetide calibrate` file "
+                             "(default %(default)s)")
+    parser.add_argument("--gpus-per-socket", type=int, default=defaults.gpus_per_socket, metavar="N",
+                        help="--cold-experts cpu: GPUs whose cold experts one socket computes at once (DGX H200: 4); "
+                             "each gets 1/N of it (default %(default)s)")
+    parser.add_argument("--cpu-matmul-tflops", type=float, default=None, metavar="X",
+                        help="--cold-experts cpu: the socket's sustained expert-GEMM rate in TFLOP/s (default: its fp32 "
+                             "FMA peak x 0.5; an AMX BF16 kernel reaches more, e.g. 10.5 per socket from "
+                             "KTransformers' 21 TFLOPS on a two-socket Xeon 4)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
                         help="vamp: seconds between reviews of the line, and the time constant of its measured "
                              "rates (default %(default)s)")
@@ -106,6 +120,8 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         max_offload_ratio=getattr(args, "max_offload_ratio", 0.0), staging_mode=args.staging,
         routing_zipf_s=args.routing_zipf_s, routing_profile=args.routing_profile,
         host_link_shared_by=args.host_link_shared_by,
+        cold_experts=args.cold_experts, cpu=args.cpu, gpus_per_socket=args.gpus_per_socket,
+        cpu_matmul_tflops=args.cpu_matmul_tflops,
         vamp_horizon_s=args.vamp_horizon_s,
     )
 

@@ -21,6 +21,23 @@ from a file the engine writes: ``perf.routing_profile``). The offloaded experts 
 * ``segment`` (as the VAMP paper does): the whole offloaded segment of every layer, every step, fetched
   ``overlap_layers`` (default 1) layers ahead so it overlaps the preceding layers' compute.
 
+Where the experts ``auto`` does not prefetch are served (``cold_experts``):
+
+* ``fetch`` (default): copied over the host link on demand, as above.
+* ``cpu``: the host CPU computes them where they lie (Fiddler, arXiv:2402.07033; KTransformers, SOSP 2025): the
+  rows routed to them go to the host, the socket runs the experts' GEMMs over its shard of their weights (each GPU's
+  socket computes the 1/tp shard its GPU would, so the partial sums join the same all-reduce), and the results come
+  back. Per layer: ``max(touched × shard bytes / B, pairs × 2 × shard params / F) + 2 × (rows × hidden × 2 B / link
+  + per-transfer latency) + cpu_dispatch_s``, with B and F the socket's sustained DRAM bandwidth and fp32 FMA peak
+  (``HostSpec``) times ``cpu_memory_efficiency`` / ``cpu_compute_efficiency`` (or a given matmul rate,
+  ``cpu_matmul_flops_per_s``: AMX), shared by ``gpus_per_socket`` GPUs;
+  ``pairs`` = T × Σ p_e (expected routed token-expert pairs), ``rows`` = min(T, pairs); the fixed part is paid when a row goes there at all (at most
+  min(1, Σ q) of the time). Nothing of it overlaps the
+  GPU (the hot experts the GPU computes meanwhile are not counted: a pessimistic bound). The batch is known before
+  the step, so per step and layer the cheaper of fetching and computing them is taken, and the prefetch count is
+  chosen with it (all of the segment prefetched, with no host call, is one candidate). MODELED from the host
+  preset's typical figures; nothing here was measured on a host CPU next to an H200.
+
 Per layer: transfer_s = bytes / (host-link bandwidth × efficiency) + per-transfer latency × experts moved;
 exposed_s = max(0, transfer_s − overlap_layers × compute_s_per_layer) for ``touched`` and ``segment``. A step's
 staging cost is the sum of the exposed times over MoE layers (layers run one after another). Bytes per expert are
@@ -35,10 +52,12 @@ import math
 from dataclasses import dataclass
 
 from moetide.perf.budget import weights_per_gpu
-from moetide.specs import HardwareSpec, ModelSpec
+from moetide.specs import HardwareSpec, HostSpec, ModelSpec
 
 AUTO, TOUCHED, SEGMENT = "auto", "touched", "segment"
 STAGING_MODES = (AUTO, TOUCHED, SEGMENT)
+FETCH, CPU = "fetch", "cpu"
+COLD_EXPERT_MODES = (FETCH, CPU)
 
 
 @dataclass(frozen=True)
@@ -55,10 +74,37 @@ class StagingConfig:
     # GPUs that stage at the same time through one host uplink (e.g. 2: tensor-parallel partners behind one PCIe
     # switch, which stage their shards of the same experts together); each gets 1/n of the link.
     host_link_shared_by: int = 1
+    # Experts the prefetch does not carry: fetched on demand, or computed by the host CPU where they lie (``cpu``,
+    # module docstring; needs ``host``, the socket next to the GPU, and mode ``auto``).
+    cold_experts: str = FETCH
+    host: HostSpec | None = None
+    gpus_per_socket: int = 1  # GPUs whose cold experts one socket computes at once (DGX H200: 8 GPUs, 2 sockets)
+    # ASSUMED kernel efficiencies (no host CPU next to an H200 was measured): a GEMV over bf16 expert weights streams
+    # them at ~0.8 of STREAM Triad (llama.cpp-style CPU decode is memory-bound at 60-90% of it); a small-M GEMM over
+    # bf16 weights converted to fp32 FMAs reaches ~half the FMA peak (AMX is not counted).
+    cpu_memory_efficiency: float = 0.8
+    cpu_compute_efficiency: float = 0.5
+    # or a sustained matmul rate for the socket's expert GEMMs, replacing fp32 peak x cpu_compute_efficiency (e.g.
+    # an AMX BF16 kernel: KTransformers reports 21 TFLOPS on a Xeon 4 machine, doc/en/AMX.md)
+    cpu_matmul_flops_per_s: float | None = None
+    cpu_dispatch_s: float = 10e-6  # per layer: waking the host worker and the GPU's wait on its result flag
 
     def __post_init__(self) -> None:
         if self.mode not in STAGING_MODES:
             raise ValueError(f"staging mode must be one of {', '.join(map(repr, STAGING_MODES))}, got {self.mode!r}")
+        if self.cold_experts not in COLD_EXPERT_MODES:
+            raise ValueError(f"cold_experts must be one of {', '.join(map(repr, COLD_EXPERT_MODES))}, "
+                             f"got {self.cold_experts!r}")
+        if self.cold_experts == CPU and (self.host is None or self.mode != AUTO):
+            raise ValueError("cold_experts='cpu' needs a host CPU spec and staging mode 'auto'")
+        if isinstance(self.gpus_per_socket, bool) or not isinstance(self.gpus_per_socket, int) \
+                or self.gpus_per_socket < 1:
+            raise ValueError(f"gpus_per_socket must be an integer >= 1, got {self.gpus_per_socket!r}")
+        if not (0 < self.cpu_memory_efficiency <= 1 and 0 < self.cpu_compute_efficiency <= 1
+                and self.cpu_dispatch_s >= 0):
+            raise ValueError("cpu_memory_efficiency and cpu_compute_efficiency must be in (0, 1], cpu_dispatch_s >= 0")
+        if self.cpu_matmul_flops_per_s is not None and not self.cpu_matmul_flops_per_s > 0:
+            raise ValueError(f"cpu_matmul_flops_per_s must be positive, got {self.cpu_matmul_flops_per_s!r}")
         if not 0 < self.link_efficiency <= 1:
             raise ValueError(f"link_efficiency must be in (0, 1], got {self.link_efficiency}")
         if self.transfer_latency_s < 0 or (self.overlap_layers is not None and self.overlap_layers < 0):
@@ -93,6 +139,16 @@ class StagingModel:
         self.num_moe_layers = model.num_moe_layers
         # one expert's transfer: its bytes over the link plus the per-copy latency
         self.expert_transfer_s = self.expert_bytes / self.link_bytes_per_s + config.transfer_latency_s
+        self.on_cpu = config.cold_experts == CPU
+        if self.on_cpu:
+            host = config.host
+            self.cpu_bytes_per_s = (host.dram_bandwidth_bytes_per_s * config.cpu_memory_efficiency
+                                    / config.gpus_per_socket)
+            flops = config.cpu_matmul_flops_per_s or host.fp32_flops_per_s * config.cpu_compute_efficiency
+            self.cpu_flops_per_s = flops / config.gpus_per_socket
+            self.cpu_flops_per_pair = 2.0 * self.expert_bytes / dtype_bytes  # one token through one expert shard
+            self.row_transfer_s = 2 * model.hidden_size * dtype_bytes / self.link_bytes_per_s  # to the host and back
+            self.cpu_call_s = 2 * config.transfer_latency_s + config.cpu_dispatch_s
         if config.routing_shares is not None:
             if len(config.routing_shares) != self.num_experts:
                 raise ValueError(f"routing_shares lists {len(config.routing_shares)} experts; {model.name} routes "
@@ -103,6 +159,9 @@ class StagingModel:
         total = sum(weights)
         # per-token probability that expert of popularity rank r is among the top-k, coldest first
         self._p_coldest = [min(1.0, self.top_k * w / total) for w in reversed(weights)]
+        self._p_sum = [0.0]  # Σ p over the r coldest: expected routed pairs per token
+        for p in self._p_coldest:
+            self._p_sum.append(self._p_sum[-1] + p)
         self._moved: dict[tuple[int, int], float] = {}
 
     def touched_share(self, num_tokens: int) -> float:
@@ -137,14 +196,33 @@ class StagingModel:
             moved = self.experts_moved(num_tokens, num_offloaded)
             return moved, max(0.0, moved * t - overlap_s)
         # prefetch the m likeliest (the hottest of the cold), fetch the rest on demand: Σ q over the coldest n − m
+        # (or compute them on the host CPU when that is cheaper: ``cold_experts='cpu'``)
         best = None
         first = min(num_offloaded, math.floor(overlap_s / t) if t > 0 else num_offloaded)
-        for m in (first, min(first + 1, num_offloaded)):
+        candidates = (first, min(first + 1, num_offloaded), num_offloaded) if self.on_cpu else \
+            (first, min(first + 1, num_offloaded))
+        for m in candidates:
             on_demand = self.expected_touched(num_tokens, num_offloaded - m)
-            exposed = max(0.0, m * t - overlap_s) + on_demand * t
+            moved, rest_s = m + on_demand, on_demand * t
+            if self.on_cpu and m < num_offloaded:
+                cpu_s = self.cpu_layer_s(num_tokens, num_offloaded - m, on_demand)
+                if cpu_s < rest_s:
+                    moved, rest_s = m, cpu_s
+            exposed = max(0.0, m * t - overlap_s) + rest_s
             if best is None or exposed < best[1]:
-                best = (m + on_demand, exposed)
+                best = (moved, exposed)
         return best
+
+    def cpu_layer_s(self, num_tokens: int, num_coldest: int, touched: float | None = None) -> float:
+        """Seconds the host CPU takes to compute a layer's ``num_coldest`` coldest experts for a step of T tokens,
+        moving the routed rows both ways (module docstring); ``touched``: their Σ q when the caller has it."""
+        if touched is None:
+            touched = self.expected_touched(num_tokens, num_coldest)
+        pairs = num_tokens * self._p_sum[num_coldest]
+        work_s = max(touched * self.expert_bytes / self.cpu_bytes_per_s,
+                     pairs * self.cpu_flops_per_pair / self.cpu_flops_per_s)
+        # the host is called only when a row goes to one of them: P(any) <= min(1, Σ q)
+        return work_s + min(num_tokens, pairs) * self.row_transfer_s + min(1.0, touched) * self.cpu_call_s
 
     def step(self, num_tokens: int, offloaded_per_layer: list[int] | tuple[int, ...],
              compute_s_per_layer: float) -> tuple[float, float]:

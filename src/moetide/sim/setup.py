@@ -20,10 +20,10 @@ from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
 from moetide.perf.routing_profile import read_rank_shares
-from moetide.perf.staging import STAGING_MODES, StagingConfig, StagingModel
+from moetide.perf.staging import COLD_EXPERT_MODES, STAGING_MODES, StagingConfig, StagingModel
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
-from moetide.specs import get_gpu, get_model
+from moetide.specs import get_gpu, get_host, get_model
 from moetide.workloads.base import Workload
 
 
@@ -47,6 +47,12 @@ class ReplayConfig:
     routing_zipf_s: float = 0.0  # expert popularity skew for staging (0: uniform routing, the pessimistic case)
     routing_profile: str | None = None  # or a measured profile (`moetide generate --routing-out`), not with zipf
     host_link_shared_by: int = 1  # GPUs staging through one host uplink at once (2: TP partners on one switch)
+    # offloaded experts the prefetch does not carry: "fetch" on demand, or "cpu": computed by the host socket
+    # (``cpu``, a host preset or file) when that is cheaper for the step; ``gpus_per_socket`` GPUs share it
+    cold_experts: str = "fetch"
+    cpu: str = "ddr5-4800-8ch"  # DGX H200's host: 2 x Xeon Platinum 8480C (Sapphire Rapids), one per 4 GPUs
+    gpus_per_socket: int = 1
+    cpu_matmul_tflops: float | None = None  # the socket's expert-GEMM rate (None: fp32 FMA peak x 0.5; AMX: more)
     vamp_horizon_s: float = 300.0  # time constant of vamp's rate estimates and of the step mix it prices with
     seed: int = 0
 
@@ -69,6 +75,14 @@ class ReplayConfig:
             raise UserError("give --routing-profile or --routing-zipf-s, not both")
         if self.staging_mode not in STAGING_MODES:
             raise UserError(f"--staging must be one of {', '.join(STAGING_MODES)}, got {self.staging_mode!r}")
+        if self.cold_experts not in COLD_EXPERT_MODES:
+            raise UserError(f"--cold-experts must be one of {', '.join(COLD_EXPERT_MODES)}, got {self.cold_experts!r}")
+        if self.cold_experts == "cpu" and self.staging_mode != "auto":
+            raise UserError("--cold-experts cpu serves what --staging auto does not prefetch: use --staging auto")
+        if self.gpus_per_socket < 1:
+            raise UserError(f"--gpus-per-socket must be >= 1, got {self.gpus_per_socket}")
+        if self.cpu_matmul_tflops is not None and not self.cpu_matmul_tflops > 0:
+            raise UserError(f"--cpu-matmul-tflops must be positive, got {self.cpu_matmul_tflops}")
         if not self.vamp_horizon_s > 0:
             raise UserError("--vamp-horizon-s must be positive")
 
@@ -107,7 +121,10 @@ def build_replay(
     staging = StagingModel(model, gpu, tp=config.tp,
                            config=StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s,
                                                 routing_shares=_routing_shares(config, model),
-                                                host_link_shared_by=config.host_link_shared_by))
+                                                host_link_shared_by=config.host_link_shared_by,
+                                                cold_experts=config.cold_experts, gpus_per_socket=config.gpus_per_socket,
+                                                cpu_matmul_flops_per_s=(config.cpu_matmul_tflops or 0) * 1e12 or None,
+                                                host=get_host(config.cpu) if config.cold_experts == "cpu" else None))
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers, mix_tau_s=config.vamp_horizon_s,
                                     reference_step=_reference_decode(config, step_model),
                                     track_mix=config.policy.lower() in NEEDS_VAMP_PARAMS)

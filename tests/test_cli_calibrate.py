@@ -1,7 +1,9 @@
-"""``moetide calibrate``: the host file it writes (round trip, plan-split accepts it), its fit, and its errors.
+"""``moetide calibrate``: the host file it writes (round trip, plan-split accepts it), its fit, its errors, and which
+kernel it times for which shape (the engine's: native paged decode for fp32 decode, flash otherwise).
 
 One real ``--quick`` run (module fixture, needs torch); everything else uses a synthetic ``Calibration`` so it is
-fast and exact. No timing is asserted: the measured figures only have to be positive and finite.
+fast and exact, or times tiny shapes once. No timing is asserted: the measured figures only have to be positive and
+finite.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ from moetide.commands.calibrate import host_file_text
 from moetide.errors import UserError
 from moetide.perf.attention import AttentionCostModel, OffloadEfficiency
 from moetide.perf.calibrate import (
+    FLASH_KERNEL,
+    KERNELS,
+    KV_DTYPE_BYTES,
+    NATIVE_KERNEL,
     AttentionSample,
     AttentionShape,
     Calibration,
     CpuFit,
-    KV_DTYPE_BYTES,
     DramResult,
+    calibration_kernels,
     calibration_shapes,
+    errors_by_kernel,
     fit_cpu_efficiency,
     model_cpu_s,
     offload_efficiency_for_host,
@@ -52,10 +59,15 @@ def assert_one_line_error(rc: int, out: str, err: str, verb: str, *needles: str)
         assert needle in err
 
 
+def engine_kernel(shape: AttentionShape) -> str:
+    """The kernel a 1-thread calibration with the native library times ``shape`` with."""
+    return "native" if shape.num_queries == 1 and shape.kv_dtype == "fp32" else "flash"
+
+
 def synthetic(*, h2d: dict | None = None) -> Calibration:
     fit = CpuFit(0.25, 0.6, 1.5e-4, 0.05, 0.2)
     shapes = calibration_shapes(True, 1)
-    samples = tuple(AttentionSample(s, t, t * 0.9) for s in shapes
+    samples = tuple(AttentionSample(s, t, t * 0.9, engine_kernel(s)) for s in shapes
                     for t in [model_cpu_s(s, D, C, **fit.efficiency())])
     return Calibration(measured_at="2026-01-02T03:04:05+00:00", quick=True, clock="wall", torch_version="2.13.0+cpu",
                        num_threads=1, logical_cpus=2, cpu_model='AMD "EPYC"', dram_bytes=24 * 2**30,
@@ -89,6 +101,19 @@ def test_quick_run_json(quick_run):
     assert all(a["seconds"] > 0 and a["kv_bytes_per_s"] > 0 for a in doc["attention"])
     assert 0 < doc["fit"]["cpu_memory"] <= 1 and 0 < doc["fit"]["cpu_compute"] <= 1 and doc["fit"]["cpu_sync_s"] >= 0
     assert ("bytes_per_s" in doc["host_to_device"]) != ("skipped" in doc["host_to_device"])
+
+
+def test_quick_run_times_the_engines_kernel_per_shape(quick_run):
+    from moetide.engine import native
+
+    doc, out = quick_run
+    for a in doc["attention"]:
+        decode_fp32 = a["num_queries"] == 1 and a["kv_dtype"] == "fp32"
+        assert a["kernel"] == ("native" if decode_fp32 and native.available() else "flash"), a
+    used = {a["kernel"] for a in doc["attention"]}
+    assert doc["attention_kernel"] == {k: KERNELS[k] for k in KERNELS if k in used}
+    assert set(doc["fit_by_kernel"]) == used
+    assert calibration_kernels(str(out)) == doc["attention_kernel"]
 
 
 def test_quick_run_file_loads_back(quick_run):
@@ -129,6 +154,11 @@ def test_file_round_trips(tmp_path):
     tables = get_host_calibration(str(path))
     assert tables["measured"]["dram_copy_bytes_per_s"] == 20e9
     assert tables["measured"]["host_to_device_skipped"] == "no CUDA device (test)"
+    assert tables["measured"]["attention_kernel_native"] == NATIVE_KERNEL
+    assert tables["measured"]["attention_kernel_flash"] == FLASH_KERNEL
+    assert "attention_decode_fp32_native_kv_bytes_per_s" in tables["measured"]
+    assert "attention_decode_bf16_flash_kv_bytes_per_s" in tables["measured"]
+    assert calibration_kernels(str(path)) == {"flash": FLASH_KERNEL, "native": NATIVE_KERNEL}
     again = tmp_path / "again.toml"  # same calibration, same spec
     again.write_text(host_file_text(cal, name=host.name))
     assert get_host(str(again)) == host
@@ -163,6 +193,22 @@ def test_cli_text_output_and_file(monkeypatch, tmp_path, capsys):
     assert "cpu_memory 0.250, cpu_compute 0.600, cpu_sync_s 150.0 us" in stdout
     assert "host-to-device: skipped: no CUDA device (test)" in stdout and f"wrote {out}" in stdout
     assert get_host(str(out)).name == "mine"
+    rows = [line.split() for line in stdout.splitlines() if line.startswith("16/")]
+    assert len(rows) == len(synthetic().attention)
+    for row in rows:  # heads seqs queries tokens dtype kernel ...: each row names the kernel its shape was timed with
+        assert row[5] == ("native" if row[2] == "1" and row[4] == "fp32" else "flash"), row
+    assert f"native: {NATIVE_KERNEL}" in stdout and f"flash: {FLASH_KERNEL}" in stdout
+    assert "by kernel: flash (18 shapes) median 0.0%" in stdout and "native (6 shapes)" in stdout
+
+
+def test_cli_json_names_each_samples_kernel(monkeypatch, capsys):
+    monkeypatch.setattr(calibrate_cmd, "calibrate", lambda **kw: synthetic())
+    rc, stdout, err = run_cli(capsys, "calibrate", "--json")
+    assert rc == 0 and err == ""
+    doc = json.loads(stdout)
+    assert doc["attention_kernel"] == {"flash": FLASH_KERNEL, "native": NATIVE_KERNEL}
+    assert [a["kernel"] for a in doc["attention"]] == [s.kernel for s in synthetic().attention]
+    assert doc["fit_by_kernel"]["native"]["shapes"] == 6 and doc["fit_by_kernel"]["flash"]["shapes"] == 18
 
 
 # ---- the model and the fit --------------------------------------------------------------------------------
@@ -192,6 +238,16 @@ def test_fit_recovers_the_factors_it_was_generated_with():
     assert fit.median_abs_rel_error < 0.01
     with pytest.raises(ValueError):
         fit_cpu_efficiency([], D, C)
+
+
+def test_errors_by_kernel_splits_the_fits_error():
+    cal = synthetic()
+    off = tuple(AttentionSample(s.shape, s.seconds * (2 if s.kernel == "native" else 1), s.seconds_min, s.kernel)
+                for s in cal.attention)  # the native samples take twice the model's time
+    errors = errors_by_kernel(off, D, C, cal.fit.efficiency())
+    assert errors["flash"] == {"shapes": 18, "median_abs_rel_error": pytest.approx(0, abs=1e-12),
+                               "max_abs_rel_error": pytest.approx(0, abs=1e-12)}
+    assert errors["native"]["shapes"] == 6 and errors["native"]["median_abs_rel_error"] == pytest.approx(0.5)
 
 
 def test_shape_validation():
@@ -299,3 +355,143 @@ def test_plan_split_models_cpu_attention_with_the_files_fitted_factors(tmp_path,
         assert rc == 0, err
         times[share] = json.loads(stdout)["rows"][0]["step_time_s"]["cpu-all"]
     assert times["0.09"] > 2 * times["0.9"]
+
+
+# ---- which kernel is timed ----------------------------------------------------------------------------------
+
+TINY_DECODE = AttentionShape(8, 2, 32, 1, 200, "fp32", 2)  # 200 tokens: the last block of each sequence part-full
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """(engine.native, calls): its cached library dropped before and after the test (so a MOETIDE_NATIVE the test
+    sets counts), and every ``paged_decode_attention`` call recorded as (args, kwargs) in ``calls``."""
+    pytest.importorskip("torch")
+    from moetide.engine import native
+
+    native._library.cache_clear()
+    calls, kernel = [], native.paged_decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append((args, kwargs))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(native, "paged_decode_attention", counted)
+    yield native, calls
+    monkeypatch.undo()
+    native._library.cache_clear()
+
+
+def needs_native(native) -> None:
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+
+
+def test_fp32_decode_is_timed_with_the_native_kernel_over_scattered_host_blocks(native_calls):
+    import torch
+
+    from moetide.perf.calibrate import NATIVE_LAYOUT_LAYERS, engine_block_size, time_attention
+
+    native, calls = native_calls
+    needs_native(native)
+    sample = time_attention(TINY_DECODE, 1, 4096)
+    assert sample.kernel == "native" and sample.as_dict()["kernel"] == "native" and sample.seconds > 0
+    assert len(calls) == 3  # the check of its output, the warm-up, one timed call
+    (q, k_rows, v_rows, key_rows, lengths, scale), kwargs = calls[-1]
+    b, hq, hkv, d = 2, 8, 2, 32
+    assert q.shape == (b, hq, d) and lengths.tolist() == [200, 200] and scale == pytest.approx(d**-0.5)
+    assert kwargs["lse"].shape == (b, hq)  # the log-sum-exp, as the split backend asks for it
+    assert k_rows.stride() == v_rows.stride() == (hkv * d, d, 1)  # read in place: one row per token slot
+    bs = engine_block_size()
+    per_seq, rows_per_block = math.ceil(200 / bs), 2 * NATIVE_LAYOUT_LAYERS * bs  # a block: every layer's K and V
+    blocks = key_rows.view(b, per_seq, bs)
+    assert (blocks - blocks[..., :1] == torch.arange(bs)).all()  # a block's slots are consecutive rows
+    starts = blocks[..., 0].flatten().tolist()
+    assert all(r % rows_per_block == 0 for r in starts)
+    ids = [r // rows_per_block for r in starts]
+    assert sorted(ids) == list(range(b * per_seq)) and ids != sorted(ids)  # every block once, scattered
+
+
+def test_with_moetide_native_0_the_same_shape_is_timed_with_flash(native_calls, monkeypatch):
+    from moetide.perf.calibrate import kernel_for, time_attention
+
+    native, calls = native_calls
+    monkeypatch.setenv("MOETIDE_NATIVE", "0")
+    native._library.cache_clear()
+    assert kernel_for(TINY_DECODE) == "flash"
+    sample = time_attention(TINY_DECODE, 1, 4096)
+    assert sample.kernel == "flash" and sample.as_dict()["kernel"] == "flash" and calls == []
+
+
+@pytest.mark.parametrize("shape", [AttentionShape(8, 2, 32, 4, 200, "fp32"), AttentionShape(8, 2, 32, 1, 200, "bf16")],
+                         ids=["prefill-fp32", "decode-bf16"])
+def test_other_shapes_are_timed_with_flash(native_calls, shape):
+    from moetide.perf.calibrate import time_attention
+
+    _, calls = native_calls
+    assert time_attention(shape, 1, 4096).kernel == "flash" and calls == []
+    with pytest.raises(UserError, match="one fp32 query"):
+        time_attention(shape, 1, 4096, kernel="native")
+
+
+def test_native_only_where_the_engine_would_take_it_on_this_many_threads(native_calls):
+    """The kernel is single-threaded: with several torch threads the engine keeps large decodes on torch's."""
+    import torch
+
+    from moetide.perf.calibrate import kernel_for
+
+    native, _ = native_calls
+    needs_native(native)
+    large = AttentionShape(32, 8, 128, 1, 1024, "fp32")  # 8.4M multiply-adds
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert kernel_for(large) == "native"
+        torch.set_num_threads(2)
+        assert kernel_for(large) == "flash" and kernel_for(TINY_DECODE) == "native"
+    finally:
+        torch.set_num_threads(previous)
+
+
+# What `moetide calibrate --out` wrote before it timed the native kernel: one attention_kernel, no kernel per sample.
+OLD_HOST_FILE = """\
+name = "calibrated-old"
+cpu_model = "AMD EPYC"
+num_cores = 1
+num_memory_channels = 1
+dram_mega_transfers_per_s = 3438
+dram_efficiency = 0.999
+fp32_flops_per_s = 9.59e+10
+dram_bytes = 25769803776
+source = "moetide calibrate, 2026-11-29T10:00:00+00:00, 1 torch thread(s), wall clock, torch 2.13.0+cpu"
+
+[offload_efficiency]
+cpu_memory = 0.168
+cpu_compute = 0.594
+cpu_sync_s = 8.4e-05
+
+[measured]
+measured_at = "2026-11-29T10:00:00+00:00"
+num_threads = 1
+clock = "wall"
+fp32_gemm_flops_per_s = 9.59e+10
+attention_kernel = "aten::_scaled_dot_product_flash_attention_for_cpu"
+attention_decode_fp32_kv_bytes_per_s = 5.5e+09
+attention_prefill_bf16_flops_per_s = 6.15e+10
+host_to_device_skipped = "no CUDA device"
+"""
+
+
+def test_a_host_file_written_before_kernels_were_recorded_still_loads(tmp_path, capsys):
+    path = tmp_path / "old.toml"
+    path.write_text(OLD_HOST_FILE)
+    assert get_host(str(path)).name == "calibrated-old"
+    eff = offload_efficiency_for_host(str(path))
+    assert (eff.cpu_memory, eff.cpu_compute, eff.cpu_sync_s) == (0.168, 0.594, 8.4e-05)
+    assert calibration_kernels(str(path)) == {"flash": FLASH_KERNEL}
+    rc, stdout, err = run_cli(capsys, "plan-split", "--model", "qwen3-30b-a3b", "--gpu", "a100-80gb", "--cpu",
+                              str(path), "--vram-gib", "80", "--batch", "1", "--context", "8k", "--json")
+    assert rc == 0 and err == ""
+    bare = tmp_path / "bare.toml"  # a hand-written host file: no [measured] at all
+    bare.write_text(OLD_HOST_FILE.split("[offload_efficiency]")[0])
+    assert calibration_kernels(str(bare)) == {} and calibration_kernels("ddr4-3200-8ch") == {}

@@ -20,14 +20,16 @@ from typing import Any
 
 from moetide.errors import UserError
 from moetide.perf.calibrate import (
-    ATTENTION_KERNEL,
     CALIBRATION_KV_TOKENS,
     CALIBRATION_QUERIES,
     HEAD_DIM,
+    KERNELS,
     MiB,
     Calibration,
     attention_summary,
     calibrate,
+    errors_by_kernel,
+    kernels_used,
     model_cpu_s,
     offload_efficiency_for_host,
 )
@@ -154,10 +156,13 @@ def _efficiency_lines(cal: Calibration) -> list[str]:
         f"# perf.attention's CPU factors, FITTED to the {len(cal.attention)} attention timings (heads "
         f"{', '.join(f'{h}/{k}' for h, k in heads)}, head_dim {HEAD_DIM},",
         f"# {' and '.join(map(str, CALIBRATION_QUERIES))} query tokens, KV of "
-        f"{', '.join(map(str, CALIBRATION_KV_TOKENS[cal.quick]))} tokens, fp32 and bf16) against the DRAM",
-        f"# bandwidth (channels x MT/s x 8 B x efficiency) and fp32_flops_per_s above. The fit's error on those "
-        f"same shapes:",
-        f"# median {fit.median_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}.",
+        f"{', '.join(map(str, CALIBRATION_KV_TOKENS[cal.quick]))} tokens, fp32 and bf16; each timed with the kernel "
+        f"the engine runs for it,",
+        "# named in [measured] attention_kernel_*) against the DRAM bandwidth (channels x MT/s x 8 B x efficiency) and "
+        "fp32_flops_per_s above.",
+        f"# The fit's error on those same shapes: median {fit.median_abs_rel_error:.1%}, max "
+        f"{fit.max_abs_rel_error:.1%};",
+        f"# by kernel: {_by_kernel(cal)}.",
         "[offload_efficiency]",
         _line("cpu_memory", fit.cpu_memory, "share of the triad bandwidth the attention kernel reaches"),
         _line("cpu_compute", fit.cpu_compute, "share of the GEMM rate the attention kernel reaches"),
@@ -180,7 +185,9 @@ def _measured_lines(cal: Calibration) -> list[str]:
              _line("dram_triad_bytes_per_s", d.triad_bytes_per_s, "a = b + s c, 12 B per element"),
              _line("dram_copy_bytes_per_s", d.copy_bytes_per_s, "a = b, 8 B per element"),
              _line("dram_read_bytes_per_s", d.read_bytes_per_s, "sum(c), 4 B per element"),
-             _line("fp32_gemm_flops_per_s", cal.gemm_flops_per_s), _line("attention_kernel", ATTENTION_KERNEL)]
+             _line("fp32_gemm_flops_per_s", cal.gemm_flops_per_s)]
+    lines += [_line(f"attention_kernel_{kernel}", name, _kernel_shapes(cal, kernel))
+              for kernel, name in kernels_used(cal.attention).items()]
     lines += [_line(label, rate, "median over the fit shapes of this kind")
               for label, rate in attention_summary(cal.attention).items()]
     if "bytes_per_s" in h2d:
@@ -190,6 +197,20 @@ def _measured_lines(cal: Calibration) -> list[str]:
     else:
         lines.append(_line("host_to_device_skipped", h2d.get("skipped", "not measured")))
     return lines
+
+
+def _kernel_shapes(cal: Calibration, kernel: str) -> str:
+    """Which of the calibration's shapes ``kernel`` timed, for a comment: "timed 6 of 24 shapes: decode fp32"."""
+    kinds = sorted({("decode" if s.shape.num_queries == 1 else "prefill", s.shape.kv_dtype)
+                    for s in cal.attention if s.kernel == kernel})
+    count = sum(s.kernel == kernel for s in cal.attention)
+    return f"timed {count} of {len(cal.attention)} shapes: " + ", ".join(f"{k} {d}" for k, d in kinds)
+
+
+def _by_kernel(cal: Calibration) -> str:
+    errors = errors_by_kernel(cal.attention, cal.dram.triad_bytes_per_s, cal.gemm_flops_per_s, cal.fit.efficiency())
+    return "; ".join(f"{kernel} ({e['shapes']} shapes) median {e['median_abs_rel_error']:.1%}, "
+                     f"max {e['max_abs_rel_error']:.1%}" for kernel, e in errors.items())
 
 
 def host_file_text(cal: Calibration, *, name: str, dram_channels: int | None = None,
@@ -219,14 +240,15 @@ def _attention_table(cal: Calibration) -> str:
         sh = s.shape
         model = model_cpu_s(sh, d.triad_bytes_per_s, cal.gemm_flops_per_s, **fit.efficiency())
         rows.append([f"{sh.num_heads}/{sh.num_kv_heads}", sh.num_seqs, sh.num_queries, f"{sh.kv_tokens:,}",
-                     sh.kv_dtype, f"{s.seconds * 1e3:.3f}", f"{sh.kv_bytes / s.seconds / 1e9:.2f}",
+                     sh.kv_dtype, s.kernel, f"{s.seconds * 1e3:.3f}", f"{sh.kv_bytes / s.seconds / 1e9:.2f}",
                      f"{sh.flops / s.seconds / 1e9:.1f}", f"{model * 1e3:.3f}", f"{model / s.seconds - 1:+.1%}"])
-    table = format_table(["heads", "seqs", "queries", "KV tokens", "KV", "ms", "KV GB/s", "GFLOP/s", "fit ms",
-                          "fit error"], rows)
+    table = format_table(["heads", "seqs", "queries", "KV tokens", "KV", "kernel", "ms", "KV GB/s", "GFLOP/s",
+                          "fit ms", "fit error"], rows)
     medians = ", ".join(f"{k.removeprefix('attention_')} {v / 1e9:.2f}"
                         for k, v in attention_summary(cal.attention).items())
-    return (f"CPU attention ({ATTENTION_KERNEL}, which returns the log-sum-exp)\n{table}\n"
-            f"medians, in units of 1e9 per second: {medians}")
+    kernels = "; ".join(f"{k}: {KERNELS[k]}" for k in kernels_used(cal.attention))
+    return (f"CPU attention, each shape with the kernel the engine runs for it (both return the log-sum-exp): "
+            f"{kernels}\n{table}\nmedians, in units of 1e9 per second: {medians}")
 
 
 def _text(cal: Calibration, out: str | None) -> str:
@@ -239,7 +261,8 @@ def _text(cal: Calibration, out: str | None) -> str:
               f"{cal.gemm_flops_per_s / 1e9:.1f} GFLOP/s")
     fitted = (f"fitted: cpu_memory {fit.cpu_memory:.3f}, cpu_compute {fit.cpu_compute:.3f}, cpu_sync_s "
               f"{fit.cpu_sync_s * 1e6:.1f} us; error on these same shapes: median {fit.median_abs_rel_error:.1%}, "
-              f"max {fit.max_abs_rel_error:.1%} (benchmarks/cpu_attention_model.py evaluates other shapes)")
+              f"max {fit.max_abs_rel_error:.1%}; by kernel: {_by_kernel(cal)} (benchmarks/cpu_attention_model.py "
+              f"evaluates other shapes)")
     link = (f"host-to-device: {h2d['bytes_per_s'] / 1e9:.1f} GB/s pinned, {h2d['latency_s'] * 1e6:.1f} us per small "
             f"copy ({h2d['device']})" if "bytes_per_s" in h2d else f"host-to-device: skipped: {h2d['skipped']}")
     written = f"wrote {out}" if out else "no file written (--out FILE.toml writes one)"

@@ -7,11 +7,22 @@ MEASURED, on the machine that runs it (everything else in ``perf`` is modeled):
   counts it (two reads and one write per element; write-allocate traffic is not counted);
 - the fp32 GEMM rate (``torch.mm`` on square matrices): the compute ceiling that ``cpu_compute`` is a share of.
   It is what a tuned kernel reaches on this machine, not the datasheet FMA peak;
-- CPU attention with torch's CPU flash attention, the kernel that also returns the log-sum-exp a split merge needs
-  (``aten::_scaled_dot_product_flash_attention_for_cpu``). GQA runs as one problem per KV head: queries
-  [B, H_kv, G x Q, d] (the G query heads that share a KV head, times Q query tokens, are rows) against keys and
-  values [B, H_kv, N, d]. Host KV precedes a prefill chunk, so there is no mask. Before every timed call a buffer
-  of twice the last-level cache is read, so the KV comes from DRAM, as host KV does in serving;
+- CPU attention, with the kernel the engine's split backend runs for that shape (``kernel_for``; each sample
+  records it, ``KERNELS`` names them). Both return the log-sum-exp a split merge needs:
+
+  * ``native``: decode (one query token per sequence) over fp32 KV, where ``engine.native`` is available and the
+    engine would take it (``native.decode_worth_it`` on this thread count): ``engine.native.paged_decode_attention``
+    reading K and V in place from a block cache in the engine's host layout (``engine.host_kv.HostKVStorage``,
+    ``NATIVE_LAYOUT_LAYERS`` full-attention layers per block, the engine's default block size), each sequence's
+    blocks scattered by a random permutation, with the ``lse`` output as the split backend asks for it;
+  * ``flash``: everything else (prefill chunks, bf16 KV, ``MOETIDE_NATIVE=0``, no C compiler, or a decode too
+    large for the single-threaded kernel on several threads), torch's CPU flash attention
+    (``aten::_scaled_dot_product_flash_attention_for_cpu``). GQA runs as one problem per KV head: queries
+    [B, H_kv, G x Q, d] (the G query heads that share a KV head, times Q query tokens, are rows) against
+    contiguous keys and values [B, H_kv, N, d]. Host KV precedes a prefill chunk, so there is no mask.
+
+  Before every timed call a buffer of twice the last-level cache is read, so the KV comes from DRAM, as host KV
+  does in serving;
 - the pinned host-to-device copy rate and a small copy's latency, when a CUDA device exists.
 
 Times are wall-clock by default. On a shared machine, ``clock="thread"`` (one torch thread only) times the calling
@@ -26,8 +37,9 @@ with D the triad bandwidth, C the GEMM rate and f the FLOPs per KV byte (``model
 ``AttentionShape``; a test pins it to ``AttentionCostModel``). ``fit_cpu_efficiency`` picks cpu_memory,
 cpu_compute and cpu_sync_s that minimise the squared log error over the measured shapes, by a grid search that is
 then refined. A roofline takes the slower of memory and compute; a kernel that pays for both (small GEMMs, the
-softmax's exponentials) does not fit it exactly, and the fit's own error says by how much. Judge the model on
-shapes it was not fitted to (``benchmarks/cpu_attention_model.py``).
+softmax's exponentials) does not fit it exactly, and the fit's own error says by how much. The fit is one roofline
+over the samples of both kernels, as ``perf.attention`` has one set of factors; ``errors_by_kernel`` says how well it
+describes each. Judge the model on shapes it was not fitted to (``benchmarks/cpu_attention_model.py``).
 
 torch is imported inside the measuring functions only: the fit and ``offload_efficiency_for_host`` are stdlib, so a
 core install can read and check a calibrated host file (``moetide.commands.calibrate`` renders and writes it).
@@ -54,7 +66,10 @@ from moetide.specs.loader import get_host_calibration
 MiB = 2**20
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 DEFAULT_LLC_BYTES = 32 * MiB  # when sysfs does not say
-ATTENTION_KERNEL = "aten::_scaled_dot_product_flash_attention_for_cpu"
+FLASH_KERNEL = "aten::_scaled_dot_product_flash_attention_for_cpu"
+NATIVE_KERNEL = "moetide.engine.native.paged_decode_attention"
+KERNELS = {"flash": FLASH_KERNEL, "native": NATIVE_KERNEL}  # a sample's ``kernel`` -> what was timed
+NATIVE_LAYOUT_LAYERS = 2  # full-attention layers per block of the timed cache: a layer's tiles are not adjacent
 FITTED_FIELDS = ("cpu_memory", "cpu_compute", "cpu_sync_s")
 MIN_EFFICIENCY = 1e-3
 MAX_SYNC_S = 1e-3
@@ -112,10 +127,11 @@ class AttentionSample:
     shape: AttentionShape
     seconds: float  # median over the timed calls
     seconds_min: float
+    kernel: str = "flash"  # a key of KERNELS
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.shape.as_dict(), "kv_bytes": self.shape.kv_bytes, "flops": self.shape.flops,
-                "seconds": self.seconds, "seconds_min": self.seconds_min,
+        return {**self.shape.as_dict(), "kernel": self.kernel, "kv_bytes": self.shape.kv_bytes,
+                "flops": self.shape.flops, "seconds": self.seconds, "seconds_min": self.seconds_min,
                 "kv_bytes_per_s": self.shape.kv_bytes / self.seconds, "flops_per_s": self.shape.flops / self.seconds}
 
 
@@ -171,6 +187,18 @@ def fit_cpu_efficiency(samples: Sequence[AttentionSample], dram_bytes_per_s: flo
     errors = [abs(model_cpu_s(s.shape, dram_bytes_per_s, flops_per_s, cpu_memory=e_m, cpu_compute=e_c,
                               cpu_sync_s=sync) / s.seconds - 1) for s in samples]
     return CpuFit(e_m, e_c, sync, statistics.median(errors), max(errors))
+
+
+def errors_by_kernel(samples: Sequence[AttentionSample], dram_bytes_per_s: float, flops_per_s: float,
+                     efficiency: dict[str, float]) -> dict[str, dict[str, float | int]]:
+    """Per kernel of ``samples``: {"shapes", "median_abs_rel_error", "max_abs_rel_error"} of the model with
+    ``efficiency`` (``CpuFit.efficiency()``) against the measured times."""
+    errors: dict[str, list[float]] = {}
+    for s in samples:
+        model = model_cpu_s(s.shape, dram_bytes_per_s, flops_per_s, **efficiency)
+        errors.setdefault(s.kernel, []).append(abs(model / s.seconds - 1))
+    return {kernel: {"shapes": len(errs), "median_abs_rel_error": statistics.median(errs),
+                     "max_abs_rel_error": max(errs)} for kernel, errs in sorted(errors.items())}
 
 
 # ---- the machine ------------------------------------------------------------------------------------------
@@ -260,21 +288,57 @@ def measure_gemm(n: int, repeats: int, clock: str = "wall") -> float:
     return 2 * n**3 / median
 
 
-def attention_kernel() -> Callable:
+def flash_kernel() -> Callable:
     import torch
 
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if op is None:
-        raise UserError(f"torch {torch.__version__} has no {ATTENTION_KERNEL}; calibrate needs torch >= 2.3")
+        raise UserError(f"torch {torch.__version__} has no {FLASH_KERNEL}; calibrate needs torch >= 2.3")
     return op
 
 
-def time_attention(shape: AttentionShape, repeats: int, flush_bytes: int, seed: int = 0,
-                   clock: str = "wall") -> AttentionSample:
-    """Time ``ATTENTION_KERNEL`` on ``shape`` (module docstring), reading ``flush_bytes`` before each call."""
+def engine_block_size() -> int:
+    """Tokens per KV block of an engine built with the defaults (``EngineConfig.block_size``)."""
+    from moetide.engine.build import EngineConfig
+
+    return EngineConfig.block_size
+
+
+def kernel_for(shape: AttentionShape) -> str:
+    """The kernel (a key of ``KERNELS``) the engine's split backend runs for ``shape`` on torch's current thread
+    count: ``native`` for one fp32 query per sequence when ``native.decode_worth_it`` says so (the native library
+    is available, ``MOETIDE_NATIVE`` is not 0, and one thread, or work small enough for one), else ``flash``."""
+    if shape.num_queries != 1 or shape.kv_dtype != "fp32":
+        return "flash"
     import torch
 
-    op = attention_kernel()
+    from moetide.engine import native
+
+    bs = engine_block_size()
+    num_keys = math.ceil(shape.kv_tokens / bs) * bs  # a sequence's keys come in whole blocks
+    with torch.inference_mode():  # as the engine runs: the native kernels have no backward
+        q = torch.empty(shape.num_seqs, shape.num_heads, shape.head_dim)
+        return "native" if native.decode_worth_it(q, num_keys) else "flash"
+
+
+def time_attention(shape: AttentionShape, repeats: int, flush_bytes: int, seed: int = 0, clock: str = "wall",
+                   kernel: str | None = None) -> AttentionSample:
+    """Time ``kernel`` (default: ``kernel_for(shape)``, the engine's) on ``shape`` (module docstring), reading
+    ``flush_bytes`` before each call."""
+    kernel = kernel_for(shape) if kernel is None else kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}")
+    timer = _time_native if kernel == "native" else _time_flash
+    median, least = timer(shape, repeats, flush_bytes, seed, clock)
+    return AttentionSample(shape, median, least, kernel)
+
+
+def _time_flash(shape: AttentionShape, repeats: int, flush_bytes: int, seed: int,
+                clock: str) -> tuple[float, float]:
+    """``FLASH_KERNEL`` over contiguous K and V, GQA as one problem per KV head."""
+    import torch
+
+    op = flash_kernel()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[shape.kv_dtype]
     gen = torch.Generator().manual_seed(seed)
     group = shape.num_heads // shape.num_kv_heads
@@ -288,10 +352,47 @@ def time_attention(shape: AttentionShape, repeats: int, flush_bytes: int, seed: 
     scale = d**-0.5
     out, lse = op(q, k, v, scale=scale)
     if tuple(lse.shape) != (B, Hkv, group * shape.num_queries):  # the merge needs one lse per query row
-        raise RuntimeError(f"{ATTENTION_KERNEL} returned a log-sum-exp of shape {tuple(lse.shape)}")
-    median, least = _time_calls(lambda: op(q, k, v, scale=scale), repeats, before=lambda: torch.sum(flush),
-                                clock=clock)
-    return AttentionSample(shape, median, least)
+        raise RuntimeError(f"{FLASH_KERNEL} returned a log-sum-exp of shape {tuple(lse.shape)}")
+    return _time_calls(lambda: op(q, k, v, scale=scale), repeats, before=lambda: torch.sum(flush), clock=clock)
+
+
+def _time_native(shape: AttentionShape, repeats: int, flush_bytes: int, seed: int,
+                 clock: str) -> tuple[float, float]:
+    """``NATIVE_KERNEL`` as the split backend calls it for a decode group's CPU partial: q [B, Hq, d], K and V read
+    in place from host blocks in the engine's layout, each sequence's blocks scattered, the lse requested."""
+    import torch
+
+    from moetide.engine import native
+    from moetide.engine.host_kv import HostKVStorage
+    from moetide.engine.storage import KVLayout
+
+    if shape.num_queries != 1 or shape.kv_dtype != "fp32" or not native.available():
+        raise UserError(f"{NATIVE_KERNEL} times one fp32 query per sequence with the native library "
+                        f"({native.unavailable_reason() or 'available'}), not {shape}")
+    gen = torch.Generator().manual_seed(seed)
+    B, Hq, d, bs = shape.num_seqs, shape.num_heads, shape.head_dim, engine_block_size()
+    per_seq = math.ceil(shape.kv_tokens / bs)
+    layout = KVLayout(tuple(range(NATIVE_LAYOUT_LAYERS)), bs, shape.num_kv_heads, d, torch.float32)
+    host = HostKVStorage(layout, B * per_seq, 0, pin=False)
+    host.data.view(torch.float32).uniform_(-1, 1, generator=gen)
+    blocks = torch.randperm(B * per_seq, generator=gen).tolist()  # sequence s owns blocks[s * per_seq:][:per_seq]
+    starts = torch.tensor(host.key_rows(blocks)).view(B, per_seq, 1)
+    key_rows = (starts + torch.arange(bs)).view(B, per_seq * bs)  # [B, L]: slot o of a block is row start + o
+    lengths = torch.full((B,), shape.kv_tokens, dtype=torch.int64)
+    k_rows, v_rows = host.kv_rows(0)
+    q = torch.rand(B, Hq, d, generator=gen) * 2 - 1
+    lse = torch.empty(B, Hq)
+    flush = torch.ones(max(1, flush_bytes // 4))
+    scale = d**-0.5
+
+    def call() -> torch.Tensor:
+        return native.paged_decode_attention(q, k_rows, v_rows, key_rows, lengths, scale, lse=lse)
+
+    with torch.inference_mode():
+        call()
+        if not bool(torch.isfinite(lse).all()):
+            raise RuntimeError(f"{NATIVE_KERNEL} returned a non-finite log-sum-exp")
+        return _time_calls(call, repeats, before=lambda: torch.sum(flush), clock=clock)
 
 
 def measure_host_to_device(repeats: int, num_bytes: int = 256 * MiB) -> dict[str, Any]:
@@ -357,8 +458,10 @@ class Calibration:
     def as_dict(self) -> dict[str, Any]:
         nested = ("attention", "dram", "fit")
         doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in nested}
-        doc.update(measured=True, dram=dataclasses.asdict(self.dram), attention_kernel=ATTENTION_KERNEL,
-                   attention=[s.as_dict() for s in self.attention], fit=dataclasses.asdict(self.fit))
+        doc.update(measured=True, dram=dataclasses.asdict(self.dram), attention_kernel=kernels_used(self.attention),
+                   attention=[s.as_dict() for s in self.attention], fit=dataclasses.asdict(self.fit),
+                   fit_by_kernel=errors_by_kernel(self.attention, self.dram.triad_bytes_per_s,
+                                                  self.gemm_flops_per_s, self.fit.efficiency()))
         return doc
 
 
@@ -395,12 +498,17 @@ def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall
 # ---- summaries, and reading a calibrated host file ---------------------------------------------------------
 
 
+def kernels_used(samples: Sequence[AttentionSample]) -> dict[str, str]:
+    """{kernel: what it is} (``KERNELS``) for each kernel that timed some of ``samples``."""
+    return {k: KERNELS[k] for k in KERNELS if any(s.kernel == k for s in samples)}
+
+
 def attention_summary(samples: Sequence[AttentionSample]) -> dict[str, float]:
-    """Median achieved KV bytes/s and FLOP/s per (decode or prefill, dtype) group of samples."""
+    """Median achieved KV bytes/s and FLOP/s per (decode or prefill, dtype, kernel) group of samples."""
     groups: dict[str, list[AttentionSample]] = {}
     for s in samples:
         kind = "decode" if s.shape.num_queries == 1 else "prefill"
-        groups.setdefault(f"attention_{kind}_{s.shape.kv_dtype}", []).append(s)
+        groups.setdefault(f"attention_{kind}_{s.shape.kv_dtype}_{s.kernel}", []).append(s)
     out: dict[str, float] = {}
     for key, group in groups.items():
         out[f"{key}_kv_bytes_per_s"] = statistics.median(s.shape.kv_bytes / s.seconds for s in group)
@@ -423,3 +531,15 @@ def offload_efficiency_for_host(name_or_path: str) -> OffloadEfficiency:
         return OffloadEfficiency(**values)
     except ValueError as exc:
         raise UserError(f"{name_or_path}: [offload_efficiency]: {exc}") from None
+
+
+def calibration_kernels(name_or_path: str) -> dict[str, str]:
+    """{kernel: what it is} that a host file's calibration timed: its ``[measured]`` ``attention_kernel_<kernel>``
+    fields; a file written before calibrate timed the native kernel has one ``attention_kernel`` (flash); a preset
+    or a file without ``[measured]``, none."""
+    measured = get_host_calibration(name_or_path)["measured"]
+    found = {k.removeprefix("attention_kernel_"): str(v) for k, v in measured.items()
+             if k.startswith("attention_kernel_")}
+    if not found and "attention_kernel" in measured:
+        found = {"flash": str(measured["attention_kernel"])}
+    return found

@@ -71,8 +71,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
                         help="--cold-experts cpu: GPUs whose cold experts one socket computes at once (DGX H200: 4); "
                              "each gets 1/N of it (default %(default)s)")
     parser.add_argument("--cpu-matmul-tflops", type=float, default=None, metavar="X",
-                        help="--cold-experts cpu: the socket's sustained expert-GEMM rate in TFLOP/s (default: its fp32 "
-                             "FMA peak x 0.5; an AMX BF16 kernel reaches more, e.g. 10.5 per socket from "
+                        help="--cold-experts cpu: the socket's sustained expert-GEMM rate in TFLOP/s (default: its "
+                             "fp32 FMA peak x 0.5; an AMX BF16 kernel reaches more, e.g. 10.5 per socket from "
                              "KTransformers' 21 TFLOPS on a two-socket Xeon 4)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
                         help="vamp: seconds between reviews of the line, and the time constant of its measured "

@@ -30,13 +30,13 @@ Where the experts ``auto`` does not prefetch are served (``cold_experts``):
   back. Per layer: ``max(touched × shard bytes / B, pairs × 2 × shard params / F) + 2 × (rows × hidden × 2 B / link
   + per-transfer latency) + cpu_dispatch_s``, with B and F the socket's sustained DRAM bandwidth and fp32 FMA peak
   (``HostSpec``) times ``cpu_memory_efficiency`` / ``cpu_compute_efficiency`` (or a given matmul rate,
-  ``cpu_matmul_flops_per_s``: AMX), shared by ``gpus_per_socket`` GPUs;
-  ``pairs`` = T × Σ p_e (expected routed token-expert pairs), ``rows`` = min(T, pairs); the fixed part is paid when a row goes there at all (at most
-  min(1, Σ q) of the time). Nothing of it overlaps the
-  GPU (the hot experts the GPU computes meanwhile are not counted: a pessimistic bound). The batch is known before
-  the step, so per step and layer the cheaper of fetching and computing them is taken, and the prefetch count is
-  chosen with it (all of the segment prefetched, with no host call, is one candidate). MODELED from the host
-  preset's typical figures; nothing here was measured on a host CPU next to an H200.
+  ``cpu_matmul_flops_per_s``: AMX), shared by ``gpus_per_socket`` GPUs; ``pairs`` = T × Σ p_e (expected routed
+  token-expert pairs), ``rows`` = min(T, pairs); the fixed part is paid when a row goes there at all (at most
+  min(1, Σ q) of the time). Nothing of it overlaps the GPU (the hot experts the GPU computes meanwhile are not
+  counted: a pessimistic bound). The batch is known before the step, so per step and layer the cheaper of
+  fetching and computing them is taken, and the prefetch count is chosen with it (all of the segment prefetched,
+  with no host call, is one candidate). MODELED from the host preset's typical figures; nothing here was measured
+  on a host CPU next to an H200.
 
 Per layer: transfer_s = bytes / (host-link bandwidth × efficiency) + per-transfer latency × experts moved;
 exposed_s = max(0, transfer_s − overlap_layers × compute_s_per_layer) for ``touched`` and ``segment``. A step's

@@ -122,7 +122,8 @@ def build_replay(
                            config=StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s,
                                                 routing_shares=_routing_shares(config, model),
                                                 host_link_shared_by=config.host_link_shared_by,
-                                                cold_experts=config.cold_experts, gpus_per_socket=config.gpus_per_socket,
+                                                cold_experts=config.cold_experts,
+                                                gpus_per_socket=config.gpus_per_socket,
                                                 cpu_matmul_flops_per_s=(config.cpu_matmul_tflops or 0) * 1e12 or None,
                                                 host=get_host(config.cpu) if config.cold_experts == "cpu" else None))
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers, mix_tau_s=config.vamp_horizon_s,

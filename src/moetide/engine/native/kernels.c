@@ -124,7 +124,8 @@ int moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t 
 /* Decode attention over paged KV, read in place: b sequences, one query each. q [b, Hq, D] contiguous; key j of
    sequence s is row key_rows[s*L + j] (j < lengths[s]) of the K and V views, whose rows are row_stride elements
    apart and whose heads are head_stride apart; query head h reads KV head h / (Hq / Hkv). Softmax in fp32 with the
-   max subtracted. out [b, Hq, D] contiguous; scratch holds G (L + D + 3) floats, G = Hq / Hkv. A sequence of length 0 gets zeros.
+   max subtracted. out [b, Hq, D] contiguous; scratch holds G (L + D + 3) floats, G = Hq / Hkv.
+   A sequence of length 0 gets zeros.
    With k_new and v_new ([b, Hkv, D] contiguous, else NULL), every sequence's new key and value are first written
    into its last row, key_rows[s*L + lengths[s] - 1] (the decode token's own slot), before any sequence attends.
    With lse ([b, Hq], else NULL), each row's log-sum-exp of its scaled scores (natural log; -inf with no key),

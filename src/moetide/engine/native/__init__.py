@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 _SOURCE = Path(__file__).with_name("kernels.c")
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
@@ -213,7 +213,7 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     if lse is not None and (lse.shape != (b, Hq) or not lse.is_contiguous()):
         raise ValueError(f"lse must be a contiguous [b, Hq] = {[b, Hq]} tensor, got {list(lse.shape)}")
     _require_f32("paged_decode_attention", lse)
-    out, scratch = torch.empty_like(q), q.new_empty((Hq // Hkv) * (L + D + 3))
+    out, scratch = torch.empty_like(q), q.new_empty(Hq * (L + D + 3))
     status = lib.moetide_paged_decode_attention_f32(q.data_ptr(), b, Hq, Hkv, D, k_rows.data_ptr(),
                                                     v_rows.data_ptr(), num_rows, k_rows.stride(0),
                                                     k_rows.stride(1), key_rows.data_ptr(),

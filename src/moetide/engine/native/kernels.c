@@ -65,6 +65,13 @@ static void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+/* Ask for the cache lines of one KV row (all heads) a few rows before they are read: a sequence's blocks lie
+   anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. */
+#define PREFETCH_ROWS 8
+static void prefetch_row(const float *row, int64_t num_bytes) {
+    for (int64_t o = 0; o < num_bytes; o += 64) __builtin_prefetch((const char *)row + o);
+}
+
 /* y += a[0] x0 + a[1] x1 + a[2] x2 + a[3] x3 over n floats: one pass over y for four rows */
 static void axpy4(float *y, const float *a, const float *x0, const float *x1, const float *x2, const float *x3,
                   int64_t n) {
@@ -72,7 +79,7 @@ static void axpy4(float *y, const float *a, const float *x0, const float *x1, co
     for (int64_t i = 0; i < n; i++) y[i] += ((a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]));
 }
 
-int moetide_abi_version(void) { return 7; }
+int moetide_abi_version(void) { return 8; }
 
 /* The routed experts of T tokens, K each: out[t] = sum over t's K (expert e, weight w), in ascending e, of
    w * down_e(silu(gate_e x_t) * up_e x_t). gate_up_e = gate_up + e*gu_stride is [2I, H] (gate rows first, rows H
@@ -124,7 +131,7 @@ int moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t 
 /* Decode attention over paged KV, read in place: b sequences, one query each. q [b, Hq, D] contiguous; key j of
    sequence s is row key_rows[s*L + j] (j < lengths[s]) of the K and V views, whose rows are row_stride elements
    apart and whose heads are head_stride apart; query head h reads KV head h / (Hq / Hkv). Softmax in fp32 with the
-   max subtracted. out [b, Hq, D] contiguous; scratch holds G (L + D + 3) floats, G = Hq / Hkv.
+   max subtracted. out [b, Hq, D] contiguous; scratch holds Hq (L + D + 3) floats.
    A sequence of length 0 gets zeros.
    With k_new and v_new ([b, Hkv, D] contiguous, else NULL), every sequence's new key and value are first written
    into its last row, key_rows[s*L + lengths[s] - 1] (the decode token's own slot), before any sequence attends.
@@ -142,7 +149,7 @@ int moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, in
             if (key_rows[s * L + j] < 0 || key_rows[s * L + j] >= num_rows) return 1;
     }
     const int64_t group = Hq / Hkv;
-    float *scores = scratch, *acc = scratch + group * L, *m = acc + group * D, *sum = m + group, *pv = sum + group;
+    float *scores = scratch, *acc = scratch + Hq * L, *m = acc + Hq * D, *sum = m + Hq, *pv = sum + Hq;
     for (int64_t s = 0; k_new != 0 && s < b; s++) {  /* every new K/V first: one may be in another's context */
         const int64_t n = lengths[s];
         if (n == 0) continue;
@@ -155,49 +162,54 @@ int moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, in
             }
         }
     }
-    for (int64_t s = 0; s < b; s++) {
+    const int64_t row_bytes = Hkv * head_stride * (int64_t)sizeof(float);
+    for (int64_t s = 0; s < b; s++) {  /* key rows outer: each K and V row is read once, whole, for every head */
         const int64_t n = lengths[s];
         const int64_t *rows = key_rows + s * L;
-        for (int64_t g = 0; g < Hkv; g++) {  /* each K and V row read once for the group's query heads */
-            const int64_t kv_offset = g * head_stride, h0 = g * group;
-            for (int64_t i = 0; i < group * D; i++) acc[i] = 0.f;
-            for (int64_t i = 0; i < group; i++) m[i] = -INFINITY;
-            const float *qg = q + (s * Hq + h0) * D;  /* the group's query heads, D apart */
-            for (int64_t j = 0; j < n; j++) {
-                gemv(qg, D, k_base + rows[j] * row_stride + kv_offset, D, group, pv);
-                for (int64_t i = 0; i < group; i++) {
-                    const float x = pv[i] * scale;
-                    scores[i * L + j] = x;
-                    if (x > m[i]) m[i] = x;
-                }
+        const float *qs = q + s * Hq * D;
+        for (int64_t i = 0; i < Hq * D; i++) acc[i] = 0.f;
+        for (int64_t h = 0; h < Hq; h++) {
+            m[h] = -INFINITY;
+            sum[h] = 0.f;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            if (j + PREFETCH_ROWS < n) prefetch_row(k_base + rows[j + PREFETCH_ROWS] * row_stride, row_bytes);
+            const float *kj = k_base + rows[j] * row_stride;
+            for (int64_t g = 0; g < Hkv; g++)  /* the group's query heads are D apart: a 4-row gemv */
+                gemv(qs + g * group * D, D, kj + g * head_stride, D, group, pv + g * group);
+            for (int64_t h = 0; h < Hq; h++) {
+                const float x = pv[h] * scale;
+                scores[h * L + j] = x;
+                if (x > m[h]) m[h] = x;
             }
-            for (int64_t i = 0; i < group; i++) sum[i] = 0.f;
-            int64_t j = 0;
-            for (; j + 4 <= n; j += 4) {  /* four V rows at a time: each head's accumulator read once per four */
-                const float *v0 = v_base + rows[j] * row_stride + kv_offset, *v1 = v_base + rows[j + 1] * row_stride
-                    + kv_offset, *v2 = v_base + rows[j + 2] * row_stride + kv_offset,
-                    *v3 = v_base + rows[j + 3] * row_stride + kv_offset;
-                for (int64_t i = 0; i < group; i++) {
-                    const float *si = scores + i * L + j;
-                    float p4[4];
-                    for (int r = 0; r < 4; r++) p4[r] = expf(si[r] - m[i]);
-                    sum[i] += (p4[0] + p4[1]) + (p4[2] + p4[3]);
-                    axpy4(acc + i * D, p4, v0, v1, v2, v3, D);
-                }
+        }
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {  /* four V rows at a time: each head's accumulator read once per four */
+            for (int64_t r = j + PREFETCH_ROWS; r < j + PREFETCH_ROWS + 4 && r < n; r++)
+                prefetch_row(v_base + rows[r] * row_stride, row_bytes);
+            const float *v0 = v_base + rows[j] * row_stride, *v1 = v_base + rows[j + 1] * row_stride,
+                        *v2 = v_base + rows[j + 2] * row_stride, *v3 = v_base + rows[j + 3] * row_stride;
+            for (int64_t h = 0; h < Hq; h++) {
+                const int64_t off = (h / group) * head_stride;
+                const float *sh = scores + h * L + j;
+                float p4[4];
+                for (int r = 0; r < 4; r++) p4[r] = expf(sh[r] - m[h]);
+                sum[h] += (p4[0] + p4[1]) + (p4[2] + p4[3]);
+                axpy4(acc + h * D, p4, v0 + off, v1 + off, v2 + off, v3 + off, D);
             }
-            for (; j < n; j++) {
-                const float *vj = v_base + rows[j] * row_stride + kv_offset;
-                for (int64_t i = 0; i < group; i++) {
-                    const float p = expf(scores[i * L + j] - m[i]);
-                    sum[i] += p;
-                    axpy(acc + i * D, p, vj, D);
-                }
+        }
+        for (; j < n; j++) {
+            const float *vj = v_base + rows[j] * row_stride;
+            for (int64_t h = 0; h < Hq; h++) {
+                const float p = expf(scores[h * L + j] - m[h]);
+                sum[h] += p;
+                axpy(acc + h * D, p, vj + (h / group) * head_stride, D);
             }
-            for (int64_t i = 0; i < group; i++) {
-                float *oh = out + (s * Hq + h0 + i) * D;
-                for (int64_t d = 0; d < D; d++) oh[d] = n > 0 ? acc[i * D + d] / sum[i] : 0.f;
-                if (lse != 0) lse[s * Hq + h0 + i] = n > 0 ? m[i] + logf(sum[i]) : -INFINITY;
-            }
+        }
+        for (int64_t h = 0; h < Hq; h++) {
+            float *oh = out + (s * Hq + h) * D;
+            for (int64_t d = 0; d < D; d++) oh[d] = n > 0 ? acc[h * D + d] / sum[h] : 0.f;
+            if (lse != 0) lse[s * Hq + h] = n > 0 ? m[h] + logf(sum[h]) : -INFINITY;
         }
     }
     return 0;

@@ -86,6 +86,23 @@ def test_tight_budget_with_static_offload_matches_transformers(arch, tiny_checkp
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
+def test_cold_experts_computed_from_host_copies_match_transformers(arch, tiny_checkpoint, hf_reference):
+    """``cold_experts="cpu"``: offloaded experts with few routed rows run from their host copies (rows there and
+    back), the rest are staged; both happen (a limit of 2 rows splits prefill chunks from decode steps) and
+    neither changes a token."""
+    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
+                    static_offload=True, cold_experts="cpu", cold_expert_max_rows=2, **TIGHT)
+    result = engine.generate(parity_prompts(), MAX_TOKENS)
+    assert [o.token_ids for o in result.outputs] == hf_reference(arch)
+    assert_complete(result)
+    provider = engine.parts.experts
+    assert provider.num_host_computed > 0 and provider.stager.num_staged > 0
+    check_books(engine)
+    with pytest.raises(UserError, match="cold_experts"):
+        Engine(tiny_checkpoint(arch), kv_budget_mib=4, cold_experts="gpu")
+
+
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_offload_by_policy_action_matches_transformers(arch, tiny_checkpoint, hf_reference):
     """The path a VAMP policy takes: ``OffloadExperts`` returned on pressure, carried out by the expert line."""
     policy = OffloadOnPressure(max_offloads=2)

@@ -58,6 +58,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
              "(default %(default)s)")
     add("--static-offload", action="store_true",
         help="offload --max-offload-ratio of the expert bytes at start (coldest first), whatever the policy")
+    add("--cold-experts", choices=("fetch", "cpu"), default="fetch",
+        help="offloaded experts a step routes few rows to: staged into the device (fetch), or computed from their "
+             "host copies, the rows sent there and back (cpu; up to 32 rows, more are staged) (default %(default)s)")
     add("--max-num-seqs", type=int, default=256, help="sequences per step (default %(default)s)")
     add("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default %(default)s)")
     add("--device", choices=("cpu", "cuda"), default="cpu", help="where the arena lives (default %(default)s)")
@@ -139,7 +142,7 @@ def build_engine(args: argparse.Namespace, **overrides: object):
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    device=args.device, kv_host_mib=args.kv_host_mib, split_policy=args.split_policy,
                    split_fixed_ratio=args.split_fixed_ratio, split_gpu=args.split_gpu, split_host=args.split_host,
-                   vamp_horizon_s=args.vamp_horizon_s)
+                   vamp_horizon_s=args.vamp_horizon_s, cold_experts=args.cold_experts)
     options.update(overrides)
     return Engine(args.model, **options)
 

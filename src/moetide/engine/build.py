@@ -63,6 +63,11 @@ from moetide.engine.vamp import engine_vamp_params
 from moetide.errors import UserError
 
 DEVICES = ("cpu", "cuda")
+COLD_EXPERTS = ("fetch", "cpu")
+# An expert computed on the host costs ~rows x 2 x params / F there; staging it costs ~bytes / link. With bf16
+# weights (2 bytes a parameter) they break even at rows ~ F / link: ~36 for a socket's ~1.8 TFLOP/s (half its fp32
+# FMA peak, perf.staging's assumption) against ~50 GB/s of PCIe Gen5.
+COLD_EXPERT_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,10 @@ class EngineConfig:
     split_gpu: str = DEFAULT_SPLIT_GPU
     split_host: str = DEFAULT_SPLIT_HOST
     vamp_horizon_s: float = 60.0
+    # offloaded experts the step routes few rows to: staged ("fetch") or computed from their host copy ("cpu") when
+    # routed at most ``cold_expert_max_rows`` rows (engine.experts)
+    cold_experts: str = "fetch"
+    cold_expert_max_rows: int = COLD_EXPERT_MAX_ROWS
 
     def __post_init__(self) -> None:
         for name in ("kv_budget_bytes", "kv_host_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -108,6 +117,10 @@ class EngineConfig:
             raise ValueError(f"split_policy must be one of {', '.join(SPLIT_POLICIES)}, got {self.split_policy!r}")
         if not self.vamp_horizon_s > 0:
             raise ValueError(f"vamp_horizon_s must be positive, got {self.vamp_horizon_s!r}")
+        if self.cold_experts not in COLD_EXPERTS:
+            raise ValueError(f"cold_experts must be one of {', '.join(COLD_EXPERTS)}, got {self.cold_experts!r}")
+        if not isinstance(self.cold_expert_max_rows, int) or self.cold_expert_max_rows < 1:
+            raise ValueError(f"cold_expert_max_rows must be a positive integer, got {self.cold_expert_max_rows!r}")
         if not 0.0 <= self.split_fixed_ratio <= 1.0:
             raise ValueError(f"split_fixed_ratio is a CPU share and must be in [0, 1], got {self.split_fixed_ratio!r}")
 
@@ -240,7 +253,8 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
     storage = ArenaStorage(arena, kv_layout, expert_layout, device)
     host = _place_experts(model, storage, device)
     model.to(device)
-    provider = StagedExpertProvider(storage, residency, host)
+    provider = StagedExpertProvider(storage, residency, host, host_max_rows=config.cold_expert_max_rows
+                                    if config.cold_experts == "cpu" else 0)
     line = ArenaExpertLine(arena, residency, provider)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                           max_num_seqs=config.max_num_seqs,

@@ -16,6 +16,12 @@ n-1 is still reading (the copy for layer n waits on an event recorded when layer
 layer n-2's reads of the same buffer). On the CPU the same code runs with synchronous copies and no events.
 Staging buffers live outside the arena: they are the working set of one layer, not a tenant of HBM pages.
 
+Or computed where they lie (``host_max_rows`` > 0, the engine's ``cold_experts="cpu"``): an offloaded expert that
+the step routes at most ``host_max_rows`` rows to is not staged; ``expert_weights`` returns views of its host copy
+and the MoE block's looped path sends those rows to the host, runs the expert there and brings the result back
+(Fiddler/KTransformers style: a few rows cross the link instead of the expert's weights). On the CPU this computes
+straight from the host copy, with no staging copy. Experts routed more rows than that are staged as above.
+
 Resident experts are also served all at once (``stacked_weights``: the arena's strided [E, ...] views), which
 lets the MoE block run its grouped GEMMs; a layer whose routing just staged an expert gets ``None`` there and
 fetches expert by expert, so a staged expert is always read from the staging buffer, never from its old pages.
@@ -91,8 +97,12 @@ class ExpertStager:
 class StagedExpertProvider:
     """``ExpertProvider``: routing statistics into ``ExpertResidency``; weights from home pages or staging."""
 
-    def __init__(self, storage: ArenaStorage, residency: ExpertResidency, host: Tensor) -> None:
+    def __init__(self, storage: ArenaStorage, residency: ExpertResidency, host: Tensor, *,
+                 host_max_rows: int = 0) -> None:
         layout = storage.expert_layout
+        self.host_max_rows = host_max_rows  # offloaded experts routed at most this many rows run on the host
+        self._on_host: dict[int, ExpertWeights] = {}  # this layer's experts computed from their host copies
+        self.num_host_computed = 0  # experts computed on the host, lifetime (a statistic)
         self.storage, self.residency, self.layout = storage, residency, layout
         self.moe_index = {layer_id: m for m, layer_id in enumerate(layout.moe_layer_ids)}
         self.stager = ExpertStager(host, layout, storage.device)
@@ -111,16 +121,23 @@ class StagedExpertProvider:
         counts = torch.bincount(expert_ids.flatten(), minlength=self.layout.num_experts)  # [E]
         self._step_counts.append((m, counts))
         self._staged_layer = None
+        self._on_host = {}
         if self._offloaded[m]:  # only then read the routing back before the layer runs (a sync on CUDA)
             routed = counts.tolist()
             needed = [e for e in self._offloaded[m] if routed[e]]
+            if self.host_max_rows:
+                self._on_host = {e: self.layout.weights(self.stager.host[m, e]) for e in needed
+                                 if routed[e] <= self.host_max_rows}
+                self.num_host_computed += len(self._on_host)
+                needed = [e for e in needed if e not in self._on_host]
             if needed:
                 self.stager.stage(m, needed)
+            if needed or self._on_host:
                 self._staged_layer = m
 
     def stacked_weights(self, layer_id: int) -> tuple[Tensor, Tensor] | None:
-        """All experts of the layer as the arena's strided views, unless the last ``route`` staged some of them
-        (then the MoE block fetches expert by expert: ``expert_weights``). An offloaded expert that nobody chose
+        """All experts of the layer as the arena's strided views, unless the last ``route`` staged some of them or
+        left some on the host (then the MoE block fetches expert by expert: ``expert_weights``). An offloaded expert that nobody chose
         keeps KV bytes in its rows; the grouped path never reads the rows of an unchosen expert."""
         m = self.moe_index[layer_id]
         return None if self._staged_layer == m else self.storage.stacked_experts(m)
@@ -142,8 +159,12 @@ class StagedExpertProvider:
         self._step_counts = []
 
     def expert_weights(self, layer_id: int, expert_id: int) -> ExpertWeights:
+        """Where the expert is computed: its home pages, its staging slot, or (``host_max_rows``) its host copy —
+        on another device than the activations, which the MoE block then sends there and back."""
         weights = self._resident.get((self.moe_index[layer_id], expert_id))
-        return weights if weights is not None else self.stager.weights(expert_id)
+        if weights is not None:
+            return weights
+        return self._on_host.get(expert_id) or self.stager.weights(expert_id)
 
     def mark_offloaded(self, region: Sequence[ExpertKey]) -> None:
         """Serve the region's experts from their host copies from now on (their pages are about to hold KV)."""

@@ -104,13 +104,18 @@ def single_token_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up
 
 def looped_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, experts: ExpertProvider,
                    layer_id: int) -> Tensor:
-    """The same as ``grouped_experts``, one selected expert at a time, weights from ``experts.expert_weights``."""
+    """The same as ``grouped_experts``, one selected expert at a time, weights from ``experts.expert_weights``.
+    An expert whose weights lie on another device (an offloaded expert computed from its host copy) is computed
+    there: its rows go to it and its output comes back."""
     out = torch.zeros_like(x)  # [T, H]
     for expert_id in expert_ids.unique().tolist():  # ascending, like transformers
         token_idx, rank = torch.where(expert_ids == expert_id)  # tokens routed here, and at which of their k
         w = experts.expert_weights(layer_id, expert_id)
-        gate, up = F.linear(x.index_select(0, token_idx), w.gate_up).chunk(2, dim=-1)  # [t, I] each
-        y = F.linear(F.silu(gate) * up, w.down) * weights[token_idx, rank, None]  # [t, H]
+        rows = x.index_select(0, token_idx)
+        if w.down.device != x.device:
+            rows = rows.to(w.down.device)
+        gate, up = F.linear(rows, w.gate_up).chunk(2, dim=-1)  # [t, I] each
+        y = F.linear(F.silu(gate) * up, w.down).to(x.device) * weights[token_idx, rank, None]  # [t, H]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
 

@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--policies", default="writescope", help=f"comma-separated, from {', '.join(SPLIT_POLICIES)}; or 'all'")
     add("--threads", type=int, default=1, help="torch threads per thread (the CPU worker has its own)")
     add("--seed", type=int, default=0)
+    add("--split-host", default=None, metavar="NAME|FILE",
+        help="host preset or `moetide calibrate` file the split policy prices the CPU with (default: the engine's)")
     add("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     policies = list(SPLIT_POLICIES) if args.policies == "all" else args.policies.split(",")
@@ -105,7 +107,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     engine = Engine(model, kv_budget_mib=args.device_kv_mib, kv_host_mib=host_mib, split_policy=args.worker,
                     block_size=args.block_size, max_num_seqs=args.num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, ignore_eos=True)
+                    max_num_batched_tokens=args.max_num_batched_tokens, ignore_eos=True,
+                    **({"split_host": args.split_host} if args.split_host else {}))
     build_s = time.perf_counter() - start
     rng = random.Random(args.seed)
     vocab = engine.parts.model.config.vocab_size
@@ -119,6 +122,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     line = dict(
         bench=BENCHMARK, policy=args.worker, num_seqs=args.num_seqs, prompt_tokens=args.prompt_tokens,
         decode_steps=args.decode_tokens, threads=args.threads, block_size=args.block_size,
+        split_host=engine.config.split_host,
         kv_bytes_per_token=bytes_per_token, kv_tokens_planned=total_tokens,
         kv_tokens_held=split.get("peak_kv_tokens", 0),
         device_kv_bytes=device_blocks * block_bytes, host_kv_bytes=engine.host_kv.nbytes,

@@ -309,3 +309,34 @@ def test_admissions_without_a_shortfall_are_measured_through_the_schedulers_hook
     out = sched.schedule(1.0)
     assert out.num_computed_before == [8] and not out.offloaded  # both prompt blocks hit; no shortfall
     assert policy._tail.rate(1.5) > 0
+
+
+@pytest.mark.parametrize("busy_after", [0.2, 0.6])
+def test_a_growth_that_makes_each_asked_token_dearer_is_taken_back(busy_after):
+    """The review after a growth compares the accelerator's busy seconds per prompt token asked for with what they
+    were when the line grew: three times dearer (busy 0.2 -> 0.6 of the time for the same demand), the window is
+    taken back and the line holds; as dear as before, it keeps growing."""
+    pool = BlockPool(range(8))
+    line = make_line(pool)  # the cap: 2 experts
+    policy = get_policy("vamp", params=params(1e-7))
+    steps, running = policy.params.steps, [request("running", 4)]
+
+    def ten_seconds(start, busy_share):  # a request of 8 prompt tokens asked for every second
+        for t in range(start, start + 10):
+            steps.busy += busy_share
+            policy.admitting(request(f"ask-{t}", 0, hashes=[10_000 + t, 20_000 + t]), [], pool, float(t), line)
+
+    evicted_then_back(policy, pool, line, 1000.0, seed=1, running=running)  # ghost hits; the first review at 1010
+    ten_seconds(1001, 0.2)
+    cached_prefix(pool, "s", 2, seed=2)
+    assert relieve(policy, view(pool, line, 1, request("grow", 0), preemptible=running, now=1011.0)) == \
+        [OffloadExperts(((0, 0),))]  # the review grew the line by one expert (two blocks)
+    line.offload(((0, 0),))
+    evicted_then_back(policy, pool, line, 1011.5, seed=3, running=running)  # reuse is still measured
+    ten_seconds(1012, busy_after)
+    cached_prefix(pool, "s", 2, seed=4)
+    plan = relieve(policy, view(pool, line, 1, request("next", 0), preemptible=running, now=1022.0))
+    if busy_after > 0.2 * 1.1:
+        assert policy.num_growths_undone == 1 and plan == [EvictPrefix(1)]  # no room for another offload
+    else:
+        assert policy.num_growths_undone == 0 and plan == [OffloadExperts(((1, 0),))]

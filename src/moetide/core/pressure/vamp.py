@@ -32,6 +32,14 @@ moved at every shortfall ran to the cap before the re-prefills it saved, or the 
 up). ``W = G / 4``: a marginal slice of the capacity the cap can add, wide enough to see ghost hits, narrow enough
 to be marginal.
 
+Each growth is then checked against what it was for, measured rather than estimated: the accelerator's busy
+seconds per prompt token asked for (first admissions; re-prefill and staging both raise it, and so does the
+queueing a move causes, which neither first-order estimate sees). If one review after a growth that figure is
+more than ``growth_tolerance`` (10%) above what it was when the line grew, the window is taken back from the
+allowance and the line may not grow for ``growth_hold_reviews`` (4) reviews: a cache past its cliff, where the
+saved re-prefill turns into little shorter queueing while the staging slows every step, no longer drives the line
+to the cap.
+
 A shortfall is covered by offloading the next cold experts (spread over layers, only as many as the shortfall
 needs, never past the allowance or the cap) and eviction covers the rest; past the allowance it is covered as
 ``vllm`` would — LRU eviction (chain tails first) — and, when the cached-free blocks cannot cover it either, a
@@ -94,6 +102,11 @@ class VampParams:
     # dead band: the line moves out when W blocks are worth this many times their staging, back when their
     # staging costs this many times their worth (first-order estimates on both sides; the band absorbs their error)
     margin: float = 2.0
+    # a growth of the line is checked one review later against what it was for: the accelerator's busy seconds per
+    # prompt token asked for (re-prefill and staging both raise it). Worse by more than this fraction: the window
+    # is taken back from the allowance and the line may not grow for growth_hold_reviews reviews.
+    growth_tolerance: float = 0.1
+    growth_hold_reviews: int = 4
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "horizon_s", "reclaim_check_s"):
@@ -105,6 +118,8 @@ class VampParams:
             raise ValueError("VampParams: reclaim_watermark must be in [0, 1) and reclaim_hold_s >= 0")
         if not self.margin >= 1:
             raise ValueError(f"VampParams.margin must be >= 1, got {self.margin}")
+        if not self.growth_tolerance >= 0 or self.growth_hold_reviews < 0:
+            raise ValueError("VampParams: growth_tolerance and growth_hold_reviews must be >= 0")
 
     def block_prefill_s(self, block_index: int) -> float:
         """Re-prefill of pool block ``block_index`` of a prefix (tokens at context ≈ its middle)."""
@@ -158,6 +173,10 @@ class VampPolicy:
         self._tail = DecayedRate(params.horizon_s)  # re-prefill s/s the last W blocks of the pool save
         self._admitted: str | None = None  # the waiting request whose ghost hits were counted last
         self._allowed = 0  # experts the line may have offloaded now (moved by _review)
+        self._demand = DecayedRate(params.horizon_s)  # prompt tokens asked for (first admissions) per second
+        self._grew_at: float | None = None  # busy s per demanded token when the line last grew (checked next review)
+        self._no_growth_until = -math.inf
+        self.num_growths_undone = 0
         self._next_review_s: float | None = None
         self._next_reclaim_check_s = -math.inf
         self._roomy_since: float | None = None  # since when the pool has had room to spare (vamp-reclaim)
@@ -259,13 +278,25 @@ class VampPolicy:
             return
         self._next_review_s = now_s + self.params.horizon_s
         step = self._experts_for(line, self._window())
+        p = self.params
+        cost = self._busy_per_demand(now_s)
+        grew_at, self._grew_at = self._grew_at, None
+        if grew_at is not None and cost is not None and cost > grew_at * (1 + p.growth_tolerance):
+            # the last window made each token asked for cost more accelerator time, not less (the queueing and
+            # staging it caused outweigh the re-prefill it saved): take it back and hold the line
+            self._allowed = max(self._allowed - step, 0)
+            self._no_growth_until = now_s + p.growth_hold_reviews * p.horizon_s
+            self.num_growths_undone += 1
+            return
         value = self._value_s_per_s(now_s)
         cap, allowed = line.residency.max_num_offloaded, self._allowed
-        margin = self.params.margin
+        margin = p.margin
         grow = min(allowed + step, cap)
-        remap_s_per_s = (grow - allowed) * self.params.remap_s_per_expert / self.params.horizon_s  # once a review
-        if allowed < cap and value > margin * (self._staging_s_per_s(now_s, allowed, grow) + remap_s_per_s):
+        remap_s_per_s = (grow - allowed) * p.remap_s_per_expert / p.horizon_s  # once a review
+        if (allowed < cap and now_s >= self._no_growth_until
+                and value > margin * (self._staging_s_per_s(now_s, allowed, grow) + remap_s_per_s)):
             self._allowed = grow
+            self._grew_at = cost
         elif allowed > 0:
             back = min(step, allowed)
             kept = self._tail.rate(now_s) or 0.0  # what the last window saves (hits in the LRU tail)
@@ -280,6 +311,8 @@ class VampPolicy:
         if request.request_id == self._admitted:
             return
         self._admitted = request.request_id
+        if request.num_cached_prompt_tokens is None:  # its first admission (not a preempted one's return)
+            self._demand.add(now_s, request.num_prompt_tokens)
         if line is not None:
             self._size_ghost_list(line)
         self._count_ghost_hits(request, now_s)
@@ -330,6 +363,12 @@ class VampPolicy:
             self._tail.add(now_s, seconds)
 
     # ---- rates -------------------------------------------------------------------------------------------------
+    def _busy_per_demand(self, now_s: float) -> float | None:
+        """Accelerator seconds per prompt token asked for, over the last ``horizon_s`` (None before both exist)."""
+        self._observe(now_s)
+        busy, demand = self._busy.rate(now_s), self._demand.rate(now_s)
+        return busy / demand if busy is not None and demand else None
+
     def _observe(self, now_s: float) -> None:
         busy = self.params.steps.busy_s()
         self._busy.add(now_s, busy - self._last_busy_s)

@@ -137,8 +137,8 @@ class StagedExpertProvider:
 
     def stacked_weights(self, layer_id: int) -> tuple[Tensor, Tensor] | None:
         """All experts of the layer as the arena's strided views, unless the last ``route`` staged some of them or
-        left some on the host (then the MoE block fetches expert by expert: ``expert_weights``). An offloaded expert that nobody chose
-        keeps KV bytes in its rows; the grouped path never reads the rows of an unchosen expert."""
+        left some on the host (then the MoE block fetches expert by expert: ``expert_weights``). An offloaded expert
+        that nobody chose keeps KV bytes in its rows; the grouped path never reads the rows of an unchosen expert."""
         m = self.moe_index[layer_id]
         return None if self._staged_layer == m else self.storage.stacked_experts(m)
 

@@ -41,8 +41,9 @@ softmax's exponentials) does not fit it exactly, and the fit's own error says by
 over the samples of both kernels, as ``perf.attention`` has one set of factors; ``errors_by_kernel`` says how well it
 describes each. Judge the model on shapes it was not fitted to (``benchmarks/cpu_attention_model.py``).
 
-The measuring functions are in ``perf.measure``; torch is imported inside them only: the fit and ``offload_efficiency_for_host`` are stdlib, so a
-core install can read and check a calibrated host file (``moetide.commands.calibrate`` renders and writes it).
+The measuring functions are in ``perf.measure``; torch is imported inside them only: the fit and
+``offload_efficiency_for_host`` are stdlib, so a core install can read and check a calibrated host file
+(``moetide.commands.calibrate`` renders and writes it).
 """
 
 from __future__ import annotations

@@ -306,8 +306,9 @@ class VampPolicy:
     # ---- measurements -----------------------------------------------------------------------------------------
     def admitting(self, request, hits: Sequence[int], pool, now_s: float, line=None) -> None:
         """The scheduler's admission hook: a waiting request's prefix lookup (``hits``: the cached blocks it will
-        take, block j of its prefix at j), before anything is allocated — every admission, not only those that hit a shortfall, so a stable
-        pool's LRU-tail hits are seen too. Measured once per request (a blocked request is retried every step)."""
+        take, block j of its prefix at j), before anything is allocated — every admission, not only those that hit
+        a shortfall, so a stable pool's LRU-tail hits are seen too, and the prompt tokens asked for (the growth
+        check's demand). Measured once per request (a blocked request is retried every step)."""
         if request.request_id == self._admitted:
             return
         self._admitted = request.request_id

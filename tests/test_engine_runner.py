@@ -97,6 +97,8 @@ def test_cold_experts_computed_from_host_copies_match_transformers(arch, tiny_ch
     assert_complete(result)
     provider = engine.parts.experts
     assert provider.num_host_computed > 0 and provider.stager.num_staged > 0
+    assert (result.stats.experts_on_host, result.stats.experts_staged) == (provider.num_host_computed,
+                                                                          provider.stager.num_staged)
     check_books(engine)
     with pytest.raises(UserError, match="cold_experts"):
         Engine(tiny_checkpoint(arch), kv_budget_mib=4, cold_experts="gpu")

@@ -180,7 +180,8 @@ def _emit(json_path: str | None, report: dict) -> None:
     stats = report["stats"]
     print(f"steps {stats['steps']}, prefix evictions {stats['prefix_evictions']} blocks, preemptions "
           f"{stats['preemptions']}, experts offloaded {stats['experts_offloaded']} (regions reclaimed "
-          f"{stats['expert_reclaims']}), prefix hits "
+          f"{stats['expert_reclaims']}; staged {stats['experts_staged']}, computed on the host "
+          f"{stats['experts_on_host']}), prefix hits "
           f"{stats['prefix_hit_tokens']} tokens, recomputed {stats['recomputed_tokens']} tokens")
     split = stats.get("split")
     if split:

@@ -59,6 +59,8 @@ class EngineStats:
     preemptions: int = 0
     experts_offloaded: int = 0
     expert_reclaims: int = 0  # regions given back to their experts (vamp-reclaim)
+    experts_staged: int = 0  # offloaded experts copied into a staging buffer (one per layer that routed to them)
+    experts_on_host: int = 0  # offloaded experts computed from their host copies instead (``cold_experts="cpu"``)
     offloaded_ratio: float = 0.0
     kv_blocks: int = 0
     prefix_hit_tokens: int = 0  # tokens found in the prefix cache when a request was (re)admitted
@@ -172,6 +174,8 @@ class Engine:
         stats, failed = EngineStats(), set()
         evicted0, preempted0 = self.scheduler.num_evicted_blocks, self.scheduler.num_preemptions
         reclaims0 = self.parts.expert_line.num_reclaims
+        provider = self.parts.experts
+        staged0, on_host0 = provider.stager.num_staged, provider.num_host_computed
         if isinstance(self.parts.attention, SplitAttentionBackend):
             self.parts.attention.counters = SplitCounters()
         start = time.perf_counter()
@@ -179,6 +183,8 @@ class Engine:
             failed.update(self._step(sampler, index_of, stats))
         stats.wall_s = time.perf_counter() - start
         self._finish_stats(stats, requests, failed, evicted0, preempted0, reclaims0)
+        stats.experts_staged = provider.stager.num_staged - staged0
+        stats.experts_on_host = provider.num_host_computed - on_host0
         return GenerateResult([self._output(r, r.request_id in failed) for r in requests], stats)
 
     def _add_request(self, prompt: Sequence[int], max_tokens: int) -> Request:

@@ -10,7 +10,9 @@
 #    arena storage on CUDA, and vamp-reclaim giving experts back on CUDA;
 # 2. `moetide calibrate --quick`: this host's DRAM and CPU attention, and the pinned host->device bandwidth;
 # 3. `moetide bench-engine --device cuda` on a tiny checkpoint (prefill/decode tokens/s at batch 1, 8, 32);
-# 4. `moetide generate --device cuda --policy vamp-reclaim` under a tight budget (counters in JSON).
+# 4. `moetide generate --device cuda --policy vamp-reclaim` under a tight budget (counters in JSON);
+# 5. `moetide generate --device cuda --static-offload` with offloaded experts staged (fetch) and computed from their
+#    pinned host copies (--cold-experts cpu): the same tokens, and the counters say which ran.
 # Each step's output goes to $OUT/<step>.log; a failing step does not stop the others; the exit status is the
 # number of failed steps.
 set -u
@@ -44,6 +46,16 @@ printf 'The scheduler compares the cost of evicting a prefix\n%.0s' 1 2 3 4 5 6 
 step generate-vamp "$PY" -m moetide.cli generate --model "$MODEL" --device "$DEVICE" --prompts-file \
     "$OUT/prompts.txt" --max-tokens 32 --ignore-eos --kv-budget-mib 0.25 --policy vamp-reclaim \
     --vamp-horizon-s 0.5 --json "$OUT/generate-vamp.json"
+for mode in fetch cpu; do
+    step "generate-cold-$mode" "$PY" -m moetide.cli generate --model "$MODEL" --device "$DEVICE" --prompts-file \
+        "$OUT/prompts.txt" --max-tokens 32 --ignore-eos --static-offload --max-offload-ratio 0.25 \
+        --cold-experts "$mode" --json "$OUT/generate-cold-$mode.json"
+done
+step cold-experts-same-tokens "$PY" -c "import json, sys
+runs = [json.load(open(sys.argv[i])) for i in (1, 2)]
+tokens = [[o['token_ids'] for o in r['outputs']] for r in runs]
+print({m: (r['stats']['experts_staged'], r['stats']['experts_on_host']) for m, r in zip(('fetch', 'cpu'), runs)})
+sys.exit(0 if tokens[0] == tokens[1] else 1)" "$OUT/generate-cold-fetch.json" "$OUT/generate-cold-cpu.json"
 rm -rf "$MODEL"  # only logs and small files come back
 echo "failed steps: $failed"
 exit "$failed"

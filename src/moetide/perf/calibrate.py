@@ -304,7 +304,7 @@ def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall
         raise UserError("calibrate measures with torch, which is not installed: pip install 'moetide[engine]'") \
             from None
     from moetide.perf.measure import (
-        _check_clock,
+        check_clock,
         measure_dram,
         measure_gemm,
         measure_host_to_device,
@@ -313,7 +313,7 @@ def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall
 
     previous = torch.get_num_threads()
     threads = num_threads or previous
-    _check_clock(clock, threads)
+    check_clock(clock, threads)
     torch.set_num_threads(threads)
     try:
         llc = llc_bytes()

@@ -25,7 +25,7 @@ from moetide.perf.calibrate import (
 )
 
 
-def _check_clock(clock: str, num_threads: int) -> None:
+def check_clock(clock: str, num_threads: int) -> None:
     if clock not in CLOCKS:
         raise UserError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
     if clock == "thread" and num_threads != 1:

@@ -118,14 +118,7 @@ def build_replay(
     kv = KVCacheManager(pool, config.block_size, num_state_blocks_per_request=budget.state_blocks_per_request)
     step_model = StepTimeModel(model, gpu, tp=config.tp)
     line = _expert_line(model, config, pool, budget)
-    staging = StagingModel(model, gpu, tp=config.tp,
-                           config=StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s,
-                                                routing_shares=_routing_shares(config, model),
-                                                host_link_shared_by=config.host_link_shared_by,
-                                                cold_experts=config.cold_experts,
-                                                gpus_per_socket=config.gpus_per_socket,
-                                                cpu_matmul_flops_per_s=(config.cpu_matmul_tflops or 0) * 1e12 or None,
-                                                host=get_host(config.cpu) if config.cold_experts == "cpu" else None))
+    staging = StagingModel(model, gpu, tp=config.tp, config=_staging_config(config, model))
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers, mix_tau_s=config.vamp_horizon_s,
                                     reference_step=_reference_decode(config, step_model),
                                     track_mix=config.policy.lower() in NEEDS_VAMP_PARAMS)
@@ -227,6 +220,16 @@ class StepTimeWithStaging:
             exposed_s += count * exposed
             base_s += count * base
         return exposed_s / base_s
+
+
+def _staging_config(config: ReplayConfig, model) -> StagingConfig:
+    on_cpu = config.cold_experts == "cpu"
+    tflops = config.cpu_matmul_tflops
+    return StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s,
+                         routing_shares=_routing_shares(config, model), host_link_shared_by=config.host_link_shared_by,
+                         cold_experts=config.cold_experts, host=get_host(config.cpu) if on_cpu else None,
+                         gpus_per_socket=config.gpus_per_socket,
+                         cpu_matmul_flops_per_s=None if tflops is None else tflops * 1e12)
 
 
 def _routing_shares(config: ReplayConfig, model) -> tuple[float, ...] | None:

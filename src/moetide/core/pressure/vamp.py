@@ -365,8 +365,8 @@ class VampPolicy:
 
     # ---- rates -------------------------------------------------------------------------------------------------
     def _busy_per_demand(self, now_s: float) -> float | None:
-        """Accelerator seconds per prompt token asked for, over the last ``horizon_s`` (None before both exist)."""
-        self._observe(now_s)
+        """Accelerator seconds per prompt token asked for, over the last ``horizon_s`` (None before both exist);
+        the caller has observed the steps up to ``now_s``."""
         busy, demand = self._busy.rate(now_s), self._demand.rate(now_s)
         return busy / demand if busy is not None and demand else None
 

@@ -34,6 +34,7 @@ from moetide.core.pressure import POLICIES
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.engine.split_plan import DEFAULT_SPLIT_GPU, DEFAULT_SPLIT_HOST
 from moetide.errors import UserError
+from moetide.perf.staging import COLD_EXPERT_MODES
 from moetide.perf.routing_profile import write_profile
 
 DEFAULT_KV_BUDGET_MIB = 256.0
@@ -58,7 +59,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
              "(default %(default)s)")
     add("--static-offload", action="store_true",
         help="offload --max-offload-ratio of the expert bytes at start (coldest first), whatever the policy")
-    add("--cold-experts", choices=("fetch", "cpu"), default="fetch",
+    add("--cold-experts", choices=COLD_EXPERT_MODES, default="fetch",
         help="offloaded experts a step routes few rows to: staged into the device (fetch), or computed from their "
              "host copies, the rows sent there and back (cpu; up to 32 rows, more are staged) (default %(default)s)")
     add("--max-num-seqs", type=int, default=256, help="sequences per step (default %(default)s)")

@@ -145,12 +145,13 @@ class PagedAttentionBackend:
 
     @staticmethod
     def _attend_group(q: Tensor, k_rows: Tensor, v_rows: Tensor, group: _Group, scale: float) -> Tensor:
+        """One group's attention: decode reads the pages in place (native), anything else gathers first."""
         b, num_q, Hq, D = q.shape
         if num_q == 1 and native.decode_worth_it(q, group.num_keys):  # decode: read the pages in place
             key_rows = group.key_rows.view(b, group.num_keys)
             return native.paged_decode_attention(q.view(b, Hq, D), k_rows, v_rows, key_rows, group.lengths,
                                                  scale).view(q.shape)
-        keys, values = gather_kv(k_rows, v_rows, group.key_rows, q.shape[0], group.num_keys)
+        keys, values = gather_kv(k_rows, v_rows, group.key_rows, b, group.num_keys)
         return attend_gathered(q, keys, values, group.attend, scale)
 
 

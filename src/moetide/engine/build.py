@@ -61,9 +61,9 @@ from moetide.engine.storage import (
 )
 from moetide.engine.vamp import engine_vamp_params
 from moetide.errors import UserError
+from moetide.perf.staging import COLD_EXPERT_MODES
 
 DEVICES = ("cpu", "cuda")
-COLD_EXPERTS = ("fetch", "cpu")
 # An expert computed on the host costs ~rows x 2 x params / F there; staging it costs ~bytes / link. With bf16
 # weights (2 bytes a parameter) they break even at rows ~ F / link: ~36 for a socket's ~1.8 TFLOP/s (half its fp32
 # FMA peak, perf.staging's assumption) against ~50 GB/s of PCIe Gen5.
@@ -117,8 +117,8 @@ class EngineConfig:
             raise ValueError(f"split_policy must be one of {', '.join(SPLIT_POLICIES)}, got {self.split_policy!r}")
         if not self.vamp_horizon_s > 0:
             raise ValueError(f"vamp_horizon_s must be positive, got {self.vamp_horizon_s!r}")
-        if self.cold_experts not in COLD_EXPERTS:
-            raise ValueError(f"cold_experts must be one of {', '.join(COLD_EXPERTS)}, got {self.cold_experts!r}")
+        if self.cold_experts not in COLD_EXPERT_MODES:
+            raise ValueError(f"cold_experts must be one of {', '.join(COLD_EXPERT_MODES)}, got {self.cold_experts!r}")
         if not isinstance(self.cold_expert_max_rows, int) or self.cold_expert_max_rows < 1:
             raise ValueError(f"cold_expert_max_rows must be a positive integer, got {self.cold_expert_max_rows!r}")
         if not 0.0 <= self.split_fixed_ratio <= 1.0:

@@ -101,6 +101,8 @@ class StagedExpertProvider:
                  host_max_rows: int = 0) -> None:
         layout = storage.expert_layout
         self.host_max_rows = host_max_rows  # offloaded experts routed at most this many rows run on the host
+        self._host_views = {(m, e): layout.weights(host[m, e]) for m in range(len(layout.moe_layer_ids))
+                            for e in range(layout.num_experts)} if host_max_rows else {}
         self._on_host: dict[int, ExpertWeights] = {}  # this layer's experts computed from their host copies
         self.num_host_computed = 0  # experts computed on the host, lifetime (a statistic)
         self.storage, self.residency, self.layout = storage, residency, layout
@@ -112,7 +114,7 @@ class StagedExpertProvider:
         }
         self._offloaded: list[list[int]] = [[] for _ in layout.moe_layer_ids]
         self._step_counts: list[tuple[int, Tensor]] = []  # this step's routing, recorded by end_step()
-        self._staged_layer: int | None = None  # MoE layer whose routing (last route()) needed staging
+        self._looped_layer: int | None = None  # MoE layer whose routing (last route()) staged or left experts on host
         self.touches: TouchRates | None = None  # per-step touch rates, kept when a policy reads them (vamp)
         self.totals: Tensor | None = None  # [M, E] tokens routed per expert since enabled (``--routing-out``)
 
@@ -120,27 +122,26 @@ class StagedExpertProvider:
         m = self.moe_index[layer_id]
         counts = torch.bincount(expert_ids.flatten(), minlength=self.layout.num_experts)  # [E]
         self._step_counts.append((m, counts))
-        self._staged_layer = None
+        self._looped_layer = None
         self._on_host = {}
         if self._offloaded[m]:  # only then read the routing back before the layer runs (a sync on CUDA)
             routed = counts.tolist()
             needed = [e for e in self._offloaded[m] if routed[e]]
             if self.host_max_rows:
-                self._on_host = {e: self.layout.weights(self.stager.host[m, e]) for e in needed
-                                 if routed[e] <= self.host_max_rows}
+                self._on_host = {e: self._host_views[m, e] for e in needed if routed[e] <= self.host_max_rows}
                 self.num_host_computed += len(self._on_host)
                 needed = [e for e in needed if e not in self._on_host]
             if needed:
                 self.stager.stage(m, needed)
             if needed or self._on_host:
-                self._staged_layer = m
+                self._looped_layer = m
 
     def stacked_weights(self, layer_id: int) -> tuple[Tensor, Tensor] | None:
         """All experts of the layer as the arena's strided views, unless the last ``route`` staged some of them or
         left some on the host (then the MoE block fetches expert by expert: ``expert_weights``). An offloaded expert
         that nobody chose keeps KV bytes in its rows; the grouped path never reads the rows of an unchosen expert."""
         m = self.moe_index[layer_id]
-        return None if self._staged_layer == m else self.storage.stacked_experts(m)
+        return None if self._looped_layer == m else self.storage.stacked_experts(m)
 
     def end_step(self) -> None:
         """Record the step's routing into the residency (one read-back per step, after the forward)."""
@@ -164,7 +165,8 @@ class StagedExpertProvider:
         weights = self._resident.get((self.moe_index[layer_id], expert_id))
         if weights is not None:
             return weights
-        return self._on_host.get(expert_id) or self.stager.weights(expert_id)
+        on_host = self._on_host.get(expert_id)
+        return on_host if on_host is not None else self.stager.weights(expert_id)
 
     def mark_offloaded(self, region: Sequence[ExpertKey]) -> None:
         """Serve the region's experts from their host copies from now on (their pages are about to hold KV)."""

@@ -248,10 +248,11 @@ class SplitAttentionBackend:
         any_row = rows[valid][:1]  # a real row of the group, for a sequence with none in this region
         fallback = torch.where(valid.any(dim=1, keepdim=True), first, any_row.expand_as(first))
         rows = torch.where(valid, rows, fallback).flatten()
+        lengths = valid.sum(dim=1)
         if full:
-            return _Part(rows.to(rows_device), key_pos.shape[1], None, None, valid.sum(dim=1))
+            return _Part(rows.to(rows_device), key_pos.shape[1], None, None, lengths)
         return _Part(rows.to(rows_device), key_pos.shape[1], attend.to(mask_device), row_has_key.to(mask_device),
-                     valid.sum(dim=1))
+                     lengths)
 
     def end_step(self) -> None:
         """Close the step: feed the measured CPU time to the online correction (writescope)."""
@@ -261,7 +262,7 @@ class SplitAttentionBackend:
         c = self.counters
         c.cpu_s += self._step_cpu_s
         c.predicted_cpu_s += split.predicted_cpu_s
-        self.stepper.observe(split, self._step_cpu_s)  # the runner reads the factor at the end
+        self.stepper.observe(split, self._step_cpu_s)
 
     # ---- per layer ----------------------------------------------------------------------------------------
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, scale: float) -> Tensor:

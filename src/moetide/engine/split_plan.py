@@ -110,11 +110,10 @@ class SplitStepper:
             return self.planner.plan(costs, seqs, self.block_bytes)
         return StepSplit.of(costs, seqs, self.policy.split(costs, seqs, self.block_bytes), self.block_bytes)
 
-    def observe(self, plan: StepSplit, measured_cpu_s: float) -> float:
-        """Feed a step's measured CPU time back (writescope only); returns the correction factor."""
-        if self.planner is None:
-            return 1.0
-        return self.planner.observe(plan, measured_cpu_s)
+    def observe(self, plan: StepSplit, measured_cpu_s: float) -> None:
+        """Feed a step's measured CPU time back (writescope only; ``correction_factor`` then says where it is)."""
+        if self.planner is not None:
+            self.planner.observe(plan, measured_cpu_s)
 
     @property
     def correction_factor(self) -> float:

@@ -245,7 +245,7 @@ def layer_kv_views(typed: Tensor, kv: KVLayout, lead_size: tuple[int, ...],
 def layer_kv_rows(typed: Tensor, kv: KVLayout, unit: int) -> list[tuple[Tensor, Tensor]]:
     """Per full-attention layer a, (K, V) as read views [rows, Hkv, D] of ``typed``: row r starts r·``unit``
     elements after the layer's first tile. Rows overlap when ``unit`` < Hkv·D: read only (attention gathers keys
-    with one ``index_select``)."""
+    with one ``index_select``); otherwise the native decode kernel also writes a token's new K/V through them."""
     width, tile = kv.num_kv_heads * kv.head_dim, kv.block_size * kv.num_kv_heads * kv.head_dim
     views = []
     for a in range(len(kv.attn_layer_ids)):

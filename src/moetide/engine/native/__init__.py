@@ -248,7 +248,7 @@ def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Te
         if cos.shape != (T, rotary) or sin.shape != (T, rotary) or rotary > D or rotary % 2:
             raise ValueError(f"rope tables must be [T, rotary] with an even rotary <= {D}")
     out = torch.empty(T, heads, D, dtype=x.dtype)
-    scratch = x.new_empty(D)
+    scratch = x.new_empty(D) if rotary else None  # the normed row before it is rotated
     lib.moetide_rms_norm_rope_f32(x.data_ptr(), T, x.stride(0), heads, D, eps is not None, eps or 0.0, _ptr(w1),
-                                  split, _ptr(w2), _ptr(cos), _ptr(sin), rotary, out.data_ptr(), scratch.data_ptr())
+                                  split, _ptr(w2), _ptr(cos), _ptr(sin), rotary, out.data_ptr(), _ptr(scratch))
     return out

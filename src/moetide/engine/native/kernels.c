@@ -4,7 +4,7 @@
    layer or a paged attention is tens of ops; these do the same arithmetic in one call, reading the arena in place
    (vLLM's CPU build does the same with its csrc/cpu kernels). Single-threaded; no allocation; no Python objects.
 
-   Both are batch-invariant: a token's result does not depend on which other tokens share the step. Accumulation
+   All are batch-invariant: a token's result does not depend on which other tokens share the step. Accumulation
    orders differ from torch's kernels, so results equal torch's to fp32 round-off, not bit for bit (tested). */
 
 #include <math.h>

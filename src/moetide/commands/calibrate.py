@@ -201,7 +201,7 @@ def _measured_lines(cal: Calibration) -> list[str]:
 
 def _kernel_shapes(cal: Calibration, kernel: str) -> str:
     """Which of the calibration's shapes ``kernel`` timed, for a comment: "timed 6 of 24 shapes: decode fp32"."""
-    kinds = sorted({("decode" if s.shape.num_queries == 1 else "prefill", s.shape.kv_dtype)
+    kinds = sorted({(s.shape.kind, s.shape.kv_dtype)
                     for s in cal.attention if s.kernel == kernel})
     count = sum(s.kernel == kernel for s in cal.attention)
     return f"timed {count} of {len(cal.attention)} shapes: " + ", ".join(f"{k} {d}" for k, d in kinds)

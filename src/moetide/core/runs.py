@@ -70,7 +70,7 @@ def step(sched: Scheduler, run: PrefillRun) -> bool:
     kv, request = sched.kv, run.prefiller
     if kv.num_blocks_short(request.request_id, run.chunk, request.num_computed_tokens) > kv.pool.num_cached_free_blocks:
         return False
-    out = SchedulerOutput()  # collects the evictions' count, as in schedule()
+    out = SchedulerOutput()  # _allocate's per-step record, discarded: sched.num_evicted_blocks counts the evictions
     # P is the last running request, so nothing is offered for preemption
     if not sched._allocate(request, run.chunk, [], True, len(sched.running) - 1, out):
         raise RuntimeError(f"prefill run: allocation for {request.request_id!r} failed after eviction")

@@ -303,9 +303,7 @@ class Scheduler:
         kv = self.kv
         for request in self.running if requests is None else requests:
             request.append_outputs(num_steps)
-            request.num_computed_tokens += num_steps
-            if request.num_computed_tokens > request.max_computed_tokens:
-                request.max_computed_tokens = request.num_computed_tokens
+            request.computed_to(request.num_computed_tokens, request.num_computed_tokens + num_steps)
             kv.allocate_slots(request.request_id, 0, request.block_hashes,
                               num_computed_tokens=request.num_computed_tokens)
 

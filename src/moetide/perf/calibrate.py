@@ -119,6 +119,10 @@ class AttentionShape:
     def flops_per_kv_byte(self) -> float:
         return self.flops / self.kv_bytes
 
+    @property
+    def kind(self) -> str:
+        return "decode" if self.num_queries == 1 else "prefill"
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -345,7 +349,7 @@ def attention_summary(samples: Sequence[AttentionSample]) -> dict[str, float]:
     """Median achieved KV bytes/s and FLOP/s per (decode or prefill, dtype, kernel) group of samples."""
     groups: dict[str, list[AttentionSample]] = {}
     for s in samples:
-        kind = "decode" if s.shape.num_queries == 1 else "prefill"
+        kind = s.shape.kind
         groups.setdefault(f"attention_{kind}_{s.shape.kv_dtype}_{s.kernel}", []).append(s)
     out: dict[str, float] = {}
     for key, group in groups.items():

@@ -199,8 +199,8 @@ class StagingModel:
         # (or compute them on the host CPU when that is cheaper: ``cold_experts='cpu'``)
         best = None
         first = min(num_offloaded, math.floor(overlap_s / t) if t > 0 else num_offloaded)
-        candidates = (first, min(first + 1, num_offloaded), num_offloaded) if self.on_cpu else \
-            (first, min(first + 1, num_offloaded))
+        candidates = dict.fromkeys((first, min(first + 1, num_offloaded), num_offloaded) if self.on_cpu else
+                                   (first, min(first + 1, num_offloaded)))  # each once: first may be the last
         for m in candidates:
             on_demand = self.expected_touched(num_tokens, num_offloaded - m)
             moved, rest_s = m + on_demand, on_demand * t

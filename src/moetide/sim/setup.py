@@ -20,7 +20,7 @@ from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
 from moetide.perf.routing_profile import read_rank_shares
-from moetide.perf.staging import COLD_EXPERT_MODES, STAGING_MODES, StagingConfig, StagingModel
+from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingConfig, StagingModel
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
 from moetide.specs import get_gpu, get_host, get_model
@@ -77,7 +77,7 @@ class ReplayConfig:
             raise UserError(f"--staging must be one of {', '.join(STAGING_MODES)}, got {self.staging_mode!r}")
         if self.cold_experts not in COLD_EXPERT_MODES:
             raise UserError(f"--cold-experts must be one of {', '.join(COLD_EXPERT_MODES)}, got {self.cold_experts!r}")
-        if self.cold_experts == "cpu" and self.staging_mode != "auto":
+        if self.cold_experts == CPU and self.staging_mode != "auto":
             raise UserError("--cold-experts cpu serves what --staging auto does not prefetch: use --staging auto")
         if self.gpus_per_socket < 1:
             raise UserError(f"--gpus-per-socket must be >= 1, got {self.gpus_per_socket}")
@@ -223,7 +223,7 @@ class StepTimeWithStaging:
 
 
 def _staging_config(config: ReplayConfig, model) -> StagingConfig:
-    on_cpu = config.cold_experts == "cpu"
+    on_cpu = config.cold_experts == CPU
     tflops = config.cpu_matmul_tflops
     return StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s,
                          routing_shares=_routing_shares(config, model), host_link_shared_by=config.host_link_shared_by,

@@ -32,8 +32,9 @@ def replay(workload, num_blocks=64, step_s=0.01, block_size=16, **sched):
 
 
 def test_open_loop_single_request_timing():
-    wl = Workload("t", "test", "open", None, (Session(session_id="s", start_s=1.0, turns=(turn("r", 40, 3, arrival=1.0),),
-                                                      parent_session_id=None, key_scope=""),))
+    session = Session(session_id="s", start_s=1.0, turns=(turn("r", 40, 3, arrival=1.0),), parent_session_id=None,
+                      key_scope="")
+    wl = Workload("t", "test", "open", None, (session,))
     m = replay(wl, step_s=0.01).to_dict()
     # step 1 prefills 40 tokens and emits token 1 at t=1.01; two decode steps emit tokens 2 and 3
     assert m["ttft_s"]["mean"] == pytest.approx(0.01)

@@ -128,7 +128,8 @@ class BlockPool:
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on each block (cache hits); a free block leaves its free queue."""
-        ref_cnt, hash_of, cached_free, uncached_free = self._ref_cnt, self._hash_of, self._cached_free, self._uncached_free
+        ref_cnt, hash_of = self._ref_cnt, self._hash_of
+        cached_free, uncached_free = self._cached_free, self._uncached_free
         for block_id in block_ids:
             count = ref_cnt[block_id]
             if count == 0:

@@ -244,3 +244,39 @@ def test_stale_prefix_hits_are_refused():
         manager.allocate_slots("b", 1, hashes, num_computed_tokens=num_computed, new_computed_blocks=hits)
     assert pool.num_uncached_free_blocks == free_before and manager.get_blocks("b") == []
     manager.check_invariants()
+
+
+def test_drain_takes_blocks_out_as_they_come_free_and_never_allocates_them():
+    """A region going back to its experts: free blocks leave at once (a cached one evicted with its descendants),
+    a block in use leaves when its last reference goes; none is allocated meanwhile; removal takes them."""
+    pool, manager = make(6)
+    cached = [1, 2, 3, 4, 5, 6, 7, 8]
+    admit(manager, "done", cached)  # blocks 0, 1: a two-block chain
+    manager.free("done")
+    assert admit(manager, "busy", [9] * 4) == ([], 0, [2])
+    pool.drain([0, 2, 5])
+    assert pool.block_hash(0) is None and pool.block_hash(1) is None  # 0 evicted, its descendant 1 with it
+    assert pool.num_drained_blocks == 2 and pool.is_draining(2) and not pool.is_free(2)
+    assert pool.num_free_blocks == 3 and pool.num_used_blocks == 1  # 1, 3, 4 free; 0 and 5 drained; 2 in use
+    assert pool.allocate(3) == [3, 4, 1] and pool.allocate(1) is None  # never a draining block
+    pool.free([3, 4, 1])
+    assert pool.remove_blocks([0, 2, 5]) is False  # 2 is still held
+    manager.free("busy")
+    assert pool.num_drained_blocks == 3 and pool.num_free_blocks == 3
+    pool.check_invariants()
+    assert pool.remove_blocks([0, 2, 5]) and pool.num_blocks == 3 and pool.num_drained_blocks == 0
+    pool.check_invariants()
+
+
+def test_undrain_puts_drained_blocks_back_as_uncached_free():
+    pool, manager = make(3)
+    admit(manager, "a", [1, 2, 3, 4])  # block 0, registered, in use
+    pool.drain([0, 1])
+    pool.undrain([0, 1])
+    assert not pool.is_draining(0) and pool.num_drained_blocks == 0
+    manager.free("a")
+    assert pool.num_cached_free_blocks == 1  # released normally again: its prefix stays cached
+    assert pool.uncached_free_block_ids() == [2, 1]
+    pool.check_invariants()
+    with pytest.raises(ValueError, match="does not own"):
+        pool.drain([7])

@@ -37,7 +37,9 @@ class FakeSteps:
 
 
 def params(staging_per_expert, prefill_s_per_token=1e-3, **kw):
-    """``staging_per_expert``: exposed staging per second of step time that each offloaded expert adds."""
+    """``staging_per_expert``: exposed staging per second of step time that each offloaded expert adds. The
+    shares here are tiny, so the floor under giving back on tail hits alone is off unless a test sets it."""
+    kw.setdefault("give_back_min_share", 0.0)
     return VampParams(prefill_s_per_token=prefill_s_per_token, steps=FakeSteps(staging_per_expert),
                       block_size=BS, horizon_s=10.0, **kw)
 
@@ -103,12 +105,14 @@ def test_cold_experts_go_once_evicted_prefixes_are_seen_to_come_back():
     assert plan == [OffloadExperts(((0, 0),))]  # one expert (two blocks) covers the shortfall of one
 
 
-def test_the_last_window_stays_while_requests_keep_hitting_the_pools_lru_tail():
+@pytest.mark.parametrize("floor", [0.0, 0.5])
+def test_the_last_window_stays_while_requests_keep_hitting_the_pools_lru_tail(floor):
     """The ghost list prices the next window; what the last one is worth is measured by hits on the blocks a
-    smaller pool would have lost (the head of the LRU queue). While those go on, the allowance holds."""
+    smaller pool would have lost (the head of the LRU queue). While those go on, the allowance holds; once they
+    stop it goes back — unless the window's staging is below the floor under giving back on tail hits alone."""
     pool = BlockPool(range(8))
     line = make_line(pool)  # W = 1 block, one expert
-    policy = get_policy("vamp", params=params(1e-5))
+    policy = get_policy("vamp", params=params(1e-5, give_back_min_share=floor))
     steps, running = policy.params.steps, [request("running", 4)]
     evicted_then_back(policy, pool, line, 1000.0, seed=1, running=running)
     lru = BlockPool(range(8))
@@ -127,7 +131,7 @@ def test_the_last_window_stays_while_requests_keep_hitting_the_pools_lru_tail():
     for t in range(1101, 1200):  # nothing any more: the allowance goes back, eviction covers shortfalls
         steps.busy = t - 1000.0
         plan = relieve(policy, view(lru, line, 1, request(f"cold-{t}", 0), preemptible=running, now=float(t)))
-    assert plan == [EvictPrefix(1)]
+    assert plan == ([EvictPrefix(1)] if floor == 0 else [OffloadExperts(((0, 0),))])
 
 
 def test_staging_dearer_than_the_measured_reuse_keeps_the_line():
@@ -187,6 +191,48 @@ def test_conversion_moves_no_resident_kv():
     line.check_invariants()
 
 
+@pytest.mark.parametrize("policy_name", ["vamp", "vamp-reclaim"])
+def test_a_region_the_line_no_longer_allows_drains_and_goes_back(policy_name):
+    """Once the allowance falls below what is offloaded, the last region drains: its free blocks leave the pool at
+    once, a block in use leaves when its request lets it go, nothing is allocated from it meanwhile, and the
+    experts get their pages back once it is empty. If the line grows again first, the region stays."""
+    pool = BlockPool(range(4))
+    line = make_line(pool)
+    policy = get_policy(policy_name, params=params(1e-3))
+    policy._allowed = 1  # what a review grew it to (the reviews' own moves are tested above)
+    line.offload([(0, 0)])
+    assert pool.allocate(5) == [0, 1, 2, 3, 1000]
+    policy._allowed = 0  # ... and what a later review took back
+    assert not policy.maybe_reclaim(line, pool, 1.0)
+    assert pool.is_draining(1001) and pool.num_drained_blocks == 1 and pool.allocate(1) is None
+    pool.free([1000])
+    assert policy.maybe_reclaim(line, pool, 2.0) and line.residency.num_offloaded == 0 and pool.num_blocks == 4
+    assert policy.num_given_back == 1
+    policy._allowed = 1
+    line.offload([(0, 0)])
+    assert pool.allocate(1) == [1000]
+    policy._allowed = 0
+    assert not policy.maybe_reclaim(line, pool, 3.0) and pool.is_draining(1001)
+    policy._allowed = 1  # the line grows back before the region is empty: it stays, its blocks are KV again
+    assert not policy.maybe_reclaim(line, pool, 4.0)
+    assert not pool.is_draining(1001) and pool.allocate(1) == [1001] and line.residency.num_offloaded == 1
+    line.check_invariants()
+    pool.check_invariants()
+
+
+def test_without_give_back_the_line_only_grows():
+    """``give_back=False`` (the VAMP paper's controller): a region the allowance no longer covers stays while any
+    of its blocks is in use."""
+    pool = BlockPool(range(4))
+    line = make_line(pool)
+    policy = get_policy("vamp", params=params(1e-3, give_back=False))
+    line.offload([(0, 0)])
+    assert pool.allocate(5) == [0, 1, 2, 3, 1000]
+    for t in range(5):
+        assert not policy.maybe_reclaim(line, pool, float(t))
+    assert not pool.is_draining(1001) and pool.allocate(1) == [1001]
+
+
 def test_reclaim_waits_until_the_regions_blocks_are_free():
     pool = BlockPool([])
     line = make_line(pool)
@@ -202,8 +248,9 @@ def test_reclaim_waits_until_the_regions_blocks_are_free():
 def test_vamp_in_the_scheduler_admits_by_offloading_and_reclaims_later():
     pool = BlockPool(range(4))
     line = make_line(pool, max_ratio=0.5)
-    # staging that costs more than re-prefilling the region's blocks once the pressure is gone
-    policy = get_policy("vamp-reclaim", params=params(1e-2, reclaim_hold_s=3.0))
+    # staging that costs more than re-prefilling the region's blocks once the pressure is gone, but less than the
+    # floor under giving back on tail hits alone: only the watermark gives the region back
+    policy = get_policy("vamp-reclaim", params=params(1e-2, reclaim_hold_s=3.0, give_back_min_share=0.05))
     sched = Scheduler(SchedulerConfig(), KVCacheManager(pool, BS), policy, expert_line=line)
     sched.add_request(Request.from_tokens("a", list(range(20)), 2, BS, session_id="s"))  # 5 blocks > 4
     out = sched.schedule(0.0)

@@ -25,6 +25,11 @@ How it differs from vLLM's pool, and why:
   refused (``cache_block`` returns False) and that block stays private; it is freed as an uncached block.
 * **Growth and shrink by given ids.** The arena (``core.arena``) decides which block ids exist; the pool adds and
   removes exactly those. Removal is atomic: all free, or nothing changes.
+* **Draining.** ``drain(ids)`` marks blocks that are about to leave (an expert region going back to its experts):
+  free ones leave the free queues at once (a cached one is evicted first, with its descendants), and each one in
+  use leaves when its last reference goes, instead of rejoining a queue. A drained block is owned, free and never
+  allocated; ``remove_blocks`` takes it, ``undrain`` puts it back. So a region in a busy pool empties as its
+  requests finish, rather than waiting for a moment when every one of its blocks happens to be free.
 * **Two tiers, optionally.** With ``preferred_below`` set, every uncached free block with an id below it is
   allocated before any other: such a block enters the *head* of the uncached queue instead of its tail. The engine
   numbers its device blocks below its host blocks, so device KV is used first and host KV only once the device
@@ -55,6 +60,8 @@ class BlockPool:
         self._parent_of: dict[int, int | None] = {}  # registered block id -> parent's hash (None: chain head)
         self._block_of: dict[int, int] = {}  # hash -> the one registered block holding it
         self._children: dict[int, set[int]] = {}  # hash -> registered block ids whose parent it is
+        self._draining: set[int] = set()  # blocks marked to leave (drain); those with no reference are drained
+        self._drained: set[int] = set()  # draining blocks with no reference: out of both free queues
         self.num_evicted_blocks = 0  # lifetime counter, for metrics
         # Bumped whenever blocks become free or are added: a caller that failed to allocate can skip retrying
         # until it changes (the scheduler's blocked queue head).
@@ -80,7 +87,12 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._ref_cnt) - len(self._uncached_free) - len(self._cached_free)
+        return len(self._ref_cnt) - len(self._uncached_free) - len(self._cached_free) - len(self._drained)
+
+    @property
+    def num_drained_blocks(self) -> int:
+        """Blocks marked by ``drain`` that have no reference left: owned, never allocated, waiting for removal."""
+        return len(self._drained)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -94,7 +106,11 @@ class BlockPool:
         return self._ref_cnt[block_id]
 
     def is_free(self, block_id: int) -> bool:
+        """No reference (a drained block is free too, though never allocated)."""
         return self._ref_cnt[block_id] == 0
+
+    def is_draining(self, block_id: int) -> bool:
+        return block_id in self._draining
 
     def num_free_among(self, block_ids: Iterable[int]) -> int:
         """How many of the given blocks are free (e.g. a request's protected prefix hits)."""
@@ -143,6 +159,7 @@ class BlockPool:
         """Drop one reference from each block, in the order given; at zero a block joins the tail of its queue."""
         ref_cnt, prefer = self._ref_cnt, self.preferred_below
         hash_of, cached_free, uncached_free = self._hash_of, self._cached_free, self._uncached_free
+        draining = self._draining
         self.free_version += 1
         for block_id in block_ids:
             count = ref_cnt[block_id] - 1
@@ -150,7 +167,9 @@ class BlockPool:
                 raise ValueError(f"block {block_id} freed more times than it was taken")
             ref_cnt[block_id] = count
             if count == 0:
-                if block_id in hash_of:
+                if draining and block_id in draining:
+                    self._drain_free_block(block_id)
+                elif block_id in hash_of:
                     cached_free[block_id] = None
                 else:
                     uncached_free[block_id] = None
@@ -335,7 +354,8 @@ class BlockPool:
         self.free_version += 1
 
     def remove_blocks(self, block_ids: Iterable[int]) -> bool:
-        """Remove the given blocks if every one is free (cached ones are evicted first); else change nothing."""
+        """Remove the given blocks if every one is free (cached ones are evicted first; drained ones count as
+        free); else change nothing."""
         ids = list(block_ids)
         ref_cnt = self._ref_cnt
         if any(ref_cnt.get(b, 1) != 0 for b in ids) or len(set(ids)) != len(ids):
@@ -345,18 +365,62 @@ class BlockPool:
             if block_id in self._hash_of:
                 self._uncache_chain(block_id, evicted)
         for block_id in ids:
-            del self._uncached_free[block_id]
+            if block_id in self._drained:
+                self._drained.remove(block_id)
+            else:
+                del self._uncached_free[block_id]
+            self._draining.discard(block_id)
             del ref_cnt[block_id]
         return True
+
+    def drain(self, block_ids: Iterable[int]) -> None:
+        """Mark blocks to leave the pool (module docstring: draining). Free ones leave the free queues now; a cached
+        one is evicted first, with its registered descendants (read ``block_hash``/``registered_descendants``
+        before, to know what a drain invalidates). Blocks in use leave as their last reference goes."""
+        ids = [b for b in block_ids if b not in self._draining]
+        missing = [b for b in ids if b not in self._ref_cnt]
+        if missing:
+            raise ValueError(f"cannot drain blocks the pool does not own: {sorted(missing)[:8]}")
+        self._draining.update(ids)
+        for block_id in ids:
+            if self._ref_cnt[block_id] == 0:
+                self._drain_free_block(block_id)
+
+    def undrain(self, block_ids: Iterable[int]) -> None:
+        """Cancel a drain: drained blocks rejoin the uncached free queue (their cached content is gone)."""
+        prefer = self.preferred_below
+        for block_id in block_ids:
+            if block_id not in self._draining:
+                continue
+            self._draining.remove(block_id)
+            if block_id in self._drained:
+                self._drained.remove(block_id)
+                self._uncached_free[block_id] = None
+                if prefer is not None and block_id < prefer:
+                    self._uncached_free.move_to_end(block_id, last=False)
+        self.free_version += 1
+
+    def _drain_free_block(self, block_id: int) -> None:
+        """A draining block with no reference leaves its free queue (uncached first if it holds a prefix)."""
+        if block_id in self._hash_of:
+            self._cached_free[block_id] = None  # (already there unless it was just released)
+            self._uncache_chain(block_id, [])  # an eviction, descendants included; lands in the uncached queue
+        self._uncached_free.pop(block_id, None)  # (not there if it was just released uncached)
+        self._drained.add(block_id)
 
     # ---- checks -------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if the books disagree with each other."""
         uncached, cached = set(self._uncached_free), set(self._cached_free)
         assert not uncached & cached, f"blocks in both free queues: {sorted(uncached & cached)[:8]}"
+        drained = self._drained
+        assert drained <= self._draining <= set(self._ref_cnt), "drain books name blocks the pool does not own"
+        assert not drained & (uncached | cached), "a drained block is still in a free queue"
+        for block_id in drained:
+            assert block_id not in self._hash_of, f"drained block {block_id} holds a hash"
         for block_id, count in self._ref_cnt.items():
             assert count >= 0, f"block {block_id} has ref count {count}"
-            free = block_id in uncached or block_id in cached
+            free = block_id in uncached or block_id in cached or block_id in drained
             assert free == (count == 0), f"block {block_id}: ref count {count} but free={free}"
             if block_id in cached:
                 assert block_id in self._hash_of, f"cached-free block {block_id} has no hash"

@@ -239,7 +239,8 @@ class ArenaExpertLine:
     def kv_room(self, pool) -> tuple[int, int]:
         """(uncached free, all) KV blocks of the arena — host KV blocks in the same pool are not device room."""
         ids = self.arena.kv_block_ids()
-        return sum(1 for b in ids if pool.is_free(b) and pool.block_hash(b) is None), len(ids)
+        room = sum(1 for b in ids if pool.is_free(b) and pool.block_hash(b) is None and not pool.is_draining(b))
+        return room, len(ids)
 
     def last_region(self) -> tuple[tuple[ExpertKey, ...], list[int]] | None:
         regions = self.arena.converted_regions()

@@ -46,13 +46,23 @@ needs, never past the allowance or the cap) and eviction covers the rest; past t
 running requester preempts the newest running request (possibly itself) and a waiting one waits, unless nothing
 is running and only moving the line (up to the cap) can admit it. Before the first review the allowance is zero.
 
-``vamp-reclaim`` also gives the last offloaded region back while more experts are offloaded than allowed, all of
-the region's blocks are free, and the pool has had room to spare for ``reclaim_hold_s`` — uncached free blocks
-beyond the region's own of at least ``reclaim_watermark`` of the pool (the issue's "free KV stays above a
-watermark"): the last window's measured worth cannot see that giving it back tips a cache near its cliff over it,
-while a pool with room to spare is not near it. The prefixes cached in the region go to the ghost list like any
-eviction, so their loss is measured too. Plain ``vamp`` never gives regions back (a shrinking allowance only stops
-it offloading more).
+The line follows the allowance back too (``give_back``): once fewer experts are allowed than are offloaded, the
+last region drains — its free blocks leave the pool at once (the prefixes cached there go to the ghost list like
+any eviction), each block in use leaves when its request lets it go, none is allocated again — and its experts
+get their pages back when it is empty (``BlockPool.drain``); the line growing first cancels the drain. A region
+that only waited for a moment when all its blocks happened to be free would never go back from a busy pool, and a
+line that cannot come back turns a growth the measurements later reject into a lasting slowdown (a stable load
+tipped into collapse; docs/vamp.md). Giving a window back on the LRU tail's measured worth alone needs its staging
+to cost at least ``give_back_min_share`` of the accelerator's time: tail hits undervalue capacity near the cache's
+cliff (the head of the LRU queue holds prefixes that never come back, yet shrinking the pool can tip the queue
+over), so a cheap window is kept. An offload made because nothing else could admit a request raises the
+allowance with it. ``give_back=False`` is the paper's controller: the line only grows.
+
+``vamp-reclaim`` also reviews its line every ``reclaim_check_s`` and lowers the allowance by the last region once
+the pool has had room to spare for ``reclaim_hold_s`` — uncached free blocks beyond the region's own of at least
+``reclaim_watermark`` of the pool (the issue's "free KV stays above a watermark"): the last window's measured
+worth cannot see that giving it back tips a cache near its cliff over it, while a pool with room to spare is not
+near it.
 
 Every coefficient is a named field of ``VampParams``; the replay or engine setup derives them from specs and the
 perf model (core never imports perf).
@@ -107,6 +117,13 @@ class VampParams:
     # is taken back from the allowance and the line may not grow for growth_hold_reviews reviews.
     growth_tolerance: float = 0.1
     growth_hold_reviews: int = 4
+    # give regions back once the allowance falls below what is offloaded: the last region drains (its blocks
+    # leave the pool as they come free; none is allocated again) and goes back to its experts. False: the line
+    # only grows (the VAMP paper's controller).
+    give_back: bool = True
+    # ... but not on the LRU tail's measured worth alone while the last window's staging costs less than this
+    # share of the accelerator's time: tail hits undervalue capacity near the cache's cliff (docs/vamp.md)
+    give_back_min_share: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "horizon_s", "reclaim_check_s"):
@@ -120,6 +137,8 @@ class VampParams:
             raise ValueError(f"VampParams.margin must be >= 1, got {self.margin}")
         if not self.growth_tolerance >= 0 or self.growth_hold_reviews < 0:
             raise ValueError("VampParams: growth_tolerance and growth_hold_reviews must be >= 0")
+        if not 0 <= self.give_back_min_share < 1:
+            raise ValueError(f"VampParams.give_back_min_share must be in [0, 1), got {self.give_back_min_share}")
 
     def block_prefill_s(self, block_index: int) -> float:
         """Re-prefill of pool block ``block_index`` of a prefix (tokens at context ≈ its middle)."""
@@ -180,6 +199,8 @@ class VampPolicy:
         self._next_review_s: float | None = None
         self._next_reclaim_check_s = -math.inf
         self._roomy_since: float | None = None  # since when the pool has had room to spare (vamp-reclaim)
+        self._draining: list[int] | None = None  # blocks of the region being given back (give_back)
+        self.num_given_back = 0
 
     # ---- the plan ---------------------------------------------------------------------------------------------
     def relieve(self, view: PressureView) -> list[Action]:
@@ -192,6 +213,7 @@ class VampPolicy:
         room = max(self._allowed - line.residency.num_offloaded, 0) if line is not None else 0
         region, gained = self._offload_region(view, need, room) if room else ([], 0)
         if gained >= need:  # the line covers it: no victim to look at
+            self._keep_draining_region(view.pool)
             return [OffloadExperts(tuple(region))]
         evict = list(self._evict_units(view))
         evictable = sum(freed for freed, _ in evict)
@@ -207,8 +229,11 @@ class VampPolicy:
             region, gained = self._offload_region(view, need, cap)  # nothing runs: only the line can admit it
             if evictable + gained < need:
                 return []
+            # the allowance follows, or giving back would drain the region this request cannot run without
+            self._allowed = max(self._allowed, line.residency.num_offloaded + len(region))
         actions: list[Action] = []
         if region:
+            self._keep_draining_region(view.pool)
             actions.append(OffloadExperts(tuple(region)))
         left = need - gained
         if left > 0:
@@ -300,7 +325,8 @@ class VampPolicy:
         elif allowed > 0:
             back = min(step, allowed)
             kept = self._tail.rate(now_s) or 0.0  # what the last window saves (hits in the LRU tail)
-            if self._staging_s_per_s(now_s, allowed - back, allowed) > margin * kept * back / step:
+            staging = self._staging_s_per_s(now_s, allowed - back, allowed)
+            if staging > margin * kept * back / step and staging >= p.give_back_min_share:
                 self._allowed = allowed - back
 
     # ---- measurements -----------------------------------------------------------------------------------------
@@ -377,33 +403,92 @@ class VampPolicy:
         for rate in (self._next, self._tail):
             rate.add(now_s, 0.0)  # the clocks run from the start, not from the first hit
 
-    # ---- reclaim (vamp-reclaim) ---------------------------------------------------------------------------
+    # ---- giving regions back -------------------------------------------------------------------------------
     def maybe_reclaim(self, line, pool, now_s: float) -> bool:
-        """Give the last region back while more experts are offloaded than the line allows, all its blocks are
-        free and the pool has had room to spare for ``reclaim_hold_s`` (sampled at the checks; restarted after each
-        reclaim). The prefixes cached in the region go to the ghost list like any eviction (descendants outside the
-        region that the pool uncaches with them are not recorded)."""
+        """The scheduler's call before each step: give the last region back once it has drained (``give_back``),
+        start draining it while more experts are offloaded than the line allows, and (``vamp-reclaim``) every
+        ``reclaim_check_s`` review the line and lower it by the last region once the pool has had room to spare
+        for ``reclaim_hold_s``. Returns whether a region went back."""
         p = self.params
-        if not p.reclaim or now_s < self._next_reclaim_check_s:
+        if p.reclaim and now_s >= self._next_reclaim_check_s:
+            self._next_reclaim_check_s = now_s + p.reclaim_check_s
+            self._observe(now_s)
+            self._review(line, now_s)
+            self._check_room(line, pool, now_s)
+        if p.give_back:
+            return self._give_back(line, pool)
+        return p.reclaim and self._reclaim_if_free(line, pool)  # without give_back plain vamp only grows
+
+    def _give_back(self, line, pool) -> bool:
+        offloaded = line.residency.num_offloaded
+        draining = self._draining
+        if draining is not None:
+            if offloaded <= self._allowed:  # the allowance came back up: the region stays
+                pool.undrain(draining)
+                self._draining = None
+                return False
+            if pool.num_drained_blocks < len(draining) or not line.reclaim_last():
+                return False
+            self._draining = None
+            self.num_given_back += 1
+            return True
+        if offloaded <= self._allowed:
             return False
-        self._next_reclaim_check_s = now_s + p.reclaim_check_s
-        self._observe(now_s)
-        self._review(line, now_s)
         last = line.last_region()
-        if last is None or line.residency.num_offloaded <= self._allowed:
-            self._roomy_since = None
+        if last is None:
             return False
+        ids = list(last[1])
+        self._remember(pool, self._lost_by_drain(pool, ids))
+        pool.drain(ids)
+        self._draining = ids
+        return self._give_back(line, pool)  # a region whose blocks were all free goes at once
+
+    def _keep_draining_region(self, pool) -> None:
+        """The line grows again: a region being given back stays (regions go back last first)."""
+        if self._draining is not None:
+            pool.undrain(self._draining)
+            self._draining = None
+
+    def _lost_by_drain(self, pool, ids: list[int]) -> list[int]:
+        """The cached prefixes a drain evicts now: the region's free cached blocks and their descendants (blocks
+        still in use are uncached when they come free, unrecorded)."""
+        lost: list[int] = []
+        counted: set[int] = set()
+        for block_id in ids:
+            if block_id in counted or not pool.is_free(block_id) or pool.block_hash(block_id) is None:
+                continue
+            more = pool.registered_descendants(block_id, None, counted)
+            counted.update((block_id, *more))
+            lost += [block_id, *more]
+        return lost
+
+    def _check_room(self, line, pool, now_s: float) -> None:
+        """vamp-reclaim: once the pool has had room to spare for ``reclaim_hold_s`` — uncached free blocks beyond
+        the last region's own of at least ``reclaim_watermark`` of the pool (sampled at the checks; restarted after
+        each move) — the allowance falls to give the last region back."""
+        p = self.params
+        last = line.last_region()
+        if last is None or self._draining is not None:
+            self._roomy_since = None
+            return
         free, total = line.kv_room(pool)  # device room (the engine's line leaves host KV out)
         own = sum(1 for b in last[1] if pool.is_free(b) and pool.block_hash(b) is None)  # in ``free`` already
         if free - own < p.reclaim_watermark * total:
             self._roomy_since = None
-            return False
+            return
         if self._roomy_since is None:
             self._roomy_since = now_s
-        if now_s - self._roomy_since < p.reclaim_hold_s or not all(pool.is_free(b) for b in last[1]):
+        if now_s - self._roomy_since >= p.reclaim_hold_s:
+            self._allowed = min(self._allowed, line.residency.num_offloaded - len(last[0]))
+            self._roomy_since = None  # the smaller pool must show room of its own before the next region goes
+
+    def _reclaim_if_free(self, line, pool) -> bool:
+        """vamp-reclaim without ``give_back``: the last region goes back only while more experts are offloaded than allowed and
+        all its blocks happen to be free (its cached prefixes go to the ghost list like any eviction)."""
+        last = line.last_region()
+        if last is None or line.residency.num_offloaded <= self._allowed:
             return False
-        self._remember(pool, [b for b in last[1] if pool.block_hash(b) is not None])
-        if not line.reclaim_last():
+        if not all(pool.is_free(b) for b in last[1]):
             return False
-        self._roomy_since = None  # the smaller pool must show room of its own before the next region goes
-        return True
+        self._remember(pool, self._lost_by_drain(pool, list(last[1])))
+        return line.reclaim_last()

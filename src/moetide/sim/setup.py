@@ -53,7 +53,7 @@ class ReplayConfig:
     cpu: str = "ddr5-4800-8ch"  # DGX H200's host: 2 x Xeon Platinum 8480C (Sapphire Rapids), one per 4 GPUs
     gpus_per_socket: int = 1
     cpu_matmul_tflops: float | None = None  # the socket's expert-GEMM rate (None: fp32 FMA peak x 0.5; AMX: more)
-    vamp_horizon_s: float = 300.0  # time constant of vamp's rate estimates and of the step mix it prices with
+    vamp_horizon_s: float = 300.0  # time constant of vamp's rate estimates (the step mix: STAGING_MIX_HORIZONS of it)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -119,7 +119,8 @@ def build_replay(
     step_model = StepTimeModel(model, gpu, tp=config.tp)
     line = _expert_line(model, config, pool, budget)
     staging = StagingModel(model, gpu, tp=config.tp, config=_staging_config(config, model))
-    step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers, mix_tau_s=config.vamp_horizon_s,
+    step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers,
+                                    mix_tau_s=config.vamp_horizon_s * STAGING_MIX_HORIZONS,
                                     reference_step=_reference_decode(config, step_model),
                                     track_mix=config.policy.lower() in NEEDS_VAMP_PARAMS)
     policy = _policy(config, step_model, step_time)
@@ -238,6 +239,10 @@ def _routing_shares(config: ReplayConfig, model) -> tuple[float, ...] | None:
     return read_rank_shares(config.routing_profile, model.num_experts, model.num_experts_per_tok)
 
 
+# vamp prices staging over the step mix of the last ~10 horizons of step time, not one: while admissions are
+# blocked the recent mix is decode-only and staging looks cheap, yet the KV a growth frees brings back the prefill
+# chunks that touch every offloaded expert (one horizon grew the line into collapses; docs/vamp.md)
+STAGING_MIX_HORIZONS = 10
 STAGING_BUFFER_LAYERS = 2  # device room staging needs: the layer computing and the next one being filled
 
 

@@ -118,6 +118,30 @@ def test_staging_share_is_measured_touches_times_one_copy(tiny_checkpoint):
     assert steps.prefill_s_per_token() > 0
 
 
+def test_experts_computed_on_the_host_are_priced_by_their_measured_host_time(tiny_checkpoint):
+    """With cold experts computed from their host copies, a touch of at most ``cold_expert_max_rows`` rows costs
+    that computation (a + b·rows, measured at build), not a copy: with the host time set to zero, only the larger
+    touches are left to price, and with a copy made free, only the host time is."""
+    engine = vamp_engine(tiny_checkpoint, "mixtral", cold_experts="cpu", cold_expert_max_rows=2)
+    engine.generate(parity_prompts()[:4], 8)
+    steps = engine.scheduler.policy.params.steps
+    assert steps.host_s_per_expert > 0 and steps.host_s_per_row >= 0
+    cap = engine.residency.max_num_offloaded
+    touches = engine.parts.experts.touches
+    rates, (host, rows) = touches.rates(), touches.host_rates()
+    assert all(0.0 <= h <= r for hr, rr in zip(host, rates) for h, r in zip(hr, rr))
+    assert any(h > 0 for row in host for h in row)  # decode steps touch experts with a row or two
+    assert any(h < r for hr, rr in zip(host, rates) for h, r in zip(hr, rr))  # prefill steps with more
+    a, b, copy = steps.host_s_per_expert, steps.host_s_per_row, steps.copy_s_per_expert
+    full = steps.staging_share(cap)
+    steps.host_s_per_expert = steps.host_s_per_row = 0.0
+    copies_only = steps.staging_share(cap)
+    steps.host_s_per_expert, steps.host_s_per_row, steps.copy_s_per_expert = a, b, 0.0
+    host_only = steps.staging_share(cap)
+    assert copies_only < full and 0 < host_only < full
+    assert copies_only + host_only == pytest.approx(full, rel=0.05)  # the base step differs a little
+
+
 def test_vamp_needs_room_to_offload(tiny_checkpoint):
     with pytest.raises(UserError, match="give it room with --max-offload-ratio"):
         vamp_engine(tiny_checkpoint, "mixtral", max_offload_ratio=0.0)

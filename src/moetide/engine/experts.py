@@ -105,6 +105,7 @@ class StagedExpertProvider:
                             for e in range(layout.num_experts)} if host_max_rows else {}
         self._on_host: dict[int, ExpertWeights] = {}  # this layer's experts computed from their host copies
         self.num_host_computed = 0  # experts computed on the host, lifetime (a statistic)
+        self.num_host_rows = 0  # rows those experts computed, lifetime (what ``engine.vamp`` prices them by)
         self.storage, self.residency, self.layout = storage, residency, layout
         self.moe_index = {layer_id: m for m, layer_id in enumerate(layout.moe_layer_ids)}
         self.stager = ExpertStager(host, layout, storage.device)
@@ -130,6 +131,7 @@ class StagedExpertProvider:
             if self.host_max_rows:
                 self._on_host = {e: self._host_views[m, e] for e in needed if routed[e] <= self.host_max_rows}
                 self.num_host_computed += len(self._on_host)
+                self.num_host_rows += sum(routed[e] for e in self._on_host)
                 needed = [e for e in needed if e not in self._on_host]
             if needed:
                 self.stager.stage(m, needed)
@@ -153,7 +155,7 @@ class StagedExpertProvider:
             if self.totals is not None:
                 self.totals.index_add_(0, layers, stacked)
             if self.touches is not None:
-                self.touches.record(layers, stacked)
+                self.touches.record(layers, stacked, self.host_max_rows)
         rows = stacked.tolist()
         for (m, _), row in zip(self._step_counts, rows):
             self.residency.record_routing(m, {e: c for e, c in enumerate(row) if c})
@@ -167,6 +169,10 @@ class StagedExpertProvider:
             return weights
         on_host = self._on_host.get(expert_id)
         return on_host if on_host is not None else self.stager.weights(expert_id)
+
+    def host_weights(self, moe_index: int, expert_id: int) -> ExpertWeights:
+        """Views of an expert's host copy (where ``host_max_rows`` computes it)."""
+        return self.layout.weights(self.stager.host[moe_index, expert_id])
 
     def mark_offloaded(self, region: Sequence[ExpertKey]) -> None:
         """Serve the region's experts from their host copies from now on (their pages are about to hold KV)."""
@@ -193,22 +199,36 @@ class StagedExpertProvider:
 class TouchRates:
     """How often each routed expert is touched (routed to by at least one token) per step, as an exponentially
     weighted mean over the last ~``1 / (1 - decay)`` steps: what staging an offloaded expert would cost per step
-    is its touch rate times one copy (``engine.vamp``)."""
+    is its touch rate times one copy (``engine.vamp``). With ``host_max_rows`` (cold experts computed on the
+    host) it also keeps the touches of at most that many rows and the rows they brought: those would be computed
+    from the host copy instead of staged."""
 
     def __init__(self, num_layers: int, num_experts: int, decay: float = 0.98) -> None:
         self.decay = decay
         self._sum = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self._host = torch.zeros_like(self._sum)  # touches of at most host_max_rows rows
+        self._host_rows = torch.zeros_like(self._sum)  # the rows of those touches
         self._weight = 0.0  # Σ decay^age over recorded steps
 
-    def record(self, moe_indices: Tensor, counts: Tensor) -> None:
+    def record(self, moe_indices: Tensor, counts: Tensor, host_max_rows: int = 0) -> None:
         """One step's routing counts [n, E] (on the CPU) of the MoE layers ``moe_indices`` [n]."""
-        self._sum.mul_(self.decay)
+        for acc in (self._sum, self._host, self._host_rows):
+            acc.mul_(self.decay)
         self._sum.index_add_(0, moe_indices, (counts > 0).to(torch.float64))
+        if host_max_rows:
+            small = (counts > 0) & (counts <= host_max_rows)
+            self._host.index_add_(0, moe_indices, small.to(torch.float64))
+            self._host_rows.index_add_(0, moe_indices, torch.where(small, counts, 0).to(torch.float64))
         self._weight = self._weight * self.decay + 1.0
 
     def rates(self) -> list[list[float]]:
         """[M][E] touches per step (0 before any step)."""
         return (self._sum / self._weight).tolist() if self._weight else self._sum.tolist()
+
+    def host_rates(self) -> tuple[list[list[float]], list[list[float]]]:
+        """([M][E] touches per step of at most ``host_max_rows`` rows, [M][E] rows per step they brought)."""
+        weight = self._weight or 1.0
+        return (self._host / weight).tolist(), (self._host_rows / weight).tolist()
 
 
 class ArenaExpertLine:

@@ -15,6 +15,10 @@ feeds it modeled seconds, the engine feeds it its own measurements (``EngineStep
   offload next) × the seconds one expert's copy into the staging buffer took (measured at build, best of
   ``COPY_REPEATS``), over the mean step time less the staging it already contains. On the CPU the copies are
   synchronous, so this is the exposed time; on CUDA they overlap the previous layer and this is an upper bound.
+  With cold experts computed on the host (``cold_experts="cpu"``), a touch of at most ``host_max_rows`` rows is
+  priced as that computation instead: a + b·rows seconds, both measured at build (one expert's SwiGLU over 1 and
+  over ``host_max_rows`` rows from its host copy, rows there and back, best of ``COPY_REPEATS``). On the CPU
+  this is the same work a resident expert would do, so it overstates the cost; on CUDA it is the host's share.
 
 The policy reviews its line once per ``vamp_horizon_s`` of engine time (the engine's clock is wall time since it
 was built); the default suits a serving process, tests pass a short one.
@@ -30,6 +34,7 @@ import torch
 from moetide.core.experts import ExpertResidency
 from moetide.core.pressure import VampParams
 from moetide.engine.experts import StagedExpertProvider, TouchRates
+from moetide.engine.models.moe import expert_mlp
 
 ASSUMED_FLOPS = 1e11  # FLOP/s of one CPU core's fp32 GEMM (`moetide calibrate` measured 9.6e10 on this project's VM)
 COPY_REPEATS = 5
@@ -39,28 +44,36 @@ STEP_DECAY = 0.95  # weight of the previous mean in the step-time and prefill-ra
 class EngineStepStats:
     """``core.pressure.vamp.StepStats`` from the engine's measurements (module docstring)."""
 
-    def __init__(self, provider: StagedExpertProvider, residency: ExpertResidency, copy_s_per_expert: float) -> None:
+    def __init__(self, provider: StagedExpertProvider, residency: ExpertResidency, copy_s_per_expert: float,
+                 host_s: tuple[float, float] = (0.0, 0.0)) -> None:
         self.provider, self.residency = provider, residency
         self.copy_s_per_expert = copy_s_per_expert
+        self.host_s_per_expert, self.host_s_per_row = host_s  # a, b of a host-computed expert (cold_experts="cpu")
         self.busy = 0.0
         self._step_s: float | None = None
-        self._staged_per_step: float = 0.0
+        self._exposed_per_step: float = 0.0  # staging and host compute a step holds (estimated from its counts)
         self._prefill_s = 0.0
         self._prefill_tokens = 0.0
-        self._last_staged = provider.stager.num_staged
+        self._last = self._offload_counts()
         if provider.touches is None:
             provider.touches = TouchRates(residency.config.num_layers, residency.config.num_experts)
+
+    def _offload_counts(self) -> tuple[int, int, int]:
+        p = self.provider
+        return p.stager.num_staged, p.num_host_computed, p.num_host_rows
 
     def record(self, seconds: float, num_tokens: int, is_decode: bool) -> None:
         """One step's wall time and token count (``is_decode``: every request brought one token)."""
         self.busy += seconds
-        staged = self.provider.stager.num_staged
-        step_staged, self._last_staged = staged - self._last_staged, staged
+        counts = self._offload_counts()
+        staged, host, rows = (now - before for now, before in zip(counts, self._last))
+        self._last = counts
+        exposed = staged * self.copy_s_per_expert + host * self.host_s_per_expert + rows * self.host_s_per_row
         if self._step_s is None:
-            self._step_s, self._staged_per_step = seconds, float(step_staged)
+            self._step_s, self._exposed_per_step = seconds, exposed
         else:
             self._step_s = STEP_DECAY * self._step_s + (1 - STEP_DECAY) * seconds
-            self._staged_per_step = STEP_DECAY * self._staged_per_step + (1 - STEP_DECAY) * step_staged
+            self._exposed_per_step = STEP_DECAY * self._exposed_per_step + (1 - STEP_DECAY) * exposed
         if not is_decode:
             self._prefill_s = STEP_DECAY * self._prefill_s + seconds
             self._prefill_tokens = STEP_DECAY * self._prefill_tokens + num_tokens
@@ -82,9 +95,15 @@ class EngineStepStats:
         order = offloaded[:num_offloaded]
         if num_offloaded > len(order):
             order += self.residency.next_offload_region(max_experts=num_offloaded - len(order))
-        staged_per_step = sum(rates[m][e] for m, e in order)
-        base_s = max(self._step_s - self._staged_per_step * self.copy_s_per_expert, 1e-9)
-        return staged_per_step * self.copy_s_per_expert / base_s
+        touched = sum(rates[m][e] for m, e in order)
+        exposed = touched * self.copy_s_per_expert
+        if self.provider.host_max_rows:  # small touches are computed on the host instead of staged
+            host, host_rows = touches.host_rates()
+            on_host = sum(host[m][e] for m, e in order)
+            rows = sum(host_rows[m][e] for m, e in order)
+            exposed += on_host * (self.host_s_per_expert - self.copy_s_per_expert) + rows * self.host_s_per_row
+        base_s = max(self._step_s - self._exposed_per_step, 1e-9)
+        return exposed / base_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +131,33 @@ def measure_copy_s(provider: StagedExpertProvider) -> float:
     return best
 
 
+def measure_host_expert_s(provider: StagedExpertProvider) -> tuple[float, float]:
+    """(a, b): seconds to compute one expert from its host copy over r rows ≈ a + b·r, r from 1 to
+    ``host_max_rows`` (rows from the device there and back; best of ``COPY_REPEATS`` each)."""
+    weights = provider.host_weights(0, 0)
+    device = provider.storage.device
+    most = provider.host_max_rows
+
+    def best(rows: int) -> float:
+        x = torch.randn(rows, weights.down.shape[0], dtype=weights.down.dtype, device=device)
+        seconds = float("inf")
+        for _ in range(COPY_REPEATS):
+            start = time.perf_counter()
+            expert_mlp(x, weights)  # ends with a copy to ``device``, which waits for the result
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = min(seconds, time.perf_counter() - start)
+        return seconds
+
+    one, full = best(1), best(most)
+    per_row = max(full - one, 0.0) / (most - 1) if most > 1 else 0.0
+    return max(one - per_row, 0.0), per_row
+
+
 def engine_vamp_params(provider: StagedExpertProvider, residency: ExpertResidency, *, block_size: int,
                        active_params: int, horizon_s: float) -> EngineVampParams:
-    steps = EngineStepStats(provider, residency, measure_copy_s(provider))
+    host_s = measure_host_expert_s(provider) if provider.host_max_rows else (0.0, 0.0)
+    steps = EngineStepStats(provider, residency, measure_copy_s(provider), host_s)
     return EngineVampParams(prefill_s_per_token=2.0 * active_params / ASSUMED_FLOPS, steps=steps,
                             block_size=block_size, horizon_s=horizon_s,
                             reclaim_check_s=min(horizon_s, VampParams.reclaim_check_s),

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moetide.engine import native
-from moetide.engine.models.hooks import ExpertProvider
+from moetide.engine.models.hooks import ExpertProvider, ExpertWeights
 
 
 class MLP(nn.Module):
@@ -111,13 +111,18 @@ def looped_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, experts: Expe
     for expert_id in expert_ids.unique().tolist():  # ascending, like transformers
         token_idx, rank = torch.where(expert_ids == expert_id)  # tokens routed here, and at which of their k
         w = experts.expert_weights(layer_id, expert_id)
-        rows = x.index_select(0, token_idx)
-        if w.down.device != x.device:
-            rows = rows.to(w.down.device)
-        gate, up = F.linear(rows, w.gate_up).chunk(2, dim=-1)  # [t, I] each
-        y = F.linear(F.silu(gate) * up, w.down).to(x.device) * weights[token_idx, rank, None]  # [t, H]
+        y = expert_mlp(x.index_select(0, token_idx), w) * weights[token_idx, rank, None]  # [t, H]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
+
+
+def expert_mlp(rows: Tensor, w: ExpertWeights) -> Tensor:
+    """One expert's SwiGLU over ``rows`` [t, H], computed where its weights lie (rows there and back)."""
+    device = rows.device
+    if w.down.device != device:
+        rows = rows.to(w.down.device)
+    gate, up = F.linear(rows, w.gate_up).chunk(2, dim=-1)  # [t, I] each
+    return F.linear(F.silu(gate) * up, w.down).to(device)
 
 
 NATIVE_PAIRS_PER_EXPERT = 4  # native takes a step whose (token, expert) pairs are at most this many per expert

@@ -483,8 +483,8 @@ class VampPolicy:
             self._roomy_since = None  # the smaller pool must show room of its own before the next region goes
 
     def _reclaim_if_free(self, line, pool) -> bool:
-        """vamp-reclaim without ``give_back``: the last region goes back only while more experts are offloaded than allowed and
-        all its blocks happen to be free (its cached prefixes go to the ghost list like any eviction)."""
+        """vamp-reclaim without ``give_back``: the last region goes back only while more experts are offloaded than
+        allowed and all its blocks happen to be free (its cached prefixes go to the ghost list like any eviction)."""
         last = line.last_region()
         if last is None or line.residency.num_offloaded <= self._allowed:
             return False

@@ -76,7 +76,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
                              "KTransformers' 21 TFLOPS on a two-socket Xeon 4)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
                         help="vamp: seconds between reviews of the line, and the time constant of its measured "
-                             "rates (default %(default)s)")
+                             "rates; staging is priced over the step mix of 10 of them (default %(default)s)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

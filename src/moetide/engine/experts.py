@@ -155,7 +155,7 @@ class StagedExpertProvider:
             if self.totals is not None:
                 self.totals.index_add_(0, layers, stacked)
             if self.touches is not None:
-                self.touches.record(layers, stacked, self.host_max_rows)
+                self.touches.record(layers, stacked)
         rows = stacked.tolist()
         for (m, _), row in zip(self._step_counts, rows):
             self.residency.record_routing(m, {e: c for e, c in enumerate(row) if c})
@@ -203,20 +203,20 @@ class TouchRates:
     host) it also keeps the touches of at most that many rows and the rows they brought: those would be computed
     from the host copy instead of staged."""
 
-    def __init__(self, num_layers: int, num_experts: int, decay: float = 0.98) -> None:
-        self.decay = decay
+    def __init__(self, num_layers: int, num_experts: int, decay: float = 0.98, host_max_rows: int = 0) -> None:
+        self.decay, self.host_max_rows = decay, host_max_rows
         self._sum = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self._host = torch.zeros_like(self._sum)  # touches of at most host_max_rows rows
         self._host_rows = torch.zeros_like(self._sum)  # the rows of those touches
         self._weight = 0.0  # Σ decay^age over recorded steps
 
-    def record(self, moe_indices: Tensor, counts: Tensor, host_max_rows: int = 0) -> None:
+    def record(self, moe_indices: Tensor, counts: Tensor) -> None:
         """One step's routing counts [n, E] (on the CPU) of the MoE layers ``moe_indices`` [n]."""
         for acc in (self._sum, self._host, self._host_rows):
             acc.mul_(self.decay)
         self._sum.index_add_(0, moe_indices, (counts > 0).to(torch.float64))
-        if host_max_rows:
-            small = (counts > 0) & (counts <= host_max_rows)
+        if self.host_max_rows:
+            small = (counts > 0) & (counts <= self.host_max_rows)
             self._host.index_add_(0, moe_indices, small.to(torch.float64))
             self._host_rows.index_add_(0, moe_indices, torch.where(small, counts, 0).to(torch.float64))
         self._weight = self._weight * self.decay + 1.0

@@ -27,7 +27,6 @@ was built); the default suits a serving process, tests pass a short one.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
@@ -35,6 +34,7 @@ from moetide.core.experts import ExpertResidency
 from moetide.core.pressure import VampParams
 from moetide.engine.experts import StagedExpertProvider, TouchRates
 from moetide.engine.models.moe import expert_mlp
+from moetide.perf.measure import time_calls
 
 ASSUMED_FLOPS = 1e11  # FLOP/s of one CPU core's fp32 GEMM (`moetide calibrate` measured 9.6e10 on this project's VM)
 COPY_REPEATS = 5
@@ -56,7 +56,8 @@ class EngineStepStats:
         self._prefill_tokens = 0.0
         self._last = self._offload_counts()
         if provider.touches is None:
-            provider.touches = TouchRates(residency.config.num_layers, residency.config.num_experts)
+            provider.touches = TouchRates(residency.config.num_layers, residency.config.num_experts,
+                                          host_max_rows=provider.host_max_rows)
 
     def _offload_counts(self) -> tuple[int, int, int]:
         p = self.provider
@@ -116,19 +117,17 @@ class EngineVampParams(VampParams):
         return self.block_size * per_token
 
 
+def _best_s(run, device: torch.device) -> float:
+    """Seconds ``run()`` takes, best of ``COPY_REPEATS`` after a warm-up (waiting for a CUDA device each time)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    return time_calls(lambda: (run(), sync()), COPY_REPEATS)[1]
+
+
 def measure_copy_s(provider: StagedExpertProvider) -> float:
     """Seconds to copy one expert's host copy into a device buffer (best of ``COPY_REPEATS``)."""
     host = provider.stager.host
     buffer = torch.empty_like(host[0, 0], device=provider.storage.device)
-    cuda = buffer.device.type == "cuda"
-    best = float("inf")
-    for _ in range(COPY_REPEATS):
-        start = time.perf_counter()
-        buffer.copy_(host[0, 0], non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize(buffer.device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    return _best_s(lambda: buffer.copy_(host[0, 0], non_blocking=buffer.device.type == "cuda"), buffer.device)
 
 
 def measure_host_expert_s(provider: StagedExpertProvider) -> tuple[float, float]:
@@ -140,14 +139,7 @@ def measure_host_expert_s(provider: StagedExpertProvider) -> tuple[float, float]
 
     def best(rows: int) -> float:
         x = torch.randn(rows, weights.down.shape[0], dtype=weights.down.dtype, device=device)
-        seconds = float("inf")
-        for _ in range(COPY_REPEATS):
-            start = time.perf_counter()
-            expert_mlp(x, weights)  # ends with a copy to ``device``, which waits for the result
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = min(seconds, time.perf_counter() - start)
-        return seconds
+        return _best_s(lambda: expert_mlp(x, weights), device)
 
     one, full = best(1), best(most)
     per_row = max(full - one, 0.0) / (most - 1) if most > 1 else 0.0

@@ -33,7 +33,7 @@ def check_clock(clock: str, num_threads: int) -> None:
                         f"not {num_threads}")
 
 
-def _time_calls(call: Callable[[], object], repeats: int, before: Callable[[], object] | None = None,
+def time_calls(call: Callable[[], object], repeats: int, before: Callable[[], object] | None = None,
                 clock: str = "wall") -> tuple[float, float]:
     """(median, min) seconds of ``call`` on ``clock`` over ``repeats`` timed calls after one untimed warm-up."""
     now = CLOCKS[clock]
@@ -53,9 +53,9 @@ def measure_dram(buffer_bytes: int, repeats: int, clock: str = "wall") -> DramRe
 
     n = buffer_bytes // 4
     a, b, c = torch.zeros(n), torch.ones(n), torch.full((n,), 2.0)
-    triad, _ = _time_calls(lambda: torch.add(b, c, alpha=3.0, out=a), repeats, clock=clock)
-    copy, _ = _time_calls(lambda: a.copy_(b), repeats, clock=clock)
-    read, _ = _time_calls(lambda: torch.sum(c), repeats, clock=clock)
+    triad, _ = time_calls(lambda: torch.add(b, c, alpha=3.0, out=a), repeats, clock=clock)
+    copy, _ = time_calls(lambda: a.copy_(b), repeats, clock=clock)
+    read, _ = time_calls(lambda: torch.sum(c), repeats, clock=clock)
     return DramResult(n * 4, 3 * 4 * n / triad, 2 * 4 * n / copy, 4 * n / read)
 
 
@@ -65,7 +65,7 @@ def measure_gemm(n: int, repeats: int, clock: str = "wall") -> float:
 
     gen = torch.Generator().manual_seed(0)
     x, y, z = torch.rand(n, n, generator=gen), torch.rand(n, n, generator=gen), torch.empty(n, n)
-    median, _ = _time_calls(lambda: torch.mm(x, y, out=z), repeats, clock=clock)
+    median, _ = time_calls(lambda: torch.mm(x, y, out=z), repeats, clock=clock)
     return 2 * n**3 / median
 
 
@@ -134,7 +134,7 @@ def _time_flash(shape: AttentionShape, repeats: int, flush_bytes: int, seed: int
     out, lse = op(q, k, v, scale=scale)
     if tuple(lse.shape) != (B, Hkv, group * shape.num_queries):  # the merge needs one lse per query row
         raise RuntimeError(f"{FLASH_KERNEL} returned a log-sum-exp of shape {tuple(lse.shape)}")
-    return _time_calls(lambda: op(q, k, v, scale=scale), repeats, before=lambda: torch.sum(flush), clock=clock)
+    return time_calls(lambda: op(q, k, v, scale=scale), repeats, before=lambda: torch.sum(flush), clock=clock)
 
 
 def _time_native(shape: AttentionShape, repeats: int, flush_bytes: int, seed: int,
@@ -173,7 +173,7 @@ def _time_native(shape: AttentionShape, repeats: int, flush_bytes: int, seed: in
         call()
         if not bool(torch.isfinite(lse).all()):
             raise RuntimeError(f"{NATIVE_KERNEL} returned a non-finite log-sum-exp")
-        return _time_calls(call, repeats, before=lambda: torch.sum(flush), clock=clock)
+        return time_calls(call, repeats, before=lambda: torch.sum(flush), clock=clock)
 
 
 def measure_host_to_device(repeats: int, num_bytes: int = 256 * MiB) -> dict[str, Any]:
@@ -190,7 +190,7 @@ def measure_host_to_device(repeats: int, num_bytes: int = 256 * MiB) -> dict[str
         d.copy_(s, non_blocking=True)
         torch.cuda.synchronize()
 
-    big, _ = _time_calls(lambda: copy(src, dst), repeats)
-    small, _ = _time_calls(lambda: copy(small_src, small_dst), max(repeats, 20))
+    big, _ = time_calls(lambda: copy(src, dst), repeats)
+    small, _ = time_calls(lambda: copy(small_src, small_dst), max(repeats, 20))
     return {"bytes_per_s": num_bytes / big, "latency_s": small, "device": torch.cuda.get_device_name(0),
             "copy_bytes": num_bytes}

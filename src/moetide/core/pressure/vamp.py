@@ -56,7 +56,8 @@ tipped into collapse; docs/vamp.md). Giving a window back on the LRU tail's meas
 to cost at least ``give_back_min_share`` of the accelerator's time: tail hits undervalue capacity near the cache's
 cliff (the head of the LRU queue holds prefixes that never come back, yet shrinking the pool can tip the queue
 over), so a cheap window is kept. An offload made because nothing else could admit a request raises the
-allowance with it. ``give_back=False`` is the paper's controller: the line only grows.
+allowance with it. ``give_back=False`` is the paper's controller: the line only grows (``vamp-reclaim``'s
+too).
 
 ``vamp-reclaim`` also reviews its line every ``reclaim_check_s`` and lowers the allowance by the last region once
 the pool has had room to spare for ``reclaim_hold_s`` — uncached free blocks beyond the region's own of at least
@@ -415,36 +416,31 @@ class VampPolicy:
             self._observe(now_s)
             self._review(line, now_s)
             self._check_room(line, pool, now_s)
-        if p.give_back:
-            return self._give_back(line, pool)
-        return p.reclaim and self._reclaim_if_free(line, pool)  # without give_back plain vamp only grows
+        return p.give_back and self._give_back(line, pool)
 
     def _give_back(self, line, pool) -> bool:
-        offloaded = line.residency.num_offloaded
-        draining = self._draining
-        if draining is not None:
-            if offloaded <= self._allowed:  # the allowance came back up: the region stays
-                pool.undrain(draining)
-                self._draining = None
+        """Start draining the last region while more experts are offloaded than allowed (cancel the drain once they
+        are not); give it back once every block of it has drained."""
+        if self._draining is None:
+            # called every step: the cheap test first
+            last = line.last_region() if line.residency.num_offloaded > self._allowed else None
+            if last is None:
                 return False
-            if pool.num_drained_blocks < len(draining) or not line.reclaim_last():
-                return False
-            self._draining = None
-            self.num_given_back += 1
-            return True
-        if offloaded <= self._allowed:
+            ids = list(last[1])
+            self._remember(pool, self._lost_by_drain(pool, ids))
+            pool.drain(ids)
+            self._draining = ids  # a region whose blocks were all free goes at once, below
+        elif line.residency.num_offloaded <= self._allowed:  # the allowance came back up: the region stays
+            self._keep_draining_region(pool)
             return False
-        last = line.last_region()
-        if last is None:
+        if pool.num_drained_blocks < len(self._draining) or not line.reclaim_last():
             return False
-        ids = list(last[1])
-        self._remember(pool, self._lost_by_drain(pool, ids))
-        pool.drain(ids)
-        self._draining = ids
-        return self._give_back(line, pool)  # a region whose blocks were all free goes at once
+        self._draining = None
+        self.num_given_back += 1
+        return True
 
     def _keep_draining_region(self, pool) -> None:
-        """The line grows again: a region being given back stays (regions go back last first)."""
+        """The line grows again (or the allowance does): a region being given back stays (last first)."""
         if self._draining is not None:
             pool.undrain(self._draining)
             self._draining = None
@@ -481,14 +477,3 @@ class VampPolicy:
         if now_s - self._roomy_since >= p.reclaim_hold_s:
             self._allowed = min(self._allowed, line.residency.num_offloaded - len(last[0]))
             self._roomy_since = None  # the smaller pool must show room of its own before the next region goes
-
-    def _reclaim_if_free(self, line, pool) -> bool:
-        """vamp-reclaim without ``give_back``: the last region goes back only while more experts are offloaded than
-        allowed and all its blocks happen to be free (its cached prefixes go to the ghost list like any eviction)."""
-        last = line.last_region()
-        if last is None or line.residency.num_offloaded <= self._allowed:
-            return False
-        if not all(pool.is_free(b) for b in last[1]):
-            return False
-        self._remember(pool, self._lost_by_drain(pool, list(last[1])))
-        return line.reclaim_last()

@@ -42,7 +42,7 @@ STEP_DECAY = 0.95  # weight of the previous mean in the step-time and prefill-ra
 
 
 class EngineStepStats:
-    """``core.pressure.vamp.StepStats`` from the engine's measurements (module docstring)."""
+    """``core.pressure.vamp_params.StepStats`` from the engine's measurements (module docstring)."""
 
     def __init__(self, provider: StagedExpertProvider, residency: ExpertResidency, copy_s_per_expert: float,
                  host_s: tuple[float, float] = (0.0, 0.0)) -> None:

@@ -138,7 +138,7 @@ class StepTimeWithStaging:
     It also keeps the recent step mix — steps grouped by the bit length of their token count, each group's
     weighted count, tokens and staging-free modeled time, weights decaying as e^(−age/``mix_tau_s``) over step
     time — so that ``vamp`` prices an offload with the very staging model charged here, over the steps that
-    actually run (``core.pressure.vamp.StepStats``). Before any step it prices a reference decode step. Only a
+    actually run (``core.pressure.vamp_params.StepStats``). Before any step it prices a reference decode step. Only a
     policy that reads it needs the mix: ``track_mix=False`` skips it (the replay's other policies)."""
 
     NUM_GROUPS = 24  # token counts up to 2^23 per step

@@ -65,8 +65,8 @@ the pool has had room to spare for ``reclaim_hold_s`` — uncached free blocks b
 worth cannot see that giving it back tips a cache near its cliff over it, while a pool with room to spare is not
 near it.
 
-Every coefficient is a named field of ``VampParams``; the replay or engine setup derives them from specs and the
-perf model (core never imports perf).
+Every coefficient is a named field of ``VampParams`` (``core.pressure.vamp_params``); the replay or engine setup
+derives them from specs and the perf model (core never imports perf).
 """
 
 from __future__ import annotations
@@ -74,107 +74,13 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 from moetide.core.pressure.base import Action, EvictPrefix, OffloadExperts, Preempt, PressureView
+from moetide.core.pressure.vamp_params import DecayedRate, StepStats, VampParams
+
+__all__ = ["DecayedRate", "StepStats", "VampParams", "VampPolicy"]
 
 WINDOWS_PER_CAP = 4  # W = G / 4: the line moves by a quarter of what the cap can add at a time
-
-
-class StepStats(Protocol):
-    """What the policy reads of the steps that ran (the replay's modeled step timer; an engine's measured one)."""
-
-    def busy_s(self) -> float:
-        """Total seconds spent in steps so far."""
-        ...
-
-    def staging_share(self, num_offloaded: int) -> float:
-        """Exposed staging seconds per second of step time over the recent step mix, were ``num_offloaded``
-        experts offloaded (spread over layers)."""
-        ...
-
-
-@dataclass(frozen=True)
-class VampParams:
-    prefill_s_per_token: float  # re-prefill of one token at context 0 (a full prefill chunk's time / its tokens)
-    steps: StepStats
-    block_size: int
-    prefill_s_per_token_per_context: float = 0.0  # what one token of context adds to one token's prefill
-    horizon_s: float = 300.0  # time constant of the measured rates (ghost hits, busy share); the review interval
-    remap_s_per_expert: float = 50e-6  # cuMemUnmap/cuMemMap of an expert's pages and the block-table update
-    reclaim: bool = False
-    reclaim_check_s: float = 5.0  # how often vamp-reclaim looks for a region to give back
-    # vamp-reclaim gives a region back only once the pool has had room to spare for reclaim_hold_s: uncached free
-    # blocks beyond the region's own of at least reclaim_watermark of the pool (a pool that the larger line keeps
-    # full of reused prefixes keeps its pages)
-    reclaim_watermark: float = 0.05
-    reclaim_hold_s: float = 60.0
-    # dead band: the line moves out when W blocks are worth this many times their staging, back when their
-    # staging costs this many times their worth (first-order estimates on both sides; the band absorbs their error)
-    margin: float = 2.0
-    # a growth of the line is checked one review later against what it was for: the accelerator's busy seconds per
-    # prompt token asked for (re-prefill and staging both raise it). Worse by more than this fraction: the window
-    # is taken back from the allowance and the line may not grow for growth_hold_reviews reviews.
-    growth_tolerance: float = 0.1
-    growth_hold_reviews: int = 4
-    # give regions back once the allowance falls below what is offloaded: the last region drains (its blocks
-    # leave the pool as they come free; none is allocated again) and goes back to its experts. False: the line
-    # only grows (the VAMP paper's controller).
-    give_back: bool = True
-    # ... but not on the LRU tail's measured worth alone while the last window's staging costs less than this
-    # share of the accelerator's time: tail hits undervalue capacity near the cache's cliff (docs/vamp.md)
-    give_back_min_share: float = 0.05
-
-    def __post_init__(self) -> None:
-        for name in ("prefill_s_per_token", "horizon_s", "reclaim_check_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"VampParams.{name} must be positive, got {getattr(self, name)}")
-        if self.block_size <= 0 or self.prefill_s_per_token_per_context < 0 or self.remap_s_per_expert < 0:
-            raise ValueError("VampParams: block_size must be positive; per-context and remap costs must be >= 0")
-        if not 0 <= self.reclaim_watermark < 1 or not self.reclaim_hold_s >= 0:
-            raise ValueError("VampParams: reclaim_watermark must be in [0, 1) and reclaim_hold_s >= 0")
-        if not self.margin >= 1:
-            raise ValueError(f"VampParams.margin must be >= 1, got {self.margin}")
-        if not self.growth_tolerance >= 0 or self.growth_hold_reviews < 0:
-            raise ValueError("VampParams: growth_tolerance and growth_hold_reviews must be >= 0")
-        if not 0 <= self.give_back_min_share < 1:
-            raise ValueError(f"VampParams.give_back_min_share must be in [0, 1), got {self.give_back_min_share}")
-
-    def block_prefill_s(self, block_index: int) -> float:
-        """Re-prefill of pool block ``block_index`` of a prefix (tokens at context ≈ its middle)."""
-        middle = (block_index + 0.5) * self.block_size
-        return self.block_size * (self.prefill_s_per_token + self.prefill_s_per_token_per_context * middle)
-
-
-class DecayedRate:
-    """Amount per second over roughly the last ``tau_s`` seconds: Σ amount·e^(−age/τ) over ∫ e^(−age/τ) dt since
-    the first observation (so the estimate is not ramped up from zero)."""
-
-    def __init__(self, tau_s: float) -> None:
-        self.tau_s = tau_s
-        self._sum = 0.0
-        self._elapsed = 0.0
-        self._t: float | None = None
-
-    def _advance(self, now_s: float) -> None:
-        if self._t is None:
-            self._t = now_s
-            return
-        dt = now_s - self._t
-        if dt > 0:
-            f = math.exp(-dt / self.tau_s)
-            self._sum *= f
-            self._elapsed = self._elapsed * f + self.tau_s * (1.0 - f)
-            self._t = now_s
-
-    def add(self, now_s: float, amount: float) -> None:
-        self._advance(now_s)
-        self._sum += amount
-
-    def rate(self, now_s: float) -> float | None:
-        self._advance(now_s)
-        return self._sum / self._elapsed if self._elapsed > 0 else None
 
 
 class VampPolicy:

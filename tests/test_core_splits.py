@@ -24,6 +24,7 @@ from moetide.core.splits import (
     cpu_side_s,
     optimal_cpu_blocks,
     phase_time_s,
+    probe_split,
 )
 
 D, H = Residency.DEVICE, Residency.HOST
@@ -240,3 +241,65 @@ def test_online_feedback_converges_to_the_new_optimum():
     assert first_ok == CONVERGENCE_STEPS
     assert all(e <= 0.05 for e in errors[first_ok:])
     assert math.isclose(planner.correction.factor, 2.0, rel_tol=0.02)
+
+
+# ---- probing a CPU that gets no work --------------------------------------------------------------------------
+
+
+def _run(planner: SplitPlanner, k: SplitCosts, seqs: list[SeqResidency], slowdown: float, steps: int) -> list:
+    """Plan, charge the CPU side ``slowdown`` times the model, observe; the plans' CPU blocks."""
+    history = []
+    for _ in range(steps):
+        plan = planner.plan(k, seqs, BLOCK)
+        history.append((plan.cpu_bytes / BLOCK, plan.probe))
+        n_c = sum(1 for s in plan.splits if s.num_cpu_blocks)
+        planner.observe(plan, slowdown * cpu_side_s(k, plan.cpu_bytes, n_c))
+    return history
+
+
+RECOVERY_AFTER_PROBE = 11  # stated in docs/writescope.md: within 5% of the optimum 11 plans after the probe
+
+
+def test_probe_notices_a_cpu_that_recovers():
+    """The CPU gets 8x slower: k saturates at 4 and a 13 ms fixed cost makes the CPU not worth any work (13 ms x 4 >
+    the 48 ms stream), so the split is 0. The CPU recovers. Without probes nothing is ever measured again and the
+    split stays 0. With them, a probe comes within probe_every + 1 plans, and RECOVERY_AFTER_PROBE plans after it
+    the split is within 5% of the optimum, and stays there (k falls from 4 to 1 by 0.7 per sample)."""
+    k, seqs = costs(cpu_fixed_s=13e-3), seqs_of(400, 400, 400)
+    host = [s.num_host_blocks for s in seqs]
+    opt = optimal_cpu_blocks(k, host, BLOCK)
+    assert opt > 0.3 * sum(host) and optimal_cpu_blocks(k, host, BLOCK, factor=4.0) == 0
+    for probe_every in (0, 16):
+        planner = SplitPlanner(probe_every=probe_every)
+        slow = _run(planner, k, seqs, 8.0, 40)
+        assert planner.correction.factor == 4.0 and slow[-1] == (0, False)
+        after = _run(planner, k, seqs, 1.0, 60)
+        if probe_every == 0:
+            assert after == [(0, False)] * 60 and planner.num_probes == 0
+            continue
+        probe = next(i for i, (_, p) in enumerate(after) if p)
+        assert probe < probe_every + 1
+        errors = [abs(x - opt) / opt for x, _ in after]
+        first_ok = next(i for i, e in enumerate(errors) if e <= 0.05)
+        assert first_ok - probe == RECOVERY_AFTER_PROBE and all(e <= 0.05 for e in errors[first_ok:])
+        assert not any(p for _, p in after[probe + 1:])  # the CPU has work again: no more probes
+
+
+def test_probe_split_size_and_when_it_happens():
+    k, seqs = costs(cpu_fixed_s=1e-4, cpu_per_seq_s=0.4e-4), seqs_of(30, 50, 50)  # c + p_c = 5.6 blocks
+    split = probe_split(k, seqs, BLOCK)
+    assert [s.num_cpu_blocks for s in split] == [0, 6, 0]  # the first sequence with the most host blocks
+    assert [s.num_cpu_blocks + s.num_streamed_blocks for s in split] == [30, 50, 50]
+    assert [s.num_cpu_blocks for s in probe_split(costs(cpu_fixed_s=1.0), seqs, BLOCK)] == [0, 50, 0]  # capped
+    assert [s.num_cpu_blocks for s in probe_split(costs(cpu_fixed_s=0, cpu_per_seq_s=0), seqs, BLOCK)] == [0, 1, 0]
+    slow = costs(cpu_fixed_s=1.0)  # the CPU never worth it
+    planner = SplitPlanner(probe_every=3)
+    probes = [planner.plan(slow, seqs, BLOCK).probe for _ in range(8)]
+    assert probes == [False, False, False, True, False, False, False, True] and planner.num_probes == 2
+    no_host = seqs_of(0, 0)
+    assert not any(planner.plan(slow, no_host, BLOCK).probe for _ in range(10))  # nothing to probe with
+    busy = SplitPlanner(probe_every=1)
+    assert not any(busy.plan(k, seqs, BLOCK).probe for _ in range(5))  # the CPU has work every step
+    for bad in (-1, 1.5, None):
+        with pytest.raises(ValueError, match="probe_every"):
+            SplitPlanner(probe_every=bad)

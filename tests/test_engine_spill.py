@@ -188,6 +188,23 @@ def test_spilled_kv_matches_transformers_under_every_split_policy(arch, policy, 
     check_books(engine)
 
 
+def test_writescope_probes_a_cpu_it_gives_no_work(tiny_checkpoint, hf_reference):
+    """Costs that make the CPU never worth it (a 1 s fixed cost per step): writescope streams everything, except
+    that every 17th plan without CPU work is a probe. The probes' measured CPU time (far below the 1 s predicted)
+    pulls the correction factor down, and the output still matches transformers."""
+    def slow_cpu(device_tokens: int, num_queries: int) -> SplitCosts:
+        return SplitCosts(cpu_s_per_byte=1e-9, cpu_fixed_s=1.0, cpu_per_seq_s=0.0, stream_s_per_byte=1e-9,
+                          stream_fixed_s=0.0, stream_per_seq_s=0.0, gpu_fixed_s=0.0, merge_per_seq_s=0.0)
+
+    engine, result = run_spilled(tiny_checkpoint("qwen3_moe"), "writescope", split_costs=slow_cpu)
+    assert [o.token_ids for o in result.outputs] == hf_reference("qwen3_moe")
+    split, planner = result.stats.split, engine.parts.attention.stepper.planner
+    assert split["probes"] == planner.num_probes >= split["steps"] // 17 - 1 >= 2
+    assert 0 < split["cpu_blocks"] < split["streamed_blocks"] and split["cpu_s"] > 0
+    assert planner.correction.num_samples == split["probes"] and split["correction_factor"] < 1.0
+    check_books(engine)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
 def test_everything_on_the_host_with_perf_costs_matches_transformers(arch, tiny_checkpoint, hf_reference):
     """A device KV budget of 0: every block — and Qwen3-Next's linear state blocks — is a host block; the split

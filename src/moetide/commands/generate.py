@@ -189,7 +189,9 @@ def _emit(json_path: str | None, report: dict) -> None:
         print(f"host KV ({stats['split_policy']}): {stats['kv_host_blocks']} blocks, {split['host_tokens_written']} "
               f"tokens written there; over {split['steps']} steps: {split['device_blocks']} device, "
               f"{split['cpu_blocks']} CPU in place, {split['streamed_blocks']} streamed block-steps; CPU "
-              f"{split['cpu_s'] * 1e3:.1f} ms measured, {split['predicted_cpu_s'] * 1e3:.1f} ms predicted")
+              f"{split['cpu_s'] * 1e3:.1f} ms measured, {split['predicted_cpu_s'] * 1e3:.1f} ms predicted"
+              + (f"; correction factor {split['correction_factor']:.2f}, {split['probes']} probes"
+                 if stats['split_policy'] == "writescope" else ""))
     if json_path is not None:
         try:
             Path(json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

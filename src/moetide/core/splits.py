@@ -35,13 +35,15 @@ request-split would pick is a candidate too, so writescope never loses to a base
 In a chunked-prefill step of Q queries the caller's a, p_c and m grow with Q (CPU FLOPs per byte, query and
 partial-output traffic) while b does not (each streamed byte serves all Q queries), so the CPU share falls, and is
 exactly 0 once the CPU's fixed costs exceed what it could take off the streaming side.
+A CPU that gets no work is never measured, so ``SplitPlanner`` probes it: after ``probe_every`` plans in a row
+that give the CPU nothing, one plan puts a few blocks on it (``probe_split``), so a recovered CPU is noticed.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 
 
@@ -393,6 +395,7 @@ class StepSplit:
     host_bytes: float
     predicted_cpu_s: float  # uncorrected model, for OnlineCorrection.observe
     predicted_s: float  # T with the correction applied
+    probe: bool = False  # the CPU's blocks are a probe (SplitPlanner), not the optimum
 
     @property
     def cpu_share(self) -> float:
@@ -408,15 +411,49 @@ class StepSplit:
                    cpu_side_s(costs, cpu_bytes, n_c), phase_time_s(costs, splits, block_bytes, factor))
 
 
-class SplitPlanner:
-    """Writescope each step, with the CPU side scaled by the online correction; ``observe`` closes the loop."""
+DEFAULT_PROBE_EVERY = 16  # stated in docs/writescope.md: a recovered CPU is probed at least every 17th step
 
-    def __init__(self, correction: OnlineCorrection | None = None) -> None:
+
+def probe_split(costs: SplitCosts, seqs: Sequence[SeqResidency], block_bytes: float) -> tuple[SeqSplit, ...]:
+    """The smallest CPU share whose measurement says something about the CPU's rate: the first host blocks of the
+    sequence with the most, enough that the modeled byte term at least equals the fixed terms (c + p_c), so a
+    slowdown of the roofline part moves the measured / predicted ratio by at least half as much."""
+    i = max(range(len(seqs)), key=lambda i: (seqs[i].num_host_blocks, -i))
+    per_block = costs.cpu_s_per_byte * block_bytes
+    fixed = costs.cpu_fixed_s + costs.cpu_per_seq_s
+    n = min(seqs[i].num_host_blocks, max(1, math.ceil(fixed / per_block)))
+    cpu = [n if j == i else 0 for j in range(len(seqs))]
+    return tuple(SeqSplit(s.seq_id, s.num_device_blocks, c, s.num_host_blocks - c) for s, c in zip(seqs, cpu))
+
+
+class SplitPlanner:
+    """Writescope each step, with the CPU side scaled by the online correction; ``observe`` closes the loop.
+
+    A CPU judged slow gets no work, and a step without CPU work teaches the correction nothing, so a CPU that
+    recovers would never be noticed. After ``probe_every`` consecutive plans that leave host KV but give the CPU
+    nothing, the next plan is a probe (``probe_split``): a few blocks on the CPU, measured like any step. It costs
+    little while the streaming side is the longer one, which is why the CPU got nothing. ``probe_every=0``
+    disables probing."""
+
+    def __init__(self, correction: OnlineCorrection | None = None, *,
+                 probe_every: int = DEFAULT_PROBE_EVERY) -> None:
+        if not (isinstance(probe_every, int) and probe_every >= 0):
+            raise ValueError(f"SplitPlanner.probe_every must be an integer >= 0, got {probe_every!r}")
         self.correction = correction or OnlineCorrection()
+        self.probe_every, self.num_probes, self._idle = probe_every, 0, 0
 
     def plan(self, costs: SplitCosts, seqs: Sequence[SeqResidency], block_bytes: float) -> StepSplit:
         factor = self.correction.factor
-        return StepSplit.of(costs, seqs, WriteScope().split(costs, seqs, block_bytes, factor), block_bytes, factor)
+        splits = WriteScope().split(costs, seqs, block_bytes, factor)
+        if any(s.num_cpu_blocks for s in splits) or not any(s.num_host_blocks for s in seqs):
+            self._idle = 0
+            return StepSplit.of(costs, seqs, splits, block_bytes, factor)
+        self._idle += 1
+        if not self.probe_every or self._idle <= self.probe_every:
+            return StepSplit.of(costs, seqs, splits, block_bytes, factor)
+        self._idle, self.num_probes = 0, self.num_probes + 1
+        step = StepSplit.of(costs, seqs, probe_split(costs, seqs, block_bytes), block_bytes, factor)
+        return replace(step, probe=True)
 
     def observe(self, plan: StepSplit, measured_cpu_s: float) -> float:
         return self.correction.observe(measured_cpu_s, plan.predicted_cpu_s)

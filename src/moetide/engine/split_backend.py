@@ -262,6 +262,7 @@ class SplitAttentionBackend:
         c = self.counters
         c.cpu_s += self._step_cpu_s
         c.predicted_cpu_s += split.predicted_cpu_s
+        c.probes += split.probe
         self.stepper.observe(split, self._step_cpu_s)
 
     # ---- per layer ----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from moetide.core.splits import (
 from moetide.errors import UserError
 from moetide.perf.attention import AttentionCostModel, HostKVLayout, OffloadEfficiency
 from moetide.perf.budget import GiB
-from moetide.perf.offload import OffloadStepModel, SeqTokens, SplitCoefficients, vram_layout
+from moetide.perf.offload import OffloadStepModel, SeqTokens, SplitCoefficients, fill_s, gpu_fixed_s, vram_layout
 from moetide.perf.step import StepShape, StepTimeModel
 from moetide.specs import get_gpu, get_host, get_model
 
@@ -129,11 +129,11 @@ def test_attention_phase_cpu_all_and_transfer_all_by_hand():
     kv = tokens * 131072  # 32 layers x 2 x 8 heads x 128 x 2 B per token
     cpu_all = m.attention_phase([SeqTokens(1, tokens, 0)])
     assert cpu_all.cpu_s == pytest.approx(kv / (163.84e9 * 0.9) + a.cpu_step_overhead_s() + a.cpu_seq_overhead_s())
-    assert cpu_all.gpu_s == pytest.approx(m._gpu_fixed_s(1, 1) + 32 * 16512 / 25e9)
+    assert cpu_all.gpu_s == pytest.approx(gpu_fixed_s(a, 1, 1) + 32 * 16512 / 25e9)
     streamed = m.attention_phase([SeqTokens(1, 0, tokens)])
     dmas = 32 * -(-(tokens * 4096) // (64 * 16 * 4096))
     assert streamed.cpu_s == 0.0
-    assert streamed.gpu_s == pytest.approx(m._gpu_fixed_s(1, 1) + kv / 25e9 + dmas * 5e-6 + m._fill_s(tokens * 4096, 1))
+    assert streamed.gpu_s == pytest.approx(gpu_fixed_s(a, 1, 1) + kv / 25e9 + dmas * 5e-6 + fill_s(a, tokens * 4096, 1))
 
 
 def _decode_case(m: OffloadStepModel, batch: int, context: int):

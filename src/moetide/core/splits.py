@@ -457,3 +457,44 @@ class SplitPlanner:
 
     def observe(self, plan: StepSplit, measured_cpu_s: float) -> float:
         return self.correction.observe(measured_cpu_s, plan.predicted_cpu_s)
+
+
+class SplitStepper:
+    """The named split policy, step by step: what the engine and the replay both run. ``costs`` gives a step's
+    ``SplitCosts`` from (device-resident tokens, queries per sequence); for ``writescope`` the plan comes from a
+    ``SplitPlanner`` (online correction and probes) and ``observe`` feeds back the step's CPU time; the baselines
+    are static (factor 1, nothing observed)."""
+
+    def __init__(self, policy: str | SplitPolicy, costs: Callable[[int, int], SplitCosts], block_bytes: float,
+                 fixed_ratio: float = 0.5) -> None:
+        if isinstance(policy, str) and policy not in SPLIT_POLICIES:
+            raise ValueError(f"unknown split policy {policy!r}; choose from {', '.join(SPLIT_POLICIES)}")
+        if not 0 <= fixed_ratio <= 1:
+            raise ValueError(f"the fixed-ratio CPU share must be in [0, 1], got {fixed_ratio!r}")
+        self.costs, self.block_bytes = costs, block_bytes
+        self.name = policy if isinstance(policy, str) else policy.name
+        self.planner = SplitPlanner() if policy == "writescope" else None
+        self.policy: SplitPolicy | None = None
+        if isinstance(policy, SplitPolicy):
+            self.policy = policy
+        elif self.planner is None:
+            self.policy = FixedRatio(fixed_ratio) if policy == "fixed-ratio" else SPLIT_POLICIES[policy]()
+
+    def plan(self, seqs: Sequence[SeqResidency], device_tokens: int, num_queries: int) -> StepSplit:
+        costs = self.costs(device_tokens, num_queries)
+        if self.planner is not None:
+            return self.planner.plan(costs, seqs, self.block_bytes)
+        return StepSplit.of(costs, seqs, self.policy.split(costs, seqs, self.block_bytes), self.block_bytes)
+
+    def observe(self, plan: StepSplit, measured_cpu_s: float) -> None:
+        """Feed a step's measured CPU time back (writescope only; ``correction_factor`` then says where it is)."""
+        if self.planner is not None:
+            self.planner.observe(plan, measured_cpu_s)
+
+    @property
+    def correction_factor(self) -> float:
+        return self.planner.correction.factor if self.planner is not None else 1.0
+
+    @property
+    def num_probes(self) -> int:
+        return self.planner.num_probes if self.planner is not None else 0

@@ -7,8 +7,8 @@ registry) and the online correction; ``perf`` owns the costs. This module only w
   plan-split`` optimises — for the checkpoint's ``ModelSpec`` (its config.json), a GPU preset or file and a host
   preset or file; a calibrated host file (``moetide calibrate``) also supplies its fitted ``[offload_efficiency]``.
   Any callable ``(device_tokens, num_queries) -> SplitCosts`` can stand in for it (tests pin the split that way).
-* ``SplitStepper`` asks the named policy for each step's ``SeqSplit``s. For ``writescope`` that is
-  ``core.splits.SplitPlanner``: the optimum of T(X) with the CPU side scaled by the correction factor k, and
+* ``SplitStepper`` (``core.splits``', which the replay runs too) asks the named policy for each step's
+  ``SeqSplit``s. For ``writescope`` that is ``core.splits.SplitPlanner``: the optimum of T(X) with the CPU side scaled by the correction factor k, and
   ``observe`` feeds back the *measured* CPU time of the step (the worker thread's time in the CPU partials, summed
   over layers) against the uncorrected prediction. The baselines are static: factor 1, nothing observed.
 * ``SplitCounters`` are what the engine reports: blocks and tokens per region, measured and predicted CPU time.
@@ -20,19 +20,12 @@ machine the step runs on; the decisions are still carried out exactly, which is 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetide.core.splits import (
-    SPLIT_POLICIES,
-    FixedRatio,
-    SeqResidency,
-    SplitCosts,
-    SplitPlanner,
-    SplitPolicy,
-    StepSplit,
-)
+from moetide.core.splits import SplitCosts, SplitPolicy
+from moetide.core.splits import SplitStepper as CoreSplitStepper
 from moetide.errors import UserError
 
 SplitCostSource = Callable[[int, int], SplitCosts]  # (device-resident tokens, queries per sequence) -> costs
@@ -87,35 +80,12 @@ class SplitCounters:
         return dataclasses.asdict(self)
 
 
-class SplitStepper:
-    """The named split policy, step by step (module docstring)."""
+class SplitStepper(CoreSplitStepper):
+    """``core.splits.SplitStepper`` (the replay runs the same one), with bad options as ``UserError``s."""
 
     def __init__(self, policy: str | SplitPolicy, costs: SplitCostSource, block_bytes: int,
                  fixed_ratio: float = 0.5) -> None:
-        if isinstance(policy, str) and policy not in SPLIT_POLICIES:
-            raise UserError(f"unknown split policy {policy!r}; choose from {', '.join(SPLIT_POLICIES)}")
-        if not 0 <= fixed_ratio <= 1:
-            raise UserError(f"the fixed-ratio CPU share must be in [0, 1], got {fixed_ratio!r}")
-        self.costs, self.block_bytes = costs, block_bytes
-        self.name = policy if isinstance(policy, str) else policy.name
-        self.planner = SplitPlanner() if policy == "writescope" else None  # writescope: with the online correction
-        self.policy: SplitPolicy | None = None
-        if isinstance(policy, SplitPolicy):
-            self.policy = policy
-        elif self.planner is None:
-            self.policy = FixedRatio(fixed_ratio) if policy == "fixed-ratio" else SPLIT_POLICIES[policy]()
-
-    def plan(self, seqs: Sequence[SeqResidency], device_tokens: int, num_queries: int) -> StepSplit:
-        costs = self.costs(device_tokens, num_queries)
-        if self.planner is not None:
-            return self.planner.plan(costs, seqs, self.block_bytes)
-        return StepSplit.of(costs, seqs, self.policy.split(costs, seqs, self.block_bytes), self.block_bytes)
-
-    def observe(self, plan: StepSplit, measured_cpu_s: float) -> None:
-        """Feed a step's measured CPU time back (writescope only; ``correction_factor`` then says where it is)."""
-        if self.planner is not None:
-            self.planner.observe(plan, measured_cpu_s)
-
-    @property
-    def correction_factor(self) -> float:
-        return self.planner.correction.factor if self.planner is not None else 1.0
+        try:
+            super().__init__(policy, costs, block_bytes, fixed_ratio)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None

@@ -149,12 +149,6 @@ class OffloadStepModel:
         bd = self.step.breakdown(shape)
         return bd["total_s"] - bd["attention_s"] + self.expert_offload_s(shape.num_tokens)
 
-    def _gpu_fixed_s(self, device_tokens: float, num_queries: int) -> float:
-        return gpu_fixed_s(self.attention, device_tokens, num_queries)
-
-    def _fill_s(self, layer_bytes: float, num_queries: int) -> float:
-        return fill_s(self.attention, layer_bytes, num_queries)
-
     def coefficients(self, device_tokens: int, num_queries: int = 1) -> SplitCoefficients:
         """Linear attention-phase coefficients for a step whose device-resident tokens total ``device_tokens``."""
         return split_coefficients(self.attention, device_tokens, num_queries)
@@ -162,29 +156,36 @@ class OffloadStepModel:
     def attention_phase(self, seqs: Sequence[SeqTokens], num_queries: int = 1,
                         cpu_slowdown: float = 1.0) -> PhaseTime:
         """The attention phase of a placement; ``cpu_slowdown`` scales the CPU side (a busier CPU than modeled)."""
-        a, o, L = self.attention, self.attention.offload, self.attention.num_layers
-        kvb, lkvb = a.kv_bytes_per_token, a.layer_kv_bytes_per_token
-        cpu_seqs = [s for s in seqs if s.cpu_tokens > 0]
-        cpu_s = 0.0
-        if cpu_seqs:
-            cpu_bytes = sum(s.cpu_tokens for s in cpu_seqs) * kvb
-            cpu_s = cpu_slowdown * (a.cpu_step_overhead_s() + len(cpu_seqs) * a.cpu_seq_overhead_s(num_queries)
-                                    + a.cpu_attention_s(cpu_bytes, num_queries))
-        gpu_s = (self._gpu_fixed_s(sum(s.device_tokens for s in seqs), num_queries)
-                 + len(cpu_seqs) * L * a.partial_output_bytes(num_queries) * a.link_s_per_byte())
-        streamed = sum(s.streamed_tokens for s in seqs)
-        if streamed:
-            num_dma = L * sum(a.num_transfers(s.streamed_tokens * lkvb) for s in seqs)
-            layer_bytes = streamed * lkvb
-            slots = L * -(-layer_bytes // a.layout.slot_bytes)
-            link = a.transfer_s(streamed * kvb, num_dma)
-            device = a.device_attention_s(streamed * kvb, num_queries) + slots * o.kernel_launch_s
-            gpu_s += max(link, device) + self._fill_s(layer_bytes, num_queries)
-        return PhaseTime(cpu_s, gpu_s)
+        return attention_phase(self.attention, seqs, num_queries, cpu_slowdown)
 
     def step_s(self, shape: StepShape, seqs: Sequence[SeqTokens], cpu_slowdown: float = 1.0) -> float:
         num_queries = max(1, shape.num_tokens // max(1, shape.num_seqs))
         return self.non_attention_s(shape) + self.attention_phase(seqs, num_queries, cpu_slowdown).total_s
+
+
+def attention_phase(a: AttentionCostModel, seqs: Sequence[SeqTokens], num_queries: int = 1,
+                    cpu_slowdown: float = 1.0) -> PhaseTime:
+    """The attention phase of a placement (module docstring); it reads only the attention model, so a replay
+    charges it per step without a VRAM layout."""
+    o, L = a.offload, a.num_layers
+    kvb, lkvb = a.kv_bytes_per_token, a.layer_kv_bytes_per_token
+    cpu_seqs = [s for s in seqs if s.cpu_tokens > 0]
+    cpu_s = 0.0
+    if cpu_seqs:
+        cpu_bytes = sum(s.cpu_tokens for s in cpu_seqs) * kvb
+        cpu_s = cpu_slowdown * (a.cpu_step_overhead_s() + len(cpu_seqs) * a.cpu_seq_overhead_s(num_queries)
+                                + a.cpu_attention_s(cpu_bytes, num_queries))
+    gpu_s = (gpu_fixed_s(a, sum(s.device_tokens for s in seqs), num_queries)
+             + len(cpu_seqs) * L * a.partial_output_bytes(num_queries) * a.link_s_per_byte())
+    streamed = sum(s.streamed_tokens for s in seqs)
+    if streamed:
+        num_dma = L * sum(a.num_transfers(s.streamed_tokens * lkvb) for s in seqs)
+        layer_bytes = streamed * lkvb
+        slots = L * -(-layer_bytes // a.layout.slot_bytes)
+        link = a.transfer_s(streamed * kvb, num_dma)
+        device = a.device_attention_s(streamed * kvb, num_queries) + slots * o.kernel_launch_s
+        gpu_s += max(link, device) + fill_s(a, layer_bytes, num_queries)
+    return PhaseTime(cpu_s, gpu_s)
 
 
 def gpu_fixed_s(a: AttentionCostModel, device_tokens: float, num_queries: int) -> float:

@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from moetide.core.splits import SPLIT_POLICIES
 from moetide.perf.staging import COLD_EXPERT_MODES, STAGING_MODES
 from moetide.errors import UserError
 from moetide.report.progress import ProgressBar
@@ -65,8 +66,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
                              "or let the host CPU compute them where they lie when that is cheaper for the step "
                              "(modeled; default %(default)s)")
     parser.add_argument("--cpu", default=defaults.cpu, metavar="HOST",
-                        help="--cold-experts cpu: the host CPU socket, a preset or a `moetide calibrate` file "
-                             "(default %(default)s)")
+                        help="--cold-experts cpu and --kv-host-gib: the host CPU socket, a preset or a `moetide "
+                             "calibrate` file (default %(default)s)")
     parser.add_argument("--gpus-per-socket", type=int, default=defaults.gpus_per_socket, metavar="N",
                         help="--cold-experts cpu: GPUs whose cold experts one socket computes at once (DGX H200: 4); "
                              "each gets 1/N of it (default %(default)s)")
@@ -74,6 +75,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
                         help="--cold-experts cpu: the socket's sustained expert-GEMM rate in TFLOP/s (default: its "
                              "fp32 FMA peak x 0.5; an AMX BF16 kernel reaches more, e.g. 10.5 per socket from "
                              "KTransformers' 21 TFLOPS on a two-socket Xeon 4)")
+    parser.add_argument("--kv-host-gib", type=float, default=defaults.kv_host_gib, metavar="G",
+                        help="a host KV tier of G GiB: KV that does not fit on the GPU is written there instead of "
+                             "preempting, and each step the --split-policy splits it between the CPU (attended in "
+                             "place) and the host link (streamed); modeled, one GPU (default: none)")
+    parser.add_argument("--split-policy", choices=list(SPLIT_POLICIES), default=defaults.split_policy,
+                        help="--kv-host-gib: who attends the host KV (default %(default)s)")
+    parser.add_argument("--fixed-ratio", type=float, default=defaults.split_fixed_ratio, metavar="X",
+                        help="--split-policy fixed-ratio: the CPU's share of every sequence's host KV "
+                             "(default %(default)s)")
+    parser.add_argument("--cpu-slowdown", type=float, default=defaults.cpu_slowdown, metavar="X",
+                        help="--kv-host-gib: the CPU attends X times slower than modeled (a busy host; writescope's "
+                             "online correction learns it, the other policies do not) (default %(default)s)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
                         help="vamp: seconds between reviews of the line, and the time constant of its measured "
                              "rates; staging is priced over the step mix of 10 of them (default %(default)s)")
@@ -122,7 +135,8 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         host_link_shared_by=args.host_link_shared_by,
         cold_experts=args.cold_experts, cpu=args.cpu, gpus_per_socket=args.gpus_per_socket,
         cpu_matmul_tflops=args.cpu_matmul_tflops,
-        vamp_horizon_s=args.vamp_horizon_s,
+        vamp_horizon_s=args.vamp_horizon_s, kv_host_gib=args.kv_host_gib, split_policy=args.split_policy,
+        split_fixed_ratio=args.fixed_ratio, cpu_slowdown=args.cpu_slowdown,
     )
 
 
@@ -156,8 +170,23 @@ def print_summary(result: dict) -> None:
         ["peak KV usage", f"{metrics['kv_usage_max']:.3f}"],
         ["peak offloaded ratio", f"{metrics['offloaded_ratio_max']:.3f}"],
         ["staged", f"{metrics['staged_bytes'] / 2**30:,.1f} GiB"],
+        *host_kv_rows(config, metrics),
         ["simulated duration", f"{metrics['duration_s']:,.1f} s"],
     ], align="<>"))
+
+
+def host_kv_rows(config: dict, metrics: dict) -> list[list[str]]:
+    host = metrics.get("host_kv")
+    if host is None:
+        return []
+    mem = config["memory"]
+    return [
+        ["host KV tier", f"{config['kv_host_gib']:g} GiB: {mem['host_kv_blocks']:,} blocks "
+                         f"({mem['device_kv_blocks']:,} on the GPU, {mem['ring_blocks']:,} given to the ring)"],
+        ["host KV attended", f"{host['cpu_tokens'] + host['streamed_tokens']:,} token-steps in {host['steps']:,} "
+                             f"steps, CPU share {host['cpu_share']:.3f} ({host['policy']})"],
+        ["time host KV added", f"{host['added_s']:,.1f} s"],
+    ]
 
 
 def write_json(path: Path, payload: dict) -> None:

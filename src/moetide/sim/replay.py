@@ -24,6 +24,7 @@ from moetide.core import runs
 from moetide.core.hashing import external_block_hashes, scope_hash
 from moetide.core.request import Request
 from moetide.core.scheduler import Scheduler
+from moetide.sim.host_kv import HostKV
 from moetide.sim.metrics import MetricsCollector
 from moetide.workloads.base import BlockKeys, Session, Workload
 
@@ -52,6 +53,7 @@ class Replay:
         progress: Callable[[int, int], None] | None = None,
         fast_forward: bool = True,
         offloaded_ratio: Callable[[], float] = lambda: 0.0,
+        host_kv: HostKV | None = None,
     ) -> None:
         self.workload = workload
         self.scheduler = scheduler
@@ -60,6 +62,7 @@ class Replay:
         self.progress = progress
         self.fast_forward = fast_forward  # runs of identical decode steps without per-step scheduling (exact)
         self.offloaded_ratio = offloaded_ratio
+        self.host_kv = host_kv  # a host KV tier: each step's split is charged (sim.host_kv)
         self.metrics = MetricsCollector()
         self.now_s = 0.0
         self._events: list[tuple[float, int, int, _Context]] = []
@@ -86,7 +89,7 @@ class Replay:
             while events and events[0][0] <= self.now_s:
                 send_s, _, _, ctx = heapq.heappop(events)
                 self._send(ctx, send_s)
-            if self.fast_forward and (self._decode_run() or self._prefill_run()):
+            if self.fast_forward and (self._decode_run() or (self.host_kv is None and self._prefill_run())):
                 continue
             out = sched.schedule(self.now_s)
             for request in out.failed:
@@ -113,7 +116,17 @@ class Replay:
             else:
                 kv_read += start + n
                 pairs += n * start + n * (n + 1) // 2
-        duration = self.step_time_s(out.total_num_scheduled_tokens, len(out.scheduled), num_decode, kv_read, pairs)
+        added = 0.0
+        if self.host_kv is not None:
+            seqs = self.host_kv.seqs(self.scheduler.kv, [(request.request_id, start + n) for (request, n), start
+                                                         in zip(out.scheduled, out.num_computed_before)])
+            added = self.host_kv.charge(seqs, max(1, out.total_num_scheduled_tokens // len(seqs)))
+            # the roofline step attends the device-resident KV only (each query against the host tokens is charged
+            # in ``added``; a chunk whose own tokens went to host blocks is counted as if they preceded it)
+            kv_read -= sum(s.host_tokens for s in seqs)
+            pairs -= sum(n * s.host_tokens for (_, n), s in zip(out.scheduled, seqs))
+        duration = self.step_time_s(out.total_num_scheduled_tokens, len(out.scheduled), num_decode, kv_read,
+                                    max(pairs, 0)) + added
         self.now_s += duration
         emitted, finished = self.scheduler.update(out, None, self.now_s)
         self.metrics.tokens(emitted, self.now_s)
@@ -137,10 +150,20 @@ class Replay:
         pool = sched.kv.pool
         used_share = pool.num_used_blocks / max(pool.num_blocks, 1)
         offloaded = self.offloaded_ratio()
+        host_kv, bs = self.host_kv, sched.kv.block_size
+        seqs = [] if host_kv is None else host_kv.seqs(sched.kv, [(r.request_id, r.num_computed_tokens + 1)
+                                                                 for r in running])
         k = 0
         ends: list[float] = []
         while k < k_max and not (events and events[0][0] <= self.now_s):
-            duration = step_time_s(num_seqs, num_seqs, num_seqs, kv_read, kv_read)
+            if seqs:  # the split and the device-resident KV change as the sequences grow (no block is allocated)
+                for s in seqs if k else ():
+                    s.grow(bs)
+                added = host_kv.charge(seqs, 1)
+                device = kv_read - sum(s.host_tokens for s in seqs)
+                duration = step_time_s(num_seqs, num_seqs, num_seqs, device, device) + added
+            else:
+                duration = step_time_s(num_seqs, num_seqs, num_seqs, kv_read, kv_read)
             self.now_s += duration
             ends.append(self.now_s)
             metrics.step(self.now_s, duration, used_share, offloaded)

@@ -17,10 +17,14 @@ from moetide.core.expert_line import ExpertLine
 from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy
 from moetide.core.scheduler import Scheduler, SchedulerConfig
+from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
+from moetide.perf.attention import AttentionCostModel, HostKVLayout
+from moetide.perf.calibrate import offload_efficiency_for_host
 from moetide.perf.routing_profile import read_rank_shares
 from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingConfig, StagingModel
+from moetide.sim.host_kv import HostKV
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
 from moetide.specs import get_gpu, get_host, get_model
@@ -54,6 +58,12 @@ class ReplayConfig:
     gpus_per_socket: int = 1
     cpu_matmul_tflops: float | None = None  # the socket's expert-GEMM rate (None: fp32 FMA peak x 0.5; AMX: more)
     vamp_horizon_s: float = 300.0  # time constant of vamp's rate estimates (the step mix: STAGING_MIX_HORIZONS of it)
+    # a host KV tier of this many GiB (sim.host_kv; 0: none): KV spills there instead of preempting, and each step
+    # splits it between the ``cpu`` socket (in place) and the link (streamed) by ``split_policy``
+    kv_host_gib: float = 0.0
+    split_policy: str = "writescope"
+    split_fixed_ratio: float = 0.5  # the fixed-ratio policy's CPU share
+    cpu_slowdown: float = 1.0  # true CPU attention time / modeled (writescope's correction learns it)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -85,6 +95,24 @@ class ReplayConfig:
             raise UserError(f"--cpu-matmul-tflops must be positive, got {self.cpu_matmul_tflops}")
         if not self.vamp_horizon_s > 0:
             raise UserError("--vamp-horizon-s must be positive")
+        self._check_host_kv()
+
+    def _check_host_kv(self) -> None:
+        if not (math.isfinite(self.kv_host_gib) and self.kv_host_gib >= 0):
+            raise UserError(f"--kv-host-gib must be a finite number >= 0, got {self.kv_host_gib}")
+        if self.split_policy not in SPLIT_POLICIES:
+            raise UserError(f"--split-policy must be one of {', '.join(SPLIT_POLICIES)}, got {self.split_policy!r}")
+        if not 0 <= self.split_fixed_ratio <= 1:
+            raise UserError(f"--fixed-ratio must be in [0, 1], got {self.split_fixed_ratio}")
+        if not (math.isfinite(self.cpu_slowdown) and self.cpu_slowdown > 0):
+            raise UserError(f"--cpu-slowdown must be a positive number, got {self.cpu_slowdown}")
+        if not self.kv_host_gib:
+            return
+        if self.tp != 1:
+            raise UserError("--kv-host-gib models one GPU beside one host socket: use --tp 1")
+        if self.policy.lower() in NEEDS_VAMP_PARAMS:
+            raise UserError(f"--kv-host-gib with --policy {self.policy}: a moving expert line beside a host KV tier "
+                            "is not modeled yet (docs/writescope.md, Replay); use vllm or static-offload")
 
 
 @dataclass
@@ -94,6 +122,7 @@ class BuiltReplay:
     config: ReplayConfig
     expert_line: ExpertLine
     step_time: StepTimeWithStaging
+    host_kv: HostKV | None = None
 
 
 def build_replay(
@@ -114,7 +143,13 @@ def build_replay(
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    pool = BlockPool(range(budget.num_blocks), enable_caching=config.enable_prefix_caching)
+    host_kv = _host_kv(model, gpu, config, budget)
+    if host_kv is None:
+        pool = BlockPool(range(budget.num_blocks), enable_caching=config.enable_prefix_caching)
+    else:  # device ids first (the ring's share of the budget left out), then the host tier's (sim.host_kv)
+        device = range(budget.num_blocks - ring_blocks(budget))
+        pool = BlockPool([*device, *host_kv.host_block_ids], enable_caching=config.enable_prefix_caching,
+                         preferred_below=host_kv.first_host_id)
     kv = KVCacheManager(pool, config.block_size, num_state_blocks_per_request=budget.state_blocks_per_request)
     step_model = StepTimeModel(model, gpu, tp=config.tp)
     line = _expert_line(model, config, pool, budget)
@@ -128,8 +163,39 @@ def build_replay(
         line.offload(line.residency.next_offload_region(max_experts=line.residency.max_num_offloaded))
     scheduler = Scheduler(scheduler_config, kv, policy, expert_line=line)
     replay = Replay(workload, scheduler, step_time, progress=progress,
-                    offloaded_ratio=lambda: line.residency.offloaded_ratio)
-    return BuiltReplay(replay, budget, config, line, step_time)
+                    offloaded_ratio=lambda: line.residency.offloaded_ratio, host_kv=host_kv)
+    return BuiltReplay(replay, budget, config, line, step_time, host_kv)
+
+
+def ring_blocks(budget: MemoryBudget) -> int:
+    """Device KV blocks the staging ring of a host KV tier takes from the budget."""
+    return -(-HostKVLayout().ring_bytes // budget.charged_block_bytes)
+
+
+def _host_kv(model, gpu, config: ReplayConfig, budget: MemoryBudget) -> HostKV | None:
+    """The host tier of ``config.kv_host_gib`` (None without one), its ids above every id the device can use."""
+    if not config.kv_host_gib:
+        return None
+    host = get_host(config.cpu)
+    host_bytes = config.kv_host_gib * 2**30
+    if host_bytes > host.dram_bytes:
+        raise UserError(f"--kv-host-gib {config.kv_host_gib:g} exceeds the host's DRAM ({host.dram_bytes / 2**30:,.0f} "
+                        f"GiB, --cpu {config.cpu})")
+    num_host = int(host_bytes // budget.charged_block_bytes)
+    device = budget.num_blocks - ring_blocks(budget)
+    if num_host < 1 or device < 1 + budget.state_blocks_per_request:
+        raise UserError(f"--kv-host-gib {config.kv_host_gib:g}: {num_host} host blocks and {device} device blocks "
+                        f"(after the {HostKVLayout().ring_bytes / 2**20:.0f} MiB staging ring) of "
+                        f"{budget.charged_block_bytes:,} B; raise --kv-host-gib or the KV budget")
+    routed = weights_per_gpu(model, tp=config.tp).routed_expert_bytes
+    first_host_id = budget.num_blocks + -(-routed // budget.charged_block_bytes) + 1  # past the expert line's ids
+    try:
+        attention = AttentionCostModel(model, gpu, host, layout=HostKVLayout(block_size=config.block_size),
+                                       offload=offload_efficiency_for_host(config.cpu))
+    except ValueError as exc:
+        raise UserError(f"--kv-host-gib: {exc}") from None
+    return HostKV(attention, config.split_policy, first_host_id=first_host_id, num_host_blocks=num_host,
+                  block_size=config.block_size, fixed_ratio=config.split_fixed_ratio, cpu_slowdown=config.cpu_slowdown)
 
 
 class StepTimeWithStaging:
@@ -299,7 +365,10 @@ def run_replay(
     metrics.staged_bytes = built.step_time.staged_bytes
     metrics.offloads = built.expert_line.num_offloads
     metrics.reclaims = built.expert_line.num_reclaims
-    return {"config": describe_config(workload, built), "metrics": metrics.to_dict()}, metrics
+    result = {"config": describe_config(workload, built), "metrics": metrics.to_dict()}
+    if built.host_kv is not None:
+        result["metrics"]["host_kv"] = built.host_kv.counters.as_dict(built.host_kv.stepper)
+    return result, metrics
 
 
 def describe_config(workload: Workload, built: BuiltReplay) -> dict[str, object]:
@@ -311,6 +380,14 @@ def describe_config(workload: Workload, built: BuiltReplay) -> dict[str, object]
                      "key_block_size": workload.key_block_size},
         "memory": {"weights_bytes_per_gpu": budget.weights_bytes_per_gpu, "kv_budget_bytes": budget.kv_budget_bytes,
                    "block_bytes": budget.block_bytes, "num_blocks": budget.num_blocks,
-                   "state_blocks_per_request": budget.state_blocks_per_request, "max_tokens": budget.max_tokens},
+                   "state_blocks_per_request": budget.state_blocks_per_request, "max_tokens": budget.max_tokens,
+                   **_host_memory(built)},
         "times": "modeled (roofline step-time model, docs/perf.md); not measured",
     }
+
+
+def _host_memory(built: BuiltReplay) -> dict[str, int]:
+    if built.host_kv is None:
+        return {}
+    return {"device_kv_blocks": built.budget.num_blocks - ring_blocks(built.budget),
+            "ring_blocks": ring_blocks(built.budget), "host_kv_blocks": built.host_kv.num_host_blocks}

@@ -1,0 +1,150 @@
+"""Host-spilled KV in replay: WriteScope's engine half on a recorded trace, MODELED.
+
+With ``--kv-host-gib G`` the replay's pool gets a host tier, built as the engine builds its own
+(``engine.host_kv``): host block ids come after every id the device can ever use, and the pool is made with
+``preferred_below=`` the first of them, so device blocks are allocated first and host blocks only once the device
+part is exhausted (``core.blocks``, "Two tiers"). A request that would have been preempted for want of KV now
+gets host blocks instead; prefix hits on host blocks are used where they lie.
+
+Each step, the named split policy (``core.splits.SplitStepper``: the engine's, with the same costs from
+``perf.offload.split_coefficients``) splits every sequence's host blocks between the CPU (attended in place) and
+the stream (copied into the staging ring). The step is charged as the engine's would be on the modeled machine:
+the roofline step over the device-resident KV, plus what the host KV adds to the attention phase, which is
+``perf.offload.attention_phase`` (max of the CPU side and the GPU side) minus the device attention already charged.
+Writescope's online correction is fed the modeled CPU time, so it stays at 1 unless ``cpu_slowdown`` makes the
+CPU slower than the model; its probes run as in the engine.
+
+As in the engine, a step's queries per sequence are its tokens over its sequences (one plan per step), and the
+staging ring's device memory comes out of the KV budget. Not modeled: tensor parallelism (one GPU, one host
+socket), VAMP's moving line beside a host tier, and PCIe traffic of KV and of staged experts in the same phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from moetide.core.kv_manager import KVCacheManager
+from moetide.core.splits import SeqResidency, SplitCosts, SplitStepper
+from moetide.perf.attention import AttentionCostModel
+from moetide.perf.offload import SeqTokens, attention_phase, gpu_fixed_s, split_coefficients
+
+
+@dataclass
+class SeqKV:
+    """One sequence's KV this step, by residency: used blocks and the tokens in them. ``flags`` is each held
+    block's residency (True: host), so a decode run can grow the sequence without asking the pool again."""
+
+    flags: list[bool]
+    context: int
+    device_blocks: int = 0
+    host_blocks: int = 0
+    host_tokens: int = 0
+
+    @classmethod
+    def of(cls, flags: list[bool], context: int, block_size: int) -> SeqKV:
+        used = flags[: -(-context // block_size)]
+        host_blocks = sum(used)
+        host_tokens = host_blocks * block_size
+        if used and used[-1]:  # the last used block is the only partial one
+            host_tokens -= len(used) * block_size - context
+        return cls(flags, context, len(used) - host_blocks, host_blocks, host_tokens)
+
+    @property
+    def device_tokens(self) -> int:
+        return self.context - self.host_tokens
+
+    def grow(self, block_size: int) -> None:
+        """One more token (a decode step), in a block the sequence already holds."""
+        on_host = self.flags[self.context // block_size]
+        if self.context % block_size == 0:
+            self.host_blocks += on_host
+            self.device_blocks += not on_host
+        self.host_tokens += on_host
+        self.context += 1
+
+
+@dataclass
+class HostKVCounters:
+    """Totals over the steps that attended host KV (token-steps: a token counts once per step that reads it)."""
+
+    steps: int = 0
+    cpu_tokens: int = 0
+    streamed_tokens: int = 0
+    device_tokens: int = 0
+    added_s: float = 0.0  # what the host KV added to the attention phases, over the whole replay
+    peak_host_blocks_used: int = 0
+
+    def as_dict(self, stepper: SplitStepper) -> dict[str, object]:
+        host = self.cpu_tokens + self.streamed_tokens
+        return {**dataclasses.asdict(self), "cpu_share": self.cpu_tokens / host if host else 0.0,
+                "policy": stepper.name, "correction_factor": stepper.correction_factor,
+                "probes": stepper.num_probes}
+
+
+class HostKV:
+    """The host tier's ids and the per-step charge (module docstring)."""
+
+    def __init__(self, attention: AttentionCostModel, policy: str, *, first_host_id: int, num_host_blocks: int,
+                 block_size: int, fixed_ratio: float = 0.5, cpu_slowdown: float = 1.0) -> None:
+        self.attention, self.block_size, self.cpu_slowdown = attention, block_size, cpu_slowdown
+        self.first_host_id, self.num_host_blocks = first_host_id, num_host_blocks
+        self.stepper = SplitStepper(policy, self._costs, attention.block_bytes, fixed_ratio)
+        self.counters = HostKVCounters()
+        self._base_costs: dict[int, list[float]] = {}
+        self._flags: dict[str, tuple[list[int], list[bool]]] = {}  # request id -> (its block list, their flags)
+        assert [f.name for f in dataclasses.fields(SplitCosts)][6] == "gpu_fixed_s"
+
+    @property
+    def host_block_ids(self) -> range:
+        return range(self.first_host_id, self.first_host_id + self.num_host_blocks)
+
+    def _costs(self, device_tokens: int, num_queries: int) -> SplitCosts:
+        """``split_coefficients``, of which only g depends on the device-resident tokens: the rest is kept per
+        query count (a replay plans hundreds of thousands of steps)."""
+        base = self._base_costs.get(num_queries)
+        if base is None:
+            c = split_coefficients(self.attention, 0, num_queries)
+            base = self._base_costs[num_queries] = [getattr(c, f.name) for f in dataclasses.fields(c)]
+        base[6] = gpu_fixed_s(self.attention, device_tokens, num_queries)  # g, in SplitCosts' field order
+        return SplitCosts(*base)
+
+    def seqs(self, kv: KVCacheManager, contexts: list[tuple[str, int]]) -> list[SeqKV]:
+        """The step's running requests' KV by residency, from (request id, context after the step). A request's
+        block list is one list that only grows while the request holds it (``KVCacheManager``; a preempted
+        request gets a new one), so its flags are extended, not rebuilt: agent contexts hold thousands of blocks.
+        Only the requests of this step are remembered."""
+        first, known, out = self.first_host_id, self._flags, []
+        self._flags = {}
+        for request_id, context in contexts:
+            blocks = kv.get_blocks(request_id)
+            cached = known.get(request_id)
+            flags = cached[1] if cached is not None and cached[0] is blocks else []
+            flags.extend(b >= first for b in blocks[len(flags):])
+            self._flags[request_id] = (blocks, flags)
+            out.append(SeqKV.of(flags, context, self.block_size))
+        return out
+
+    def charge(self, seqs: list[SeqKV], num_queries: int) -> float:
+        """Seconds the host KV adds to a step beyond attending the device-resident KV (0 when none is used)."""
+        if not any(s.host_blocks for s in seqs):
+            return 0.0
+        residency = [SeqResidency(i, s.device_blocks, s.host_blocks) for i, s in enumerate(seqs)]
+        device_tokens = sum(s.device_tokens for s in seqs)
+        plan = self.stepper.plan(residency, device_tokens, num_queries)
+        bs = self.block_size
+        tokens = []
+        for s, split in zip(seqs, plan.splits):
+            cpu = min(s.host_tokens, split.num_cpu_blocks * bs)
+            tokens.append(SeqTokens(s.device_tokens, cpu, s.host_tokens - cpu))
+        phase = attention_phase(self.attention, tokens, num_queries, self.cpu_slowdown)
+        self.stepper.observe(plan, phase.cpu_s)
+        added = max(0.0, phase.total_s - gpu_fixed_s(self.attention, device_tokens, num_queries))
+        c = self.counters
+        c.steps += 1
+        c.cpu_tokens += sum(t.cpu_tokens for t in tokens)
+        c.streamed_tokens += sum(t.streamed_tokens for t in tokens)
+        c.device_tokens += device_tokens
+        c.added_s += added
+        c.peak_host_blocks_used = max(c.peak_host_blocks_used, sum(s.host_blocks for s in seqs))
+        return added

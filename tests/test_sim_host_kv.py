@@ -1,0 +1,144 @@
+"""A host KV tier in replay (sim.host_kv): the engine's two-tier pool and split policies, charged by perf.offload."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from moetide.core.splits import BASELINES, SPLIT_POLICIES
+from moetide.errors import UserError
+from moetide.sim.host_kv import SeqKV
+from moetide.sim.setup import ReplayConfig, build_replay, ring_blocks, run_replay
+from moetide.workloads import generate_agent_sessions
+
+TIGHT = dict(model="qwen3-30b-a3b", gpu="h100", kv_budget_gib=2.0)  # preempts and evicts on these sessions
+
+
+def sessions():
+    return generate_agent_sessions(3, num_sessions=6)
+
+
+def test_seq_kv_counts_tokens_by_residency_and_grows():
+    # blocks of 4: device, device, host, host(partial: 2 of 4 used), then a held host block not yet used
+    s = SeqKV.of([False, False, True, True, True], 14, 4)
+    assert (s.device_blocks, s.host_blocks, s.host_tokens, s.device_tokens) == (2, 2, 6, 8)
+    s.grow(4)
+    s.grow(4)  # fills the fourth block
+    assert (s.device_blocks, s.host_blocks, s.host_tokens, s.context) == (2, 2, 8, 16)
+    s.grow(4)  # into the fifth block
+    assert (s.host_blocks, s.host_tokens) == (3, 9)
+    d = SeqKV.of([True, False], 6, 4)  # a host block, then a partial device block (placement is not sticky)
+    assert (d.device_blocks, d.host_blocks, d.host_tokens, d.device_tokens) == (1, 1, 4, 2)
+    d.grow(4)
+    assert (d.host_tokens, d.device_tokens) == (4, 3)
+
+
+def test_a_host_tier_replaces_preemption_and_is_charged():
+    without, _ = run_replay(sessions(), ReplayConfig(**TIGHT))
+    with_host, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0))
+    m0, m1 = without["metrics"], with_host["metrics"]
+    assert m0["preemptions"] > 0 and m1["preemptions"] < m0["preemptions"]
+    assert m1["prefix_hit_rate"] > m0["prefix_hit_rate"] + 0.2  # prefixes kept on the host are hit there
+    assert m1["completed"] + m1["failed"] == sessions().num_requests
+    host = m1["host_kv"]
+    assert host["steps"] > 0 and host["cpu_tokens"] > 0 and host["added_s"] > 0 and host["policy"] == "writescope"
+    mem = with_host["config"]["memory"]
+    assert mem["device_kv_blocks"] == mem["num_blocks"] - mem["ring_blocks"] and mem["ring_blocks"] > 0
+    assert mem["host_kv_blocks"] == int(16 * 2**30 // mem["block_bytes"])
+    assert "host_kv" not in m0 and "host_kv_blocks" not in without["config"]["memory"]
+
+
+def test_the_pool_uses_device_blocks_first():
+    built = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0))
+    pool, host = built.replay.scheduler.kv.pool, built.host_kv
+    device = built.budget.num_blocks - ring_blocks(built.budget)
+    assert pool.num_blocks == device + host.num_host_blocks and pool.preferred_below == host.first_host_id
+    assert host.first_host_id > built.budget.num_blocks + built.expert_line.residency.config.num_layers
+    first = pool.allocate(device)
+    assert max(first) < device  # every device block before any host block
+    second = pool.allocate(3)
+    assert all(b >= host.first_host_id for b in second)
+    pool.free(first + second)
+
+
+@pytest.mark.parametrize("policy", ["writescope", "transfer-all", "cpu-all"])
+def test_fast_decode_runs_are_exact_with_a_host_tier(policy):
+    """The decode runs grow each sequence's residency step by step without the pool: every metric must be the
+    same as stepping one by one."""
+    results = []
+    for fast in (False, True):
+        built = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0, split_policy=policy))
+        built.replay.fast_forward = fast
+        metrics = built.replay.run()
+        built.replay.scheduler.kv.pool.check_invariants()
+        results.append((metrics.to_dict(), list(metrics.ttft), list(metrics.itl), built.host_kv.counters))
+    assert results[0] == results[1]
+
+
+def test_split_policies_on_the_same_schedule():
+    """All turns sent at once (open loop at t = 0): the schedule does not depend on step times, so every policy
+    sees the same steps, and writescope adds no more than the best baseline (its planner is the charged model
+    linearised: within 2%)."""
+    wl = sessions()
+    opened = replace(wl, mode="open", sessions=tuple(
+        replace(s, start_s=0.0, turns=tuple(replace(t, arrival_s=0.0) for t in s.turns)) for s in wl.sessions))
+    added, shares, steps = {}, {}, set()
+    for policy in SPLIT_POLICIES:
+        result, _ = run_replay(opened, ReplayConfig(**TIGHT, kv_host_gib=16.0, split_policy=policy))
+        host = result["metrics"]["host_kv"]
+        added[policy], shares[policy] = host["added_s"], host["cpu_share"]
+        steps.add((result["metrics"]["steps"], host["steps"], host["cpu_tokens"] + host["streamed_tokens"]))
+    assert len(steps) == 1  # one schedule
+    assert shares["transfer-all"] == 0 and shares["cpu-all"] == 1 and 0 < shares["fixed-ratio"] < 1
+    assert added["writescope"] <= 1.02 * min(added[b] for b in BASELINES)
+    assert added["transfer-all"] > 1.5 * added["writescope"]
+
+
+def test_a_slower_cpu_is_learned_by_writescope_only():
+    results = {}
+    for policy in ("writescope", "cpu-all"):
+        for slowdown in (1.0, 3.0):
+            result, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0, split_policy=policy,
+                                                            cpu_slowdown=slowdown))
+            results[policy, slowdown] = result["metrics"]["host_kv"]
+    assert results["writescope", 1.0]["correction_factor"] == pytest.approx(1.0, rel=1e-9)
+    assert results["writescope", 3.0]["correction_factor"] == pytest.approx(3.0, rel=0.01)
+    assert results["writescope", 3.0]["cpu_share"] < results["writescope", 1.0]["cpu_share"]
+    assert results["cpu-all", 3.0]["cpu_share"] == 1 and results["cpu-all", 3.0]["correction_factor"] == 1.0
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(kv_host_gib=-1.0), "--kv-host-gib must be"),
+    (dict(kv_host_gib=8.0, tp=2), "use --tp 1"),
+    (dict(kv_host_gib=8.0, policy="vamp"), "not modeled yet"),
+    (dict(split_policy="half"), "--split-policy must be one of"),
+    (dict(split_fixed_ratio=1.5), "--fixed-ratio must be in"),
+    (dict(cpu_slowdown=0.0), "--cpu-slowdown must be"),
+])
+def test_bad_host_kv_settings_are_one_line_errors(options, message):
+    with pytest.raises(UserError, match=message):
+        ReplayConfig(**{**TIGHT, **options})
+
+
+def test_a_host_tier_larger_than_the_host_is_refused():
+    with pytest.raises(UserError, match="exceeds the host's DRAM"):
+        build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=1e6))
+
+
+def test_replay_cli_with_a_host_tier(capsys, tmp_path):
+    from moetide.cli import main
+
+    trace = tmp_path / "t.jsonl"  # six 4k-token prompts at once: 24k tokens against ~8k of device KV
+    trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 4000 + i, "output_length": 20,
+                                         "hash_ids": [100 * i + j for j in range(8)]}) + "\n" for i in range(6)))
+    out = tmp_path / "r.json"
+    assert main(["replay", str(trace), "--model", "qwen3-30b-a3b", "--gpu", "h100", "--kv-budget-gib", "1",
+                 "--kv-host-gib", "4", "--split-policy", "fixed-ratio", "--fixed-ratio", "0.25",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "host KV tier" in text and "CPU share 0.2" in text and "(fixed-ratio)" in text
+    result = json.loads(out.read_text())
+    assert result["config"]["split_policy"] == "fixed-ratio" and result["metrics"]["host_kv"]["steps"] > 0
+    assert result["metrics"]["preemptions"] == 0 and result["metrics"]["completed"] == 6

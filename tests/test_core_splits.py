@@ -294,8 +294,10 @@ def test_probe_split_size_and_when_it_happens():
     assert [s.num_cpu_blocks for s in probe_split(costs(cpu_fixed_s=0, cpu_per_seq_s=0), seqs, BLOCK)] == [0, 1, 0]
     slow = costs(cpu_fixed_s=1.0)  # the CPU never worth it
     planner = SplitPlanner(probe_every=3)
+    assert not any(planner.plan(slow, seqs, BLOCK).probe for _ in range(8))  # k = 1: nothing to learn
+    planner.correction.factor = 1.5  # a CPU judged slower than its model
     probes = [planner.plan(slow, seqs, BLOCK).probe for _ in range(8)]
-    assert probes == [False, False, False, True, False, False, False, True] and planner.num_probes == 2
+    assert probes == [True, False, False, False, True, False, False, False] and planner.num_probes == 2
     no_host = seqs_of(0, 0)
     assert not any(planner.plan(slow, no_host, BLOCK).probe for _ in range(10))  # nothing to probe with
     busy = SplitPlanner(probe_every=1)

@@ -189,19 +189,23 @@ def test_spilled_kv_matches_transformers_under_every_split_policy(arch, policy, 
 
 
 def test_writescope_probes_a_cpu_it_gives_no_work(tiny_checkpoint, hf_reference):
-    """Costs that make the CPU never worth it (a 1 s fixed cost per step): writescope streams everything, except
-    that every 17th plan without CPU work is a probe. The probes' measured CPU time (far below the 1 s predicted)
-    pulls the correction factor down, and the output still matches transformers."""
+    """A CPU judged 4x slower than its model (k = 4) with costs that never make it worth any work (a 10 ms fixed
+    cost against microseconds of streaming): writescope streams everything, except that every 17th plan without
+    CPU work is a probe. Each probe's measured CPU time (far below the 10 ms predicted) takes k by 0.7 toward ~0,
+    and the output still matches transformers."""
     def slow_cpu(device_tokens: int, num_queries: int) -> SplitCosts:
-        return SplitCosts(cpu_s_per_byte=1e-9, cpu_fixed_s=1.0, cpu_per_seq_s=0.0, stream_s_per_byte=1e-9,
+        return SplitCosts(cpu_s_per_byte=1e-9, cpu_fixed_s=0.01, cpu_per_seq_s=0.0, stream_s_per_byte=1e-9,
                           stream_fixed_s=0.0, stream_per_seq_s=0.0, gpu_fixed_s=0.0, merge_per_seq_s=0.0)
 
-    engine, result = run_spilled(tiny_checkpoint("qwen3_moe"), "writescope", split_costs=slow_cpu)
+    engine = Engine(tiny_checkpoint("qwen3_moe"), split_policy="writescope", split_costs=slow_cpu, **SPILL)
+    planner = engine.parts.attention.stepper.planner
+    planner.correction.factor = 4.0
+    result = engine.generate(parity_prompts(), MAX_TOKENS)
     assert [o.token_ids for o in result.outputs] == hf_reference("qwen3_moe")
-    split, planner = result.stats.split, engine.parts.attention.stepper.planner
-    assert split["probes"] == planner.num_probes >= split["steps"] // 17 - 1 >= 2
+    split = result.stats.split
+    assert split["probes"] == planner.num_probes >= 2
     assert 0 < split["cpu_blocks"] < split["streamed_blocks"] and split["cpu_s"] > 0
-    assert planner.correction.num_samples == split["probes"] and split["correction_factor"] < 1.0
+    assert planner.correction.num_samples == split["probes"] and split["correction_factor"] < 0.7 ** 2 * 4 + 0.3
     check_books(engine)
 
 

@@ -35,8 +35,8 @@ request-split would pick is a candidate too, so writescope never loses to a base
 In a chunked-prefill step of Q queries the caller's a, p_c and m grow with Q (CPU FLOPs per byte, query and
 partial-output traffic) while b does not (each streamed byte serves all Q queries), so the CPU share falls, and is
 exactly 0 once the CPU's fixed costs exceed what it could take off the streaming side.
-A CPU that gets no work is never measured, so ``SplitPlanner`` probes it: after ``probe_every`` plans in a row
-that give the CPU nothing, one plan puts a few blocks on it (``probe_split``), so a recovered CPU is noticed.
+A CPU that gets no work is never measured, so ``SplitPlanner`` probes one judged slow: after ``probe_every`` plans
+in a row that give it nothing, one plan puts a few blocks on it (``probe_split``), so a recovered CPU is noticed.
 """
 
 from __future__ import annotations
@@ -412,6 +412,7 @@ class StepSplit:
 
 
 DEFAULT_PROBE_EVERY = 16  # stated in docs/writescope.md: a recovered CPU is probed at least every 17th step
+PROBE_ABOVE_FACTOR = 1.1  # only a CPU judged >10% slower than its model is probed (the others get work anyway)
 
 
 def probe_split(costs: SplitCosts, seqs: Sequence[SeqResidency], block_bytes: float) -> tuple[SeqSplit, ...]:
@@ -430,9 +431,11 @@ class SplitPlanner:
     """Writescope each step, with the CPU side scaled by the online correction; ``observe`` closes the loop.
 
     A CPU judged slow gets no work, and a step without CPU work teaches the correction nothing, so a CPU that
-    recovers would never be noticed. After ``probe_every`` consecutive plans that leave host KV but give the CPU
-    nothing, the next plan is a probe (``probe_split``): a few blocks on the CPU, measured like any step. It costs
-    little while the streaming side is the longer one, which is why the CPU got nothing. ``probe_every=0``
+    recovers would never be noticed. While the factor says the CPU is slower than its model (k >
+    ``PROBE_ABOVE_FACTOR``), after ``probe_every`` consecutive plans that leave host KV but give the CPU nothing,
+    the next plan is a probe (``probe_split``): a few blocks on the CPU, measured like any step. It costs little
+    while the streaming side is the longer one, which is why the CPU got nothing. A CPU at or under its model that
+    gets nothing (a prefill chunk's step, where streaming wins at any CPU speed) is not probed. ``probe_every=0``
     disables probing."""
 
     def __init__(self, correction: OnlineCorrection | None = None, *,
@@ -449,7 +452,7 @@ class SplitPlanner:
             self._idle = 0
             return StepSplit.of(costs, seqs, splits, block_bytes, factor)
         self._idle += 1
-        if not self.probe_every or self._idle <= self.probe_every:
+        if not self.probe_every or self._idle <= self.probe_every or factor <= PROBE_ABOVE_FACTOR:
             return StepSplit.of(costs, seqs, splits, block_bytes, factor)
         self._idle, self.num_probes = 0, self.num_probes + 1
         step = StepSplit.of(costs, seqs, probe_split(costs, seqs, block_bytes), block_bytes, factor)

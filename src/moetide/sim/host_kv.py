@@ -126,15 +126,18 @@ class HostKV:
         return out
 
     def charge(self, seqs: list[SeqKV], num_queries: int) -> float:
-        """Seconds the host KV adds to a step beyond attending the device-resident KV (0 when none is used)."""
-        if not any(s.host_blocks for s in seqs):
+        """Seconds the host KV adds to a step beyond attending the device-resident KV (0 when none is used). Only
+        the sequences holding host blocks go to the policy: the others would get no CPU and no streamed block
+        under every policy, so the split is the same as over the whole batch, for less work per step."""
+        spilled = [s for s in seqs if s.host_blocks]
+        if not spilled:
             return 0.0
-        residency = [SeqResidency(i, s.device_blocks, s.host_blocks) for i, s in enumerate(seqs)]
         device_tokens = sum(s.device_tokens for s in seqs)
+        residency = [SeqResidency(i, s.device_blocks, s.host_blocks) for i, s in enumerate(spilled)]
         plan = self.stepper.plan(residency, device_tokens, num_queries)
         bs = self.block_size
-        tokens = []
-        for s, split in zip(seqs, plan.splits):
+        tokens = [SeqTokens(device_tokens - sum(s.device_tokens for s in spilled), 0, 0)]  # the others, together
+        for s, split in zip(spilled, plan.splits):
             cpu = min(s.host_tokens, split.num_cpu_blocks * bs)
             tokens.append(SeqTokens(s.device_tokens, cpu, s.host_tokens - cpu))
         phase = attention_phase(self.attention, tokens, num_queries, self.cpu_slowdown)
@@ -146,5 +149,5 @@ class HostKV:
         c.streamed_tokens += sum(t.streamed_tokens for t in tokens)
         c.device_tokens += device_tokens
         c.added_s += added
-        c.peak_host_blocks_used = max(c.peak_host_blocks_used, sum(s.host_blocks for s in seqs))
+        c.peak_host_blocks_used = max(c.peak_host_blocks_used, sum(s.host_blocks for s in spilled))
         return added

@@ -142,3 +142,14 @@ def test_replay_cli_with_a_host_tier(capsys, tmp_path):
     result = json.loads(out.read_text())
     assert result["config"]["split_policy"] == "fixed-ratio" and result["metrics"]["host_kv"]["steps"] > 0
     assert result["metrics"]["preemptions"] == 0 and result["metrics"]["completed"] == 6
+
+
+def test_compare_refuses_a_bad_policy_before_any_replay(capsys, monkeypatch):
+    """--kv-host-gib with vamp among the policies: one error line before the first replay runs, not after."""
+    from moetide.cli import main
+    from moetide.commands import compare, sweep  # noqa: F401 (imported before the patch: sweep binds the name)
+
+    ran = []
+    monkeypatch.setattr(compare, "replay_with_metrics", lambda *a: ran.append(a) or ({}, None))
+    assert main(["compare", "--kv-host-gib", "4", "--policies", "vllm,vamp"]) == 2
+    assert "not modeled yet" in capsys.readouterr().err and not ran

@@ -88,10 +88,11 @@ def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or len(set(policies)) != len(policies):
         raise UserError(f"--policies needs distinct comma-separated names, got {args.policies!r}")
+    configs = {policy: config_from(args, policy) for policy in policies}  # every bad setting before any replay
     workload = load(args)
     runs, collectors = {}, {}
     for policy in policies:
-        runs[policy], collectors[policy] = replay_with_metrics(workload, config_from(args, policy), f"replay {policy}")
+        runs[policy], collectors[policy] = replay_with_metrics(workload, configs[policy], f"replay {policy}")
     first = runs[policies[0]]["config"]
     print(f"{first['workload']['name']}: {first['workload']['requests']:,} requests | {first['model']} on "
           f"{first['tp']} x {first['gpu']} | {first['memory']['num_blocks']:,} KV blocks per GPU at start | "

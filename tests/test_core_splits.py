@@ -8,23 +8,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moetide.core.split_planner import CorrectionConfig, OnlineCorrection, SplitPlanner, probe_split
 from moetide.core.splits import (
     SPLIT_POLICIES,
     BlockPlacement,
-    CorrectionConfig,
     FixedRatio,
-    OnlineCorrection,
     Region,
     Residency,
     SeqResidency,
     SeqSplit,
     SplitCosts,
-    SplitPlanner,
     _fill,
     cpu_side_s,
     optimal_cpu_blocks,
     phase_time_s,
-    probe_split,
 )
 
 D, H = Residency.DEVICE, Residency.HOST

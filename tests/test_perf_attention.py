@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
+from moetide.core.split_planner import SplitPlanner
 from moetide.core.splits import (
     SPLIT_POLICIES,
     SeqResidency,
     SplitCosts,
-    SplitPlanner,
     optimal_cpu_blocks,
     phase_time_s,
 )

@@ -15,13 +15,13 @@ import json
 import math
 import re
 
+from moetide.core.split_planner import SplitPlanner
 from moetide.core.splits import (
     BASELINES,
     SPLIT_POLICIES,
     BlockPlacement,
     FixedRatio,
     SplitCosts,
-    SplitPlanner,
     SplitPolicy,
 )
 from moetide.errors import UserError

@@ -7,10 +7,11 @@ registry) and the online correction; ``perf`` owns the costs. This module only w
   plan-split`` optimises — for the checkpoint's ``ModelSpec`` (its config.json), a GPU preset or file and a host
   preset or file; a calibrated host file (``moetide calibrate``) also supplies its fitted ``[offload_efficiency]``.
   Any callable ``(device_tokens, num_queries) -> SplitCosts`` can stand in for it (tests pin the split that way).
-* ``SplitStepper`` (``core.splits``', which the replay runs too) asks the named policy for each step's
-  ``SeqSplit``s. For ``writescope`` that is ``core.splits.SplitPlanner``: the optimum of T(X) with the CPU side scaled by the correction factor k, and
-  ``observe`` feeds back the *measured* CPU time of the step (the worker thread's time in the CPU partials, summed
-  over layers) against the uncorrected prediction. The baselines are static: factor 1, nothing observed.
+* ``SplitStepper`` (``core.split_planner``', which the replay runs too) asks the named policy for each step's
+  ``SeqSplit``s. For ``writescope`` that is ``core.split_planner.SplitPlanner``: the optimum of T(X) with the CPU side
+  scaled by the correction factor k, and ``observe`` feeds back the *measured* CPU time of the step (the worker
+  thread's time in the CPU partials, summed over layers) against the uncorrected prediction. The baselines are
+  static: factor 1, nothing observed.
 * ``SplitCounters`` are what the engine reports: blocks and tokens per region, measured and predicted CPU time.
 
 On a machine without an accelerator the "device" is the CPU too, so the costs (a GPU's) do not describe the
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moetide.core.splits import SplitCosts, SplitPolicy
-from moetide.core.splits import SplitStepper as CoreSplitStepper
+from moetide.core.split_planner import SplitStepper as CoreSplitStepper
 from moetide.errors import UserError
 
 SplitCostSource = Callable[[int, int], SplitCosts]  # (device-resident tokens, queries per sequence) -> costs
@@ -81,7 +82,7 @@ class SplitCounters:
 
 
 class SplitStepper(CoreSplitStepper):
-    """``core.splits.SplitStepper`` (the replay runs the same one), with bad options as ``UserError``s."""
+    """``core.split_planner.SplitStepper`` (the replay runs the same one), with bad options as ``UserError``s."""
 
     def __init__(self, policy: str | SplitPolicy, costs: SplitCostSource, block_bytes: int,
                  fixed_ratio: float = 0.5) -> None:

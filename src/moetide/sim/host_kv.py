@@ -6,7 +6,7 @@ With ``--kv-host-gib G`` the replay's pool gets a host tier, built as the engine
 part is exhausted (``core.blocks``, "Two tiers"). A request that would have been preempted for want of KV now
 gets host blocks instead; prefix hits on host blocks are used where they lie.
 
-Each step, the named split policy (``core.splits.SplitStepper``: the engine's, with the same costs from
+Each step, the named split policy (``core.split_planner.SplitStepper``: the engine's, with the same costs from
 ``perf.offload.split_coefficients``) splits every sequence's host blocks between the CPU (attended in place) and
 the stream (copied into the staging ring). The step is charged as the engine's would be on the modeled machine:
 the roofline step over the device-resident KV, plus what the host KV adds to the attention phase, which is
@@ -25,7 +25,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from moetide.core.kv_manager import KVCacheManager
-from moetide.core.splits import SeqResidency, SplitCosts, SplitStepper
+from moetide.core.split_planner import SplitStepper
+from moetide.core.splits import SeqResidency, SplitCosts
 from moetide.perf.attention import AttentionCostModel
 from moetide.perf.offload import SeqTokens, attention_phase, gpu_fixed_s, split_coefficients
 

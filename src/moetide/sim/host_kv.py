@@ -43,13 +43,16 @@ class SeqKV:
     host_tokens: int = 0
 
     @classmethod
-    def of(cls, flags: list[bool], context: int, block_size: int) -> SeqKV:
-        used = flags[: -(-context // block_size)]
-        host_blocks = sum(used)
+    def of(cls, flags: list[bool], context: int, block_size: int, num_host: int | None = None) -> SeqKV:
+        """``num_host``: how many of ``flags`` are True, when the caller keeps that count (else it is summed)."""
+        used = -(-context // block_size)
+        if num_host is None:
+            num_host = sum(flags)
+        host_blocks = num_host - sum(flags[used:])  # the held blocks past the context are few
         host_tokens = host_blocks * block_size
-        if used and used[-1]:  # the last used block is the only partial one
-            host_tokens -= len(used) * block_size - context
-        return cls(flags, context, len(used) - host_blocks, host_blocks, host_tokens)
+        if used and flags[used - 1]:  # the last used block is the only partial one
+            host_tokens -= used * block_size - context
+        return cls(flags, context, used - host_blocks, host_blocks, host_tokens)
 
     @property
     def device_tokens(self) -> int:
@@ -93,7 +96,8 @@ class HostKV:
         self.stepper = SplitStepper(policy, self._costs, attention.block_bytes, fixed_ratio)
         self.counters = HostKVCounters()
         self._base_costs: dict[int, list[float]] = {}
-        self._flags: dict[str, tuple[list[int], list[bool]]] = {}  # request id -> (its block list, their flags)
+        # request id -> (its block list, their flags, how many are host blocks)
+        self._flags: dict[str, tuple[list[int], list[bool], int]] = {}
         assert [f.name for f in dataclasses.fields(SplitCosts)][6] == "gpu_fixed_s"
 
     @property
@@ -120,35 +124,45 @@ class HostKV:
         for request_id, context in contexts:
             blocks = kv.get_blocks(request_id)
             cached = known.get(request_id)
-            flags = cached[1] if cached is not None and cached[0] is blocks else []
-            flags.extend(b >= first for b in blocks[len(flags):])
-            self._flags[request_id] = (blocks, flags)
-            out.append(SeqKV.of(flags, context, self.block_size))
+            flags, num_host = (cached[1], cached[2]) if cached is not None and cached[0] is blocks else ([], 0)
+            if len(flags) < len(blocks):
+                new = [b >= first for b in blocks[len(flags):]]
+                flags.extend(new)
+                num_host += sum(new)
+            self._flags[request_id] = (blocks, flags, num_host)
+            out.append(SeqKV.of(flags, context, self.block_size, num_host))
         return out
 
-    def charge(self, seqs: list[SeqKV], num_queries: int) -> float:
-        """Seconds the host KV adds to a step beyond attending the device-resident KV (0 when none is used). Only
-        the sequences holding host blocks go to the policy: the others would get no CPU and no streamed block
-        under every policy, so the split is the same as over the whole batch, for less work per step."""
-        spilled = [s for s in seqs if s.host_blocks]
+    def charge(self, seqs: list[SeqKV], num_queries: int) -> tuple[float, int]:
+        """(seconds the host KV adds to a step beyond attending the device-resident KV, host tokens attended); (0, 0)
+        when none is used. Only the sequences holding host blocks go to the policy: the others would get no CPU and
+        no streamed block under every policy, so the split is the same as over the whole batch, for less work."""
+        spilled, device_tokens = [], 0
+        for s in seqs:
+            device_tokens += s.context - s.host_tokens
+            if s.host_blocks:
+                spilled.append(s)
         if not spilled:
-            return 0.0
-        device_tokens = sum(s.device_tokens for s in seqs)
+            return 0.0, 0
         residency = [SeqResidency(i, s.device_blocks, s.host_blocks) for i, s in enumerate(spilled)]
         plan = self.stepper.plan(residency, device_tokens, num_queries)
         bs = self.block_size
-        tokens = [SeqTokens(device_tokens - sum(s.device_tokens for s in spilled), 0, 0)]  # the others, together
+        tokens = [SeqTokens(device_tokens, 0, 0)]  # every device-resident token: attention_phase sums them
+        cpu_tokens = host_tokens = host_blocks = 0
         for s, split in zip(spilled, plan.splits):
             cpu = min(s.host_tokens, split.num_cpu_blocks * bs)
-            tokens.append(SeqTokens(s.device_tokens, cpu, s.host_tokens - cpu))
+            tokens.append(SeqTokens(0, cpu, s.host_tokens - cpu))
+            cpu_tokens += cpu
+            host_tokens += s.host_tokens
+            host_blocks += s.host_blocks
         phase = attention_phase(self.attention, tokens, num_queries, self.cpu_slowdown)
         self.stepper.observe(plan, phase.cpu_s)
         added = max(0.0, phase.total_s - gpu_fixed_s(self.attention, device_tokens, num_queries))
         c = self.counters
         c.steps += 1
-        c.cpu_tokens += sum(t.cpu_tokens for t in tokens)
-        c.streamed_tokens += sum(t.streamed_tokens for t in tokens)
+        c.cpu_tokens += cpu_tokens
+        c.streamed_tokens += host_tokens - cpu_tokens
         c.device_tokens += device_tokens
         c.added_s += added
-        c.peak_host_blocks_used = max(c.peak_host_blocks_used, sum(s.host_blocks for s in spilled))
-        return added
+        c.peak_host_blocks_used = max(c.peak_host_blocks_used, host_blocks)
+        return added, host_tokens

@@ -120,10 +120,10 @@ class Replay:
         if self.host_kv is not None:
             seqs = self.host_kv.seqs(self.scheduler.kv, [(request.request_id, start + n) for (request, n), start
                                                          in zip(out.scheduled, out.num_computed_before)])
-            added = self.host_kv.charge(seqs, max(1, out.total_num_scheduled_tokens // len(seqs)))
+            added, host_tokens = self.host_kv.charge(seqs, max(1, out.total_num_scheduled_tokens // len(seqs)))
             # the roofline step attends the device-resident KV only (each query against the host tokens is charged
             # in ``added``; a chunk whose own tokens went to host blocks is counted as if they preceded it)
-            kv_read -= sum(s.host_tokens for s in seqs)
+            kv_read -= host_tokens
             pairs -= sum(n * s.host_tokens for (_, n), s in zip(out.scheduled, seqs))
         duration = self.step_time_s(out.total_num_scheduled_tokens, len(out.scheduled), num_decode, kv_read,
                                     max(pairs, 0)) + added
@@ -159,8 +159,8 @@ class Replay:
             if seqs:  # the split and the device-resident KV change as the sequences grow (no block is allocated)
                 for s in seqs if k else ():
                     s.grow(bs)
-                added = host_kv.charge(seqs, 1)
-                device = kv_read - sum(s.host_tokens for s in seqs)
+                added, host_tokens = host_kv.charge(seqs, 1)
+                device = kv_read - host_tokens
                 duration = step_time_s(num_seqs, num_seqs, num_seqs, device, device) + added
             else:
                 duration = step_time_s(num_seqs, num_seqs, num_seqs, kv_read, kv_read)

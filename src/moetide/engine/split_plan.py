@@ -75,7 +75,7 @@ class SplitCounters:
     cpu_s: float = 0.0  # measured: the worker thread's time in CPU partials, all layers
     predicted_cpu_s: float = 0.0  # the uncorrected model's CPU time for the same work
     correction_factor: float = 1.0  # writescope's k at the end
-    probes: int = 0  # writescope's probe steps: a few blocks on a CPU that got no work (core.splits)
+    probes: int = 0  # writescope's probe steps: a few blocks on a CPU judged slow that got no work (split_planner)
 
     def as_dict(self) -> dict[str, float | int]:
         return dataclasses.asdict(self)

@@ -153,3 +153,17 @@ def test_compare_refuses_a_bad_policy_before_any_replay(capsys, monkeypatch):
     monkeypatch.setattr(compare, "replay_with_metrics", lambda *a: ran.append(a) or ({}, None))
     assert main(["compare", "--kv-host-gib", "4", "--policies", "vllm,vamp"]) == 2
     assert "not modeled yet" in capsys.readouterr().err and not ran
+
+
+def test_the_replay_prices_a_step_as_the_engine_does():
+    """The replay caches the coefficients that do not depend on the device-resident tokens: its costs must equal
+    ``split_coefficients``' (what the engine's ``PerfSplitCosts`` passes the same stepper), in any call order."""
+    import dataclasses
+
+    from moetide.core.splits import SplitCosts
+    from moetide.perf.offload import split_coefficients
+
+    host = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0)).host_kv
+    for device_tokens, num_queries in [(0, 1), (5000, 1), (123, 64), (10**6, 1), (7, 64), (0, 8192)]:
+        expected = SplitCosts(**dataclasses.asdict(split_coefficients(host.attention, device_tokens, num_queries)))
+        assert host._costs(device_tokens, num_queries) == expected

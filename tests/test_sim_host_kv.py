@@ -55,7 +55,12 @@ def test_the_pool_uses_device_blocks_first():
     pool, host = built.replay.scheduler.kv.pool, built.host_kv
     device = built.budget.num_blocks - ring_blocks(built.budget)
     assert pool.num_blocks == device + host.num_host_blocks and pool.preferred_below == host.first_host_id
-    assert host.first_host_id > built.budget.num_blocks + built.expert_line.residency.config.num_layers
+    from moetide.perf import weights_per_gpu
+    from moetide.specs import get_model
+
+    routed = weights_per_gpu(get_model("qwen3-30b-a3b")).routed_expert_bytes
+    line_ids = -(-routed // built.expert_line.block_bytes)  # every expert offloaded: the line's most ids
+    assert host.first_host_id > built.budget.num_blocks + line_ids  # above any id the expert line can hand out
     first = pool.allocate(device)
     assert max(first) < device  # every device block before any host block
     second = pool.allocate(3)
@@ -116,6 +121,7 @@ def test_a_slower_cpu_is_learned_by_writescope_only():
     (dict(split_policy="half"), "--split-policy must be one of"),
     (dict(split_fixed_ratio=1.5), "--fixed-ratio must be in"),
     (dict(cpu_slowdown=0.0), "--cpu-slowdown must be"),
+    (dict(kv_host_gib=8.0, cold_experts="cpu"), "not modeled; use --cold-experts fetch"),
 ])
 def test_bad_host_kv_settings_are_one_line_errors(options, message):
     with pytest.raises(UserError, match=message):

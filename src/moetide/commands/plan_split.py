@@ -172,7 +172,7 @@ def _charge(setup: Setup, splits, context: int, slowdown: float):
 
 def _writescope(setup: Setup, costs: SplitCosts, seqs: list, context: int) -> tuple:
     """Run the online loop: plan, charge with the true CPU slowdown, feed the measured CPU time back."""
-    planner, slowdown = SplitPlanner(), setup.args.cpu_slowdown
+    planner, slowdown = SplitPlanner(probe_every=0), setup.args.cpu_slowdown  # report the optimum, not a probe
     plan = planner.plan(costs, seqs, setup.attention.block_bytes)
     for _ in range(setup.args.feedback_steps if slowdown != 1.0 else 0):
         planner.observe(plan, _charge(setup, plan.splits, context, slowdown).cpu_s)

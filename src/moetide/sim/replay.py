@@ -124,9 +124,10 @@ class Replay:
             # the roofline step attends the device-resident KV only (each query against the host tokens is charged
             # in ``added``; a chunk whose own tokens went to host blocks is counted as if they preceded it)
             kv_read -= host_tokens
-            pairs -= sum(n * s.host_tokens for (_, n), s in zip(out.scheduled, seqs))
+            pairs = sum(max(0, n * start + n * (n + 1) // 2 - n * s.host_tokens)  # per sequence, then summed
+                        for ((_, n), start), s in zip(zip(out.scheduled, out.num_computed_before), seqs))
         duration = self.step_time_s(out.total_num_scheduled_tokens, len(out.scheduled), num_decode, kv_read,
-                                    max(pairs, 0)) + added
+                                    pairs) + added
         self.now_s += duration
         emitted, finished = self.scheduler.update(out, None, self.now_s)
         self.metrics.tokens(emitted, self.now_s)

@@ -110,6 +110,9 @@ class ReplayConfig:
             return
         if self.tp != 1:
             raise UserError("--kv-host-gib models one GPU beside one host socket: use --tp 1")
+        if self.cold_experts == CPU:
+            raise UserError("--kv-host-gib with --cold-experts cpu: one socket attending KV and computing experts "
+                            "is not modeled; use --cold-experts fetch")
         if self.policy.lower() in NEEDS_VAMP_PARAMS:
             raise UserError(f"--kv-host-gib with --policy {self.policy}: a moving expert line beside a host KV tier "
                             "is not modeled yet (docs/writescope.md, Replay); use vllm or static-offload")

@@ -32,8 +32,10 @@ How it differs from vLLM's pool, and why:
   requests finish, rather than waiting for a moment when every one of its blocks happens to be free.
 * **Two tiers, optionally.** With ``preferred_below`` set, every uncached free block with an id below it is
   allocated before any other: such a block enters the *head* of the uncached queue instead of its tail. The engine
-  numbers its device blocks below its host blocks, so device KV is used first and host KV only once the device
-  part is exhausted (WriteScope's device-first placement, ``core.splits``). Unset, nothing changes.
+  numbers its device blocks below its host blocks, so device KV is used first and host KV only once no uncached
+  device block is free (WriteScope's device-first placement, ``core.splits``). A free device block holding a cached
+  prefix is not evicted for it: as everywhere here, eviction is the policy's call, never allocation's, so new KV
+  spills to the host while old prefixes stay hittable in HBM. Unset, nothing changes.
 
 Atomicity: ``allocate`` either returns all the blocks asked for or returns ``None`` and changes nothing — there is
 no separate "can I?" call whose answer could be stale by the time of "do it".

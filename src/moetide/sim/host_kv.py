@@ -2,9 +2,10 @@
 
 With ``--kv-host-gib G`` the replay's pool gets a host tier, built as the engine builds its own
 (``engine.host_kv``): host block ids come after every id the device can ever use, and the pool is made with
-``preferred_below=`` the first of them, so device blocks are allocated first and host blocks only once the device
-part is exhausted (``core.blocks``, "Two tiers"). A request that would have been preempted for want of KV now
-gets host blocks instead; prefix hits on host blocks are used where they lie.
+``preferred_below=`` the first of them, so device blocks are allocated first and host blocks only once no
+uncached device block is free (``core.blocks``, "Two tiers": a device block holding a cached prefix is not evicted
+for new KV, which spills instead). A request that would have been preempted for want of KV now gets host blocks
+instead; prefix hits on host blocks are used where they lie.
 
 Each step, the named split policy (``core.split_planner.SplitStepper``: the engine's, with the same costs from
 ``perf.offload.split_coefficients``) splits every sequence's host blocks between the CPU (attended in place) and

@@ -280,3 +280,24 @@ def test_undrain_puts_drained_blocks_back_as_uncached_free():
     pool.check_invariants()
     with pytest.raises(ValueError, match="does not own"):
         pool.drain([7])
+
+
+def test_evict_preferred_takes_the_oldest_device_prefixes_only():
+    """A two-tier pool (ids below 10: device): evict_preferred uncaches least recently used device blocks, with
+    their descendants of either tier, never a host block on its own and never a protected one."""
+    pool = BlockPool([*range(4), *range(10, 16)], preferred_below=10)
+    a = pool.allocate(3)  # device 0, 1, 2: a chain
+    for i, b in enumerate(a):
+        assert pool.cache_block(b, 100 + i, 100 + i - 1 if i else None)
+    h = pool.allocate(2)  # device 3, then host 10
+    assert h == [3, 10]
+    assert pool.cache_block(10, 200, None)
+    pool.free([10])  # the host block is freed first: the oldest cached-free block
+    pool.free(a[::-1])
+    assert pool.num_preferred_uncached(8) == 0 and pool.num_cached_free_blocks == 4
+    assert pool.evict_preferred(1, protect={0}) == [2]  # the oldest device leaf that is not protected
+    assert pool.block_hash(10) == 200 and pool.num_preferred_uncached(8) == 1  # the host block stays cached
+    assert pool.evict_preferred(5) == [1, 0]  # LRU order (1 was freed before 0); no other cached device block
+    assert pool.num_preferred_uncached(8) == 3 and pool.allocate(3) == [0, 1, 2]  # device blocks first
+    pool.check_invariants()
+    assert BlockPool(range(4)).evict_preferred(2) == []  # one tier: nothing to prefer

@@ -50,6 +50,18 @@ def test_a_host_tier_replaces_preemption_and_is_charged():
     assert "host_kv" not in m0 and "host_kv_blocks" not in without["config"]["memory"]
 
 
+def test_evicting_device_prefixes_first_keeps_running_kv_on_the_device():
+    """--device-prefixes evict: the least recently used cached device prefixes go before new KV spills, so less
+    KV is attended from the host; keep (the default) spills and keeps them."""
+    keep, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0))
+    evict, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0, device_prefixes="evict"))
+    k, e = keep["metrics"]["host_kv"], evict["metrics"]["host_kv"]
+    assert e["cpu_tokens"] + e["streamed_tokens"] < 0.98 * (k["cpu_tokens"] + k["streamed_tokens"])  # 4% here
+    assert e["device_tokens"] > 1.05 * k["device_tokens"] and e["added_s"] < k["added_s"]
+    built = build_replay(sessions(), ReplayConfig(**TIGHT, device_prefixes="evict"))  # no tier: nothing to prefer
+    assert not built.replay.scheduler.kv.evict_device_prefixes
+
+
 def test_the_pool_uses_device_blocks_first():
     built = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0))
     pool, host = built.replay.scheduler.kv.pool, built.host_kv
@@ -68,13 +80,15 @@ def test_the_pool_uses_device_blocks_first():
     pool.free(first + second)
 
 
-@pytest.mark.parametrize("policy", ["writescope", "transfer-all", "cpu-all"])
-def test_fast_decode_runs_are_exact_with_a_host_tier(policy):
+@pytest.mark.parametrize("policy,prefixes", [("writescope", "keep"), ("transfer-all", "keep"), ("cpu-all", "keep"),
+                                             ("writescope", "evict")])
+def test_fast_decode_runs_are_exact_with_a_host_tier(policy, prefixes):
     """The decode runs grow each sequence's residency step by step without the pool: every metric must be the
     same as stepping one by one."""
     results = []
     for fast in (False, True):
-        built = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0, split_policy=policy))
+        built = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0, split_policy=policy,
+                                                      device_prefixes=prefixes))
         built.replay.fast_forward = fast
         metrics = built.replay.run()
         built.replay.scheduler.kv.pool.check_invariants()
@@ -122,6 +136,7 @@ def test_a_slower_cpu_is_learned_by_writescope_only():
     (dict(split_fixed_ratio=1.5), "--fixed-ratio must be in"),
     (dict(cpu_slowdown=0.0), "--cpu-slowdown must be"),
     (dict(kv_host_gib=8.0, cold_experts="cpu"), "not modeled; use --cold-experts fetch"),
+    (dict(device_prefixes="drop"), "--device-prefixes must be one of"),
 ])
 def test_bad_host_kv_settings_are_one_line_errors(options, message):
     with pytest.raises(UserError, match=message):

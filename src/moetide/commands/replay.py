@@ -15,7 +15,7 @@ from moetide.perf.staging import COLD_EXPERT_MODES, STAGING_MODES
 from moetide.errors import UserError
 from moetide.report.progress import ProgressBar
 from moetide.report.tables import format_table
-from moetide.sim.setup import ReplayConfig, run_replay
+from moetide.sim.setup import DEVICE_PREFIXES, ReplayConfig, run_replay
 from moetide.workloads import generate_agent_sessions, load_workload
 from moetide.workloads.base import Workload
 
@@ -87,6 +87,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--cpu-slowdown", type=float, default=defaults.cpu_slowdown, metavar="X",
                         help="--kv-host-gib: the CPU attends X times slower than modeled (a busy host; writescope's "
                              "online correction learns it, the other policies do not) (default %(default)s)")
+    parser.add_argument("--device-prefixes", choices=list(DEVICE_PREFIXES), default=defaults.device_prefixes,
+                        help="--kv-host-gib: when no uncached device block is free, keep the cached prefixes in "
+                             "device blocks and spill new KV to the host, or evict the least recently used of them "
+                             "first (default %(default)s)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
                         help="vamp: seconds between reviews of the line, and the time constant of its measured "
                              "rates; staging is priced over the step mix of 10 of them (default %(default)s)")
@@ -136,7 +140,7 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         cold_experts=args.cold_experts, cpu=args.cpu, gpus_per_socket=args.gpus_per_socket,
         cpu_matmul_tflops=args.cpu_matmul_tflops,
         vamp_horizon_s=args.vamp_horizon_s, kv_host_gib=args.kv_host_gib, split_policy=args.split_policy,
-        split_fixed_ratio=args.fixed_ratio, cpu_slowdown=args.cpu_slowdown,
+        split_fixed_ratio=args.fixed_ratio, cpu_slowdown=args.cpu_slowdown, device_prefixes=args.device_prefixes,
     )
 
 

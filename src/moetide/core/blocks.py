@@ -287,6 +287,36 @@ class BlockPool:
                 self._uncache_chain(block_id, evicted)
         return evicted
 
+    def num_preferred_uncached(self, limit: int) -> int:
+        """Uncached free blocks below ``preferred_below``, counted up to ``limit`` (they head the queue)."""
+        bound, n = self.preferred_below, 0
+        if bound is None:
+            return 0
+        for block_id in self._uncached_free:
+            if n >= limit or block_id >= bound:
+                break
+            n += 1
+        return n
+
+    def evict_preferred(self, num_blocks: int, protect: Collection[int] = (), scan: int = 4096) -> list[int]:
+        """Uncache cached-free blocks below ``preferred_below`` (device blocks in a two-tier pool), least recently
+        used first, each with its registered descendants, until ``num_blocks`` of them are uncached or the ``scan``
+        oldest cached-free blocks are exhausted (a bound on the work: the queue mixes both tiers). ``protect`` as in
+        ``evict``. Returns every block that became uncached-free, of either tier."""
+        bound, cached_free, evicted = self.preferred_below, self._cached_free, []
+        if bound is None or num_blocks <= 0:
+            return evicted
+        victims = [b for b in islice(cached_free, scan) if b < bound and b not in protect]
+        got = 0
+        for block_id in victims:
+            if got >= num_blocks:
+                break
+            if block_id in cached_free:  # not uncached already by an earlier victim's cascade
+                start = len(evicted)
+                self._uncache_chain(block_id, evicted)
+                got += sum(1 for b in evicted[start:] if b < bound)
+        return evicted
+
     def _evict_from_head(self, num_blocks: int, evicted: list[int]) -> None:
         """Unprotected eviction from the LRU head: leaves (the common case) inline, others through the cascade."""
         cached_free, children, hash_of, block_of = self._cached_free, self._children, self._hash_of, self._block_of

@@ -32,7 +32,8 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Block tables of running requests, over one pool with one block size."""
 
-    def __init__(self, pool: BlockPool, block_size: int, *, num_state_blocks_per_request: int = 0) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, *, num_state_blocks_per_request: int = 0,
+                 evict_device_prefixes: bool = False) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_state_blocks_per_request < 0:
@@ -42,6 +43,11 @@ class KVCacheManager:
         # Hybrid models (linear-attention layers) keep a fixed-size state per running sequence; like vLLM's hybrid
         # allocator, it is carved from the same pool: these blocks are taken with the request's first allocation.
         self.num_state_blocks_per_request = num_state_blocks_per_request
+        # Two-tier pool (``BlockPool.preferred_below``): by default new KV spills to the host once no uncached device
+        # block is free, and cached device prefixes stay. With this set, the least recently used cached device
+        # prefixes are evicted first (``BlockPool.evict_preferred``, never the request's own hits), so running
+        # contexts stay on the device and only what no longer fits there spills.
+        self.evict_device_prefixes = evict_device_prefixes
         self._blocks: dict[str, list[int]] = {}
         self._state_blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a request already offered to the cache
@@ -91,6 +97,10 @@ class KVCacheManager:
         num_new = self._num_blocks_to_allocate(
             request_id, num_new_tokens, num_computed_tokens, len(new_computed_blocks)
         )
+        if self.evict_device_prefixes and num_new:
+            short = num_new - self.pool.num_preferred_uncached(num_new)
+            if short > 0:  # device blocks before host ones: the least recently used device prefixes go first
+                self.pool.evict_preferred(short, protect=new_computed_blocks)
         new_blocks = self.pool.allocate(num_new)
         if new_blocks is None:
             return None

@@ -31,6 +31,9 @@ from moetide.specs import get_gpu, get_host, get_model
 from moetide.workloads.base import Workload
 
 
+DEVICE_PREFIXES = ("keep", "evict")  # with a host tier: keep cached device prefixes (spill), or evict them first
+
+
 @dataclass(frozen=True)
 class ReplayConfig:
     model: str = "qwen3-30b-a3b"
@@ -64,6 +67,7 @@ class ReplayConfig:
     split_policy: str = "writescope"
     split_fixed_ratio: float = 0.5  # the fixed-ratio policy's CPU share
     cpu_slowdown: float = 1.0  # true CPU attention time / modeled (writescope's correction learns it)
+    device_prefixes: str = "keep"  # "evict": LRU cached device prefixes go before new KV spills (KVCacheManager)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -106,6 +110,9 @@ class ReplayConfig:
             raise UserError(f"--fixed-ratio must be in [0, 1], got {self.split_fixed_ratio}")
         if not (math.isfinite(self.cpu_slowdown) and self.cpu_slowdown > 0):
             raise UserError(f"--cpu-slowdown must be a positive number, got {self.cpu_slowdown}")
+        if self.device_prefixes not in DEVICE_PREFIXES:
+            raise UserError(f"--device-prefixes must be one of {', '.join(DEVICE_PREFIXES)}, got "
+                            f"{self.device_prefixes!r}")
         if not self.kv_host_gib:
             return
         if self.tp != 1:
@@ -153,7 +160,8 @@ def build_replay(
         device = range(budget.num_blocks - ring_blocks(budget))
         pool = BlockPool([*device, *host_kv.host_block_ids], enable_caching=config.enable_prefix_caching,
                          preferred_below=host_kv.first_host_id)
-    kv = KVCacheManager(pool, config.block_size, num_state_blocks_per_request=budget.state_blocks_per_request)
+    kv = KVCacheManager(pool, config.block_size, num_state_blocks_per_request=budget.state_blocks_per_request,
+                        evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict")
     step_model = StepTimeModel(model, gpu, tp=config.tp)
     line = _expert_line(model, config, pool, budget)
     staging = StagingModel(model, gpu, tp=config.tp, config=_staging_config(config, model))

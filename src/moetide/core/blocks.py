@@ -68,6 +68,7 @@ class BlockPool:
         # Bumped whenever blocks become free or are added: a caller that failed to allocate can skip retrying
         # until it changes (the scheduler's blocked queue head).
         self.free_version = 0
+        self._no_preferred_cached_at = -1  # free_version at which evict_preferred found no candidate
         self.add_blocks(block_ids)
 
     # ---- counts -------------------------------------------------------------------------------------------
@@ -217,6 +218,7 @@ class BlockPool:
             if ref_cnt[block_id] == 0:
                 del self._uncached_free[block_id]
                 self._cached_free[block_id] = None
+                self._no_preferred_cached_at = -1  # a cached-free block appeared without a free()
             registered += 1
             parent_hash = block_hash
         return registered
@@ -304,9 +306,13 @@ class BlockPool:
         oldest cached-free blocks are exhausted (a bound on the work: the queue mixes both tiers). ``protect`` as in
         ``evict``. Returns every block that became uncached-free, of either tier."""
         bound, cached_free, evicted = self.preferred_below, self._cached_free, []
-        if bound is None or num_blocks <= 0:
+        if bound is None or num_blocks <= 0 or self._no_preferred_cached_at == self.free_version:
             return evicted
-        victims = [b for b in islice(cached_free, scan) if b < bound and b not in protect]
+        candidates = [b for b in islice(cached_free, scan) if b < bound]
+        if not candidates:  # none can appear before a block is freed again (free_version): skip the scans till then
+            self._no_preferred_cached_at = self.free_version
+        protected = protect if isinstance(protect, (set, frozenset)) else set(protect)
+        victims = [b for b in candidates if b not in protected]
         got = 0
         for block_id in victims:
             if got >= num_blocks:

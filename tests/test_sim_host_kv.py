@@ -188,3 +188,19 @@ def test_the_replay_prices_a_step_as_the_engine_does():
     for device_tokens, num_queries in [(0, 1), (5000, 1), (123, 64), (10**6, 1), (7, 64), (0, 8192)]:
         expected = SplitCosts(**dataclasses.asdict(split_coefficients(host.attention, device_tokens, num_queries)))
         assert host._costs(device_tokens, num_queries) == expected
+
+
+def test_a_failed_allocation_evicts_nothing():
+    """allocate_slots returns None with no effect: with both tiers full it must not evict device prefixes first."""
+    from moetide.core.blocks import BlockPool
+    from moetide.core.kv_manager import KVCacheManager
+
+    pool = BlockPool([0, 1, 10], preferred_below=10)
+    kv = KVCacheManager(pool, 4, evict_device_prefixes=True)
+    assert kv.allocate_slots("a", 8, [1, 2]) == [0, 1]  # two full device blocks, cached under 1 and 2
+    kv.free("a")
+    assert pool.num_cached_free_blocks == 2
+    assert kv.allocate_slots("b", 16, []) is None  # 4 blocks: more than the pool has
+    assert pool.num_cached_free_blocks == 2 and pool.num_evicted_blocks == 0
+    assert kv.allocate_slots("c", 4, []) == [1]  # 1 block: the oldest device prefix (the chain's tail) goes
+    pool.check_invariants()

@@ -97,7 +97,7 @@ class KVCacheManager:
         num_new = self._num_blocks_to_allocate(
             request_id, num_new_tokens, num_computed_tokens, len(new_computed_blocks)
         )
-        if self.evict_device_prefixes and num_new:
+        if self.evict_device_prefixes and 0 < num_new <= self.pool.num_uncached_free_blocks:  # it will succeed
             short = num_new - self.pool.num_preferred_uncached(num_new)
             if short > 0:  # device blocks before host ones: the least recently used device prefixes go first
                 self.pool.evict_preferred(short, protect=new_computed_blocks)

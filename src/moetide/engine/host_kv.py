@@ -14,7 +14,8 @@ Block ids. Host blocks are numbered after every id the arena can ever hand out
 (``first_block_id = arena.config.num_block_ids``), so an id alone says where a block lives, for good: below
 ``first_block_id`` it is in the arena, at or above it on the host. The engine's one ``BlockPool`` holds both kinds
 with ``preferred_below=first_block_id``, so device blocks are always allocated first and host blocks only once no
-uncached device block is free (``core.blocks``: two tiers; a cached device prefix is not evicted for new KV). ``ArenaPoolView`` shows the arena only its own ids.
+uncached device block is free (``core.blocks``: two tiers; a cached device prefix is not evicted for new KV).
+``ArenaPoolView`` shows the arena only its own ids.
 
 How this differs from ``core.splits.BlockPlacement``: there, once a sequence has one host block, all its later
 blocks go to the host too, so a sequence is a device prefix then a host suffix. Here the pool is shared by every

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from moetide.core.splits import (
     SPLIT_POLICIES,
@@ -102,15 +102,13 @@ class SplitPlanner:
     def plan(self, costs: SplitCosts, seqs: Sequence[SeqResidency], block_bytes: float) -> StepSplit:
         factor = self.correction.factor
         splits = WriteScope().split(costs, seqs, block_bytes, factor)
-        if any(s.num_cpu_blocks for s in splits) or not any(s.num_host_blocks for s in seqs):
-            self._idle = 0
-            return StepSplit.of(costs, seqs, splits, block_bytes, factor)
-        self._idle += 1
-        if not self.probe_every or self._idle <= self.probe_every or factor <= PROBE_ABOVE_FACTOR:
-            return StepSplit.of(costs, seqs, splits, block_bytes, factor)
-        self._idle, self.num_probes = 0, self.num_probes + 1
-        step = StepSplit.of(costs, seqs, probe_split(costs, seqs, block_bytes), block_bytes, factor)
-        return replace(step, probe=True)
+        idle = not any(s.num_cpu_blocks for s in splits) and any(s.num_host_blocks for s in seqs)
+        self._idle = self._idle + 1 if idle else 0
+        probe = bool(self.probe_every) and self._idle > self.probe_every and factor > PROBE_ABOVE_FACTOR
+        if probe:
+            self._idle, self.num_probes = 0, self.num_probes + 1
+            splits = probe_split(costs, seqs, block_bytes)
+        return StepSplit.of(costs, seqs, splits, block_bytes, factor, probe)
 
     def observe(self, plan: StepSplit, measured_cpu_s: float) -> float:
         return self.correction.observe(measured_cpu_s, plan.predicted_cpu_s)

@@ -358,9 +358,9 @@ class StepSplit:
 
     @classmethod
     def of(cls, costs: SplitCosts, seqs: Sequence[SeqResidency], splits: tuple[SeqSplit, ...], block_bytes: float,
-           factor: float = 1.0) -> StepSplit:
+           factor: float = 1.0, probe: bool = False) -> StepSplit:
         """A step's split with its bytes and modeled times (the CPU side scaled by ``factor`` in the total)."""
         cpu_bytes = sum(s.num_cpu_blocks for s in splits) * block_bytes
         n_c = sum(1 for s in splits if s.num_cpu_blocks)
         return cls(splits, cpu_bytes, sum(s.num_host_blocks for s in seqs) * block_bytes,
-                   cpu_side_s(costs, cpu_bytes, n_c), phase_time_s(costs, splits, block_bytes, factor))
+                   cpu_side_s(costs, cpu_bytes, n_c), phase_time_s(costs, splits, block_bytes, factor), probe)

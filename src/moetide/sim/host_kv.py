@@ -25,11 +25,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.split_planner import SplitStepper
 from moetide.core.splits import SeqResidency, SplitCosts
-from moetide.perf.attention import AttentionCostModel
+from moetide.errors import UserError
+from moetide.perf import MemoryBudget, weights_per_gpu
+from moetide.perf.attention import AttentionCostModel, HostKVLayout
+from moetide.perf.calibrate import offload_efficiency_for_host
 from moetide.perf.offload import SeqTokens, attention_phase, gpu_fixed_s, split_coefficients
+from moetide.specs import get_host
+
+if TYPE_CHECKING:
+    from moetide.sim.setup import ReplayConfig
 
 
 @dataclass
@@ -88,18 +97,19 @@ class HostKVCounters:
 
 
 class HostKV:
-    """The host tier's ids and the per-step charge (module docstring)."""
+    """The host tier's ids and the per-step charge (module docstring); ``build_host_kv`` makes one."""
 
     def __init__(self, attention: AttentionCostModel, policy: str, *, first_host_id: int, num_host_blocks: int,
-                 block_size: int, fixed_ratio: float = 0.5, cpu_slowdown: float = 1.0) -> None:
+                 num_device_blocks: int, block_size: int, fixed_ratio: float = 0.5,
+                 cpu_slowdown: float = 1.0) -> None:
         self.attention, self.block_size, self.cpu_slowdown = attention, block_size, cpu_slowdown
         self.first_host_id, self.num_host_blocks = first_host_id, num_host_blocks
+        self.num_device_blocks = num_device_blocks  # the device KV blocks left beside the staging ring
         self.stepper = SplitStepper(policy, self._costs, attention.block_bytes, fixed_ratio)
         self.counters = HostKVCounters()
-        self._base_costs: dict[int, list[float]] = {}
+        self._base_costs: dict[int, SplitCosts] = {}
         # request id -> (its block list, their flags, how many are host blocks)
         self._flags: dict[str, tuple[list[int], list[bool], int]] = {}
-        assert [f.name for f in dataclasses.fields(SplitCosts)][6] == "gpu_fixed_s"
 
     @property
     def host_block_ids(self) -> range:
@@ -111,9 +121,8 @@ class HostKV:
         base = self._base_costs.get(num_queries)
         if base is None:
             c = split_coefficients(self.attention, 0, num_queries)
-            base = self._base_costs[num_queries] = [getattr(c, f.name) for f in dataclasses.fields(c)]
-        base[6] = gpu_fixed_s(self.attention, device_tokens, num_queries)  # g, in SplitCosts' field order
-        return SplitCosts(*base)
+            base = self._base_costs[num_queries] = SplitCosts(**dataclasses.asdict(c))
+        return dataclasses.replace(base, gpu_fixed_s=gpu_fixed_s(self.attention, device_tokens, num_queries))
 
     def seqs(self, kv: KVCacheManager, contexts: list[tuple[str, int]]) -> list[SeqKV]:
         """The step's running requests' KV by residency, from (request id, context after the step). A request's
@@ -167,3 +176,35 @@ class HostKV:
         c.added_s += added
         c.peak_host_blocks_used = max(c.peak_host_blocks_used, host_blocks)
         return added, host_tokens
+
+
+def ring_blocks(budget: MemoryBudget) -> int:
+    """Device KV blocks the staging ring of a host KV tier takes from the budget."""
+    return -(-HostKVLayout().ring_bytes // budget.charged_block_bytes)
+
+
+def build_host_kv(model, gpu, config: ReplayConfig, budget: MemoryBudget) -> HostKV | None:
+    """The host tier of ``config.kv_host_gib`` (None without one), its ids above every id the device can use."""
+    if not config.kv_host_gib:
+        return None
+    host = get_host(config.cpu)
+    host_bytes = config.kv_host_gib * 2**30
+    if host_bytes > host.dram_bytes:
+        raise UserError(f"--kv-host-gib {config.kv_host_gib:g} exceeds the host's DRAM ({host.dram_bytes / 2**30:,.0f} "
+                        f"GiB, --cpu {config.cpu})")
+    num_host = int(host_bytes // budget.charged_block_bytes)
+    device = budget.num_blocks - ring_blocks(budget)
+    if num_host < 1 or device < 1 + budget.state_blocks_per_request:
+        raise UserError(f"--kv-host-gib {config.kv_host_gib:g}: {num_host} host blocks and {device} device blocks "
+                        f"(after the {HostKVLayout().ring_bytes / 2**20:.0f} MiB staging ring) of "
+                        f"{budget.charged_block_bytes:,} B; raise --kv-host-gib or the KV budget")
+    routed = weights_per_gpu(model, tp=config.tp).routed_expert_bytes
+    first_host_id = budget.num_blocks + -(-routed // budget.charged_block_bytes) + 1  # past the expert line's ids
+    try:
+        attention = AttentionCostModel(model, gpu, host, layout=HostKVLayout(block_size=config.block_size),
+                                       offload=offload_efficiency_for_host(config.cpu))
+    except ValueError as exc:
+        raise UserError(f"--kv-host-gib: {exc}") from None
+    return HostKV(attention, config.split_policy, first_host_id=first_host_id, num_host_blocks=num_host,
+                  num_device_blocks=device, block_size=config.block_size, fixed_ratio=config.split_fixed_ratio,
+                  cpu_slowdown=config.cpu_slowdown)

@@ -17,6 +17,7 @@ are reused instead of recomputed — agent contexts run to hundreds of thousands
 from __future__ import annotations
 
 import heapq
+from itertools import repeat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,25 +108,19 @@ class Replay:
         return metrics
 
     def _execute(self, out) -> None:
-        num_decode = kv_read = pairs = 0
-        for (request, n), start in zip(out.scheduled, out.num_computed_before):
-            if n == 1:
-                num_decode += 1
-                kv_read += start + 1
-                pairs += start + 1
-            else:
-                kv_read += start + n
-                pairs += n * start + n * (n + 1) // 2
-        added = 0.0
+        scheduled = list(zip(out.scheduled, out.num_computed_before))
+        added, host_tokens = 0.0, repeat(0)
         if self.host_kv is not None:
-            seqs = self.host_kv.seqs(self.scheduler.kv, [(request.request_id, start + n) for (request, n), start
-                                                         in zip(out.scheduled, out.num_computed_before)])
-            added, host_tokens = self.host_kv.charge(seqs, max(1, out.total_num_scheduled_tokens // len(seqs)))
-            # the roofline step attends the device-resident KV only (each query against the host tokens is charged
-            # in ``added``; a chunk whose own tokens went to host blocks is counted as if they preceded it)
-            kv_read -= host_tokens
-            pairs = sum(max(0, n * start + n * (n + 1) // 2 - n * s.host_tokens)  # per sequence, then summed
-                        for ((_, n), start), s in zip(zip(out.scheduled, out.num_computed_before), seqs))
+            seqs = self.host_kv.seqs(self.scheduler.kv, [(r.request_id, start + n) for (r, n), start in scheduled])
+            added, _ = self.host_kv.charge(seqs, max(1, out.total_num_scheduled_tokens // len(seqs)))
+            host_tokens = [s.host_tokens for s in seqs]
+        # the roofline step attends the device-resident KV only: each query against the host tokens is charged in
+        # ``added`` (a chunk whose own tokens went to host blocks is counted as if they preceded it)
+        num_decode = kv_read = pairs = 0
+        for ((_, n), start), host in zip(scheduled, host_tokens):
+            num_decode += n == 1
+            kv_read += start + n - host
+            pairs += max(0, n * start + n * (n + 1) // 2 - n * host)
         duration = self.step_time_s(out.total_num_scheduled_tokens, len(out.scheduled), num_decode, kv_read,
                                     pairs) + added
         self.now_s += duration
@@ -158,8 +153,9 @@ class Replay:
         ends: list[float] = []
         while k < k_max and not (events and events[0][0] <= self.now_s):
             if seqs:  # the split and the device-resident KV change as the sequences grow (no block is allocated)
-                for s in seqs if k else ():
-                    s.grow(bs)
+                if k:  # the step before wrote one token each
+                    for s in seqs:
+                        s.grow(bs)
                 added, host_tokens = host_kv.charge(seqs, 1)
                 device = kv_read - host_tokens
                 duration = step_time_s(num_seqs, num_seqs, num_seqs, device, device) + added

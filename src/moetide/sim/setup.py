@@ -20,11 +20,9 @@ from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
-from moetide.perf.attention import AttentionCostModel, HostKVLayout
-from moetide.perf.calibrate import offload_efficiency_for_host
 from moetide.perf.routing_profile import read_rank_shares
 from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingConfig, StagingModel
-from moetide.sim.host_kv import HostKV
+from moetide.sim.host_kv import HostKV, build_host_kv, ring_blocks  # noqa: F401 (ring_blocks: API)
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
 from moetide.specs import get_gpu, get_host, get_model
@@ -153,13 +151,12 @@ def build_replay(
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    host_kv = _host_kv(model, gpu, config, budget)
+    host_kv = build_host_kv(model, gpu, config, budget)
     if host_kv is None:
         pool = BlockPool(range(budget.num_blocks), enable_caching=config.enable_prefix_caching)
     else:  # device ids first (the ring's share of the budget left out), then the host tier's (sim.host_kv)
-        device = range(budget.num_blocks - ring_blocks(budget))
-        pool = BlockPool([*device, *host_kv.host_block_ids], enable_caching=config.enable_prefix_caching,
-                         preferred_below=host_kv.first_host_id)
+        pool = BlockPool([*range(host_kv.num_device_blocks), *host_kv.host_block_ids],
+                         enable_caching=config.enable_prefix_caching, preferred_below=host_kv.first_host_id)
     kv = KVCacheManager(pool, config.block_size, num_state_blocks_per_request=budget.state_blocks_per_request,
                         evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict")
     step_model = StepTimeModel(model, gpu, tp=config.tp)
@@ -176,38 +173,6 @@ def build_replay(
     replay = Replay(workload, scheduler, step_time, progress=progress,
                     offloaded_ratio=lambda: line.residency.offloaded_ratio, host_kv=host_kv)
     return BuiltReplay(replay, budget, config, line, step_time, host_kv)
-
-
-def ring_blocks(budget: MemoryBudget) -> int:
-    """Device KV blocks the staging ring of a host KV tier takes from the budget."""
-    return -(-HostKVLayout().ring_bytes // budget.charged_block_bytes)
-
-
-def _host_kv(model, gpu, config: ReplayConfig, budget: MemoryBudget) -> HostKV | None:
-    """The host tier of ``config.kv_host_gib`` (None without one), its ids above every id the device can use."""
-    if not config.kv_host_gib:
-        return None
-    host = get_host(config.cpu)
-    host_bytes = config.kv_host_gib * 2**30
-    if host_bytes > host.dram_bytes:
-        raise UserError(f"--kv-host-gib {config.kv_host_gib:g} exceeds the host's DRAM ({host.dram_bytes / 2**30:,.0f} "
-                        f"GiB, --cpu {config.cpu})")
-    num_host = int(host_bytes // budget.charged_block_bytes)
-    device = budget.num_blocks - ring_blocks(budget)
-    if num_host < 1 or device < 1 + budget.state_blocks_per_request:
-        raise UserError(f"--kv-host-gib {config.kv_host_gib:g}: {num_host} host blocks and {device} device blocks "
-                        f"(after the {HostKVLayout().ring_bytes / 2**20:.0f} MiB staging ring) of "
-                        f"{budget.charged_block_bytes:,} B; raise --kv-host-gib or the KV budget")
-    routed = weights_per_gpu(model, tp=config.tp).routed_expert_bytes
-    first_host_id = budget.num_blocks + -(-routed // budget.charged_block_bytes) + 1  # past the expert line's ids
-    try:
-        attention = AttentionCostModel(model, gpu, host, layout=HostKVLayout(block_size=config.block_size),
-                                       offload=offload_efficiency_for_host(config.cpu))
-    except ValueError as exc:
-        raise UserError(f"--kv-host-gib: {exc}") from None
-    return HostKV(attention, config.split_policy, first_host_id=first_host_id, num_host_blocks=num_host,
-                  block_size=config.block_size, fixed_ratio=config.split_fixed_ratio, cpu_slowdown=config.cpu_slowdown)
-
 
 class StepTimeWithStaging:
     """Modeled step time plus the exposed staging of the experts offloaded at that moment; counts staged bytes.
@@ -400,5 +365,6 @@ def describe_config(workload: Workload, built: BuiltReplay) -> dict[str, object]
 def _host_memory(built: BuiltReplay) -> dict[str, int]:
     if built.host_kv is None:
         return {}
-    return {"device_kv_blocks": built.budget.num_blocks - ring_blocks(built.budget),
-            "ring_blocks": ring_blocks(built.budget), "host_kv_blocks": built.host_kv.num_host_blocks}
+    host = built.host_kv
+    return {"device_kv_blocks": host.num_device_blocks, "ring_blocks": built.budget.num_blocks - host.num_device_blocks,
+            "host_kv_blocks": host.num_host_blocks}

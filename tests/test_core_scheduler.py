@@ -158,3 +158,76 @@ def test_a_waiting_request_is_offered_no_victims_and_a_rogue_preempt_is_refused(
     sched.add_request(req("b", list(range(100, 108)), out=4))
     with pytest.raises(RuntimeError, match="did not offer"):
         sched.schedule()
+
+
+# ---- a two-tier pool (host KV) and the admission bound on host blocks held ----------------------------------
+HOST_FROM = 100  # host block ids start here; ids below are device blocks
+
+
+def make_two_tier(device_blocks, host_blocks, bound=None, max_tokens=64):
+    pool = BlockPool([*range(device_blocks), *range(HOST_FROM, HOST_FROM + host_blocks)], preferred_below=HOST_FROM)
+    kv = KVCacheManager(pool, BS)
+    config = SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=8, max_host_blocks_held=bound)
+    return Scheduler(config, kv, get_policy("vllm"))
+
+
+def host_held(sched):
+    held = sum(1 for rid in sched.kv.request_ids for b in sched.kv.get_blocks(rid) if b >= HOST_FROM)
+    assert held == sched.kv.num_host_blocks_held  # the manager's running count agrees with the block tables
+    return held
+
+
+def test_host_blocks_are_counted_per_holder():
+    sched = make_two_tier(2, 20)
+    shared = list(range(24))  # 6 full blocks: 2 on the device, 4 on the host
+    sched.add_request(req("a", shared, out=3))
+    step(sched)
+    assert sched.kv.num_host_blocks("a") == 4 and sched.kv.num_host_blocks_held == 4
+    sched.add_request(req("b", shared + [99], out=3))  # hits all 6 of a's blocks while a still holds them
+    step(sched)
+    assert sched.kv.num_host_blocks("a") == 5  # its first output token went to a new host block
+    assert sched.kv.num_host_blocks("b") == 5  # 4 host hits, and its last prompt token in a new host block
+    assert host_held(sched) == 10  # a shared block counts once per holder: each attends it every step
+    while sched.has_work:
+        step(sched)
+    assert sched.kv.num_host_blocks_held == 0
+
+
+def test_admission_waits_while_host_blocks_held_would_pass_the_bound():
+    """Device: 2 blocks. Three 10-token prompts (3 blocks each, their 2 output tokens fit in the third) need 7 host
+    blocks together; a bound of 5 admits two (1 + 3 host blocks) and holds the third until one finishes, where
+    without a bound all three run at once. Every request completes either way."""
+    runs = {}
+    for bound in (None, 5):
+        sched = make_two_tier(2, 20, bound=bound)
+        for i in range(3):
+            sched.add_request(req(f"r{i}", list(range(100 * i, 100 * i + 10)), out=2))
+        first, done = step(sched)[0], 0
+        peak = host_held(sched)
+        while sched.has_work:
+            done += len(step(sched)[2])
+            peak = max(peak, host_held(sched))
+        runs[bound] = (plan(first), peak, done, sched.num_host_bound_waits)
+    assert runs[None][0] == [("r0", 10), ("r1", 10), ("r2", 10)] and runs[None][1] == 7
+    assert runs[5][0] == [("r0", 10), ("r1", 10)]  # r2 waits
+    assert runs[5][1] == 4 and runs[5][3] > 0 and runs[5][2] == 3
+
+
+def test_a_request_larger_than_the_host_bound_runs_alone():
+    """The bound defers admission while others run; alone, a request past it is admitted (else it never runs)."""
+    sched = make_two_tier(2, 20, bound=2)
+    sched.add_request(req("small", list(range(8)), out=2))
+    sched.add_request(req("big", list(range(200, 224)), out=2))  # 6 blocks, 4 or more on the host
+    out, _, _ = step(sched)
+    assert plan(out) == [("small", 8)]  # big waits: 4 host blocks > 2
+    while "big" not in sched.kv.request_ids:
+        step(sched)
+    # all 6 on the host: small's cached prefix keeps the device blocks (the pool evicts only when told)
+    assert [r.request_id for r in sched.running] == ["big"] and host_held(sched) == 6
+    while sched.has_work:
+        step(sched)
+
+
+def test_the_host_bound_needs_a_positive_block_count():
+    with pytest.raises(ValueError, match="max_host_blocks_held must be a positive"):
+        SchedulerConfig(max_host_blocks_held=0)

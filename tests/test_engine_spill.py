@@ -235,6 +235,26 @@ def test_spilling_with_expert_offload_matches_transformers(tiny_checkpoint, hf_r
     check_books(engine)
 
 
+def test_a_host_kv_bound_and_prefix_eviction_keep_parity(tiny_checkpoint, hf_reference):
+    """A bound of 4 host blocks attended per step defers admissions (the prompts spill far more than that
+    together); evicting cached device prefixes first writes less KV to the host. Output matches transformers."""
+    checkpoint = tiny_checkpoint("qwen3_moe")
+    block_bytes = KVLayout.of(load_model(checkpoint), BLOCK_SIZE).block_bytes
+    free_engine, free = run_spilled(checkpoint, "writescope", split_costs=balanced_costs)
+    bound_engine, bound = run_spilled(checkpoint, "writescope", split_costs=balanced_costs,
+                                      kv_host_active_bytes=4 * block_bytes)
+    evict_engine, evict = run_spilled(checkpoint, "writescope", split_costs=balanced_costs,
+                                      evict_device_prefixes=True)
+    for result in (free, bound, evict):
+        assert [o.token_ids for o in result.outputs] == hf_reference("qwen3_moe")
+    assert free.stats.host_bound_waits == 0 < bound.stats.host_bound_waits
+    assert bound.stats.steps > free.stats.steps  # fewer sequences at once
+    assert bound_engine.scheduler.config.max_host_blocks_held == 4
+    assert evict.stats.split["host_tokens_written"] < free.stats.split["host_tokens_written"]
+    for engine in (free_engine, bound_engine, evict_engine):
+        check_books(engine)
+
+
 # ---- options and the CLI -------------------------------------------------------------------------------------
 
 
@@ -258,9 +278,13 @@ def test_generate_cli_with_host_kv(tiny_checkpoint, capsys):
     (["--kv-host-mib", "0.0001"], "holds no KV block"),
     (["--kv-host-mib", "1", "--split-fixed-ratio", "2"], "split_fixed_ratio is a CPU share"),
     (["--kv-host-mib", "1", "--split-host", "no-such-host"], "no-such-host"),
+    (["--kv-host-active-mib", "1"], "kv_host_active_bytes bounds host KV: set kv_host_bytes too"),
+    (["--kv-host-mib", "1", "--kv-host-active-mib", "2"], "kv_host_active_bytes must be an integer in (0, "),
 ])
 def test_bad_host_kv_options_are_one_line_errors(tiny_checkpoint, capsys, args, message):
-    rc = main(["generate", "--model", str(tiny_checkpoint("mixtral")), "--prompt", "hi", "--max-tokens", "2", *args])
+    model = str(tiny_checkpoint("mixtral"))
+    capsys.readouterr()  # making the checkpoint may print progress
+    rc = main(["generate", "--model", model, "--prompt", "hi", "--max-tokens", "2", *args])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
 

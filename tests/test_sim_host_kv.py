@@ -80,15 +80,16 @@ def test_the_pool_uses_device_blocks_first():
     pool.free(first + second)
 
 
-@pytest.mark.parametrize("policy,prefixes", [("writescope", "keep"), ("transfer-all", "keep"), ("cpu-all", "keep"),
-                                             ("writescope", "evict")])
-def test_fast_decode_runs_are_exact_with_a_host_tier(policy, prefixes):
+@pytest.mark.parametrize("policy,prefixes,active", [
+    ("writescope", "keep", None), ("transfer-all", "keep", None), ("cpu-all", "keep", None),
+    ("writescope", "evict", None), ("writescope", "keep", 1.0)])
+def test_fast_decode_runs_are_exact_with_a_host_tier(policy, prefixes, active):
     """The decode runs grow each sequence's residency step by step without the pool: every metric must be the
-    same as stepping one by one."""
+    same as stepping one by one (with an admission bound too: a run starts only while the queue's head waits)."""
     results = []
     for fast in (False, True):
         built = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0, split_policy=policy,
-                                                      device_prefixes=prefixes))
+                                                      device_prefixes=prefixes, kv_host_active_gib=active))
         built.replay.fast_forward = fast
         metrics = built.replay.run()
         built.replay.scheduler.kv.pool.check_invariants()
@@ -137,6 +138,9 @@ def test_a_slower_cpu_is_learned_by_writescope_only():
     (dict(cpu_slowdown=0.0), "--cpu-slowdown must be"),
     (dict(kv_host_gib=8.0, cold_experts="cpu"), "not modeled; use --cold-experts fetch"),
     (dict(device_prefixes="drop"), "--device-prefixes must be one of"),
+    (dict(kv_host_active_gib=1.0), "give --kv-host-gib too"),
+    (dict(kv_host_gib=8.0, kv_host_active_gib=9.0), r"must be in \(0, --kv-host-gib = 8\]"),
+    (dict(kv_host_gib=8.0, kv_host_active_gib=0.0), "--kv-host-active-gib must be in"),
 ])
 def test_bad_host_kv_settings_are_one_line_errors(options, message):
     with pytest.raises(UserError, match=message):
@@ -163,6 +167,31 @@ def test_replay_cli_with_a_host_tier(capsys, tmp_path):
     result = json.loads(out.read_text())
     assert result["config"]["split_policy"] == "fixed-ratio" and result["metrics"]["host_kv"]["steps"] > 0
     assert result["metrics"]["preemptions"] == 0 and result["metrics"]["completed"] == 6
+
+
+def test_an_admission_bound_on_host_kv_trades_ttft_for_tpot(capsys, tmp_path):
+    """Six 4k-token prompts at once against ~8k tokens of device KV. Unbounded, all run together and every step
+    attends the spilled KV of four; with --kv-host-active-gib 0.5 (341 blocks, one spilled prompt is 250) the
+    rest wait, so steps are shorter and first tokens later. Every request completes either way."""
+    from moetide.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 4000 + i, "output_length": 50,
+                                         "hash_ids": [100 * i + j for j in range(8)]}) + "\n" for i in range(6)))
+    runs = {}
+    for bound in ([], ["--kv-host-active-gib", "0.5"]):
+        out = tmp_path / "r.json"
+        assert main(["replay", str(trace), "--model", "qwen3-30b-a3b", "--gpu", "h100", "--kv-budget-gib", "1",
+                     "--kv-host-gib", "4", *bound, "--json", str(out)]) == 0
+        runs[bool(bound)] = json.loads(out.read_text())["metrics"]
+    text = capsys.readouterr().out
+    assert "host KV bound         0.5 GiB (341 blocks) attended per step" in text
+    free, bounded = runs[False], runs[True]
+    assert free["host_kv"]["peak_host_blocks_used"] > 3 * 250 and free["host_kv"]["bound_waits"] == 0
+    assert bounded["host_kv"]["peak_host_blocks_used"] <= 341 and bounded["host_kv"]["bound_waits"] > 0
+    assert bounded["tpot_s"]["p50"] < 0.6 * free["tpot_s"]["p50"]
+    assert bounded["ttft_s"]["p90"] > free["ttft_s"]["p90"]
+    assert free["completed"] == bounded["completed"] == 6 and bounded["preemptions"] == 0
 
 
 def test_compare_refuses_a_bad_policy_before_any_replay(capsys, monkeypatch):

@@ -13,7 +13,9 @@ torch and transformers are imported only when the verb runs.
 
 ``--kv-host-mib X`` adds X MiB of host KV blocks (pinned on CUDA) beyond the device budget: KV spills there once
 the device part is full, and attention splits each step between the device, the CPU in place and blocks streamed
-to the device, as ``--split-policy`` chooses (docs/writescope.md, "The engine half").
+to the device, as ``--split-policy`` chooses (docs/writescope.md, "The engine half"). ``--kv-host-active-mib A``
+admits a request only while the host KV that running requests attend stays within A MiB (``core.scheduler``);
+``--device-prefixes evict`` evicts cached device prefixes before new KV spills.
 
 ``--routing-out FILE`` writes the measured routing (tokens per expert per MoE layer, ``perf.routing_profile``),
 which ``moetide replay|compare|sweep --routing-profile FILE`` uses to price expert staging.
@@ -30,6 +32,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from moetide.core.kv_manager import DEVICE_PREFIXES
 from moetide.core.pressure import POLICIES
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.engine.split_plan import DEFAULT_SPLIT_GPU, DEFAULT_SPLIT_HOST
@@ -68,6 +71,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
     add("--kv-host-mib", type=float, default=0.0, metavar="X",
         help="host memory for KV blocks that spill past the device budget, MiB (default %(default)s: none)")
+    add("--kv-host-active-mib", type=float, metavar="A",
+        help="with host KV: admit a request only while the host KV that running requests attend each step stays "
+             "within A MiB (the rest holds cached prefixes) (default: no bound)")
+    add("--device-prefixes", choices=DEVICE_PREFIXES, default="keep",
+        help="with host KV, when no uncached device block is free: keep cached device prefixes and spill new KV, "
+             "or evict the least recently used of them first (default %(default)s)")
     add("--split-policy", choices=tuple(SPLIT_POLICIES), default="writescope",
         help="with host KV: who attends the host blocks each step (default %(default)s)")
     add("--split-fixed-ratio", type=float, default=0.5, metavar="R",
@@ -141,7 +150,8 @@ def build_engine(args: argparse.Namespace, **overrides: object):
     options = dict(kv_budget_mib=args.kv_budget_mib, block_size=args.block_size, policy=args.policy,
                    max_offload_ratio=args.max_offload_ratio, static_offload=args.static_offload,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   device=args.device, kv_host_mib=args.kv_host_mib, split_policy=args.split_policy,
+                   device=args.device, kv_host_mib=args.kv_host_mib, kv_host_active_mib=args.kv_host_active_mib,
+                   evict_device_prefixes=args.device_prefixes == "evict", split_policy=args.split_policy,
                    split_fixed_ratio=args.split_fixed_ratio, split_gpu=args.split_gpu, split_host=args.split_host,
                    vamp_horizon_s=args.vamp_horizon_s, cold_experts=args.cold_experts)
     options.update(overrides)
@@ -191,7 +201,9 @@ def _emit(json_path: str | None, report: dict) -> None:
               f"{split['cpu_blocks']} CPU in place, {split['streamed_blocks']} streamed block-steps; CPU "
               f"{split['cpu_s'] * 1e3:.1f} ms measured, {split['predicted_cpu_s'] * 1e3:.1f} ms predicted"
               + (f"; correction factor {split['correction_factor']:.2f}, {split['probes']} probes"
-                 if stats['split_policy'] == "writescope" else ""))
+                 if stats['split_policy'] == "writescope" else "")
+              + (f"; admission held {stats['host_bound_waits']} times by the host KV bound"
+                 if stats['host_bound_waits'] else ""))
     if json_path is not None:
         try:
             Path(json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

@@ -91,6 +91,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
                         help="--kv-host-gib: when no uncached device block is free, keep the cached prefixes in "
                              "device blocks and spill new KV to the host, or evict the least recently used of them "
                              "first (default %(default)s)")
+    parser.add_argument("--kv-host-active-gib", type=float, default=defaults.kv_host_active_gib, metavar="A",
+                        help="--kv-host-gib: admit a request only while the host KV that running requests attend "
+                             "each step stays within A GiB (the rest of the tier holds cached prefixes); bounds "
+                             "the time per output token that host KV adds (default: no bound)")
     parser.add_argument("--vamp-horizon-s", type=float, default=defaults.vamp_horizon_s,
                         help="vamp: seconds between reviews of the line, and the time constant of its measured "
                              "rates; staging is priced over the step mix of 10 of them (default %(default)s)")
@@ -141,6 +145,7 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         cpu_matmul_tflops=args.cpu_matmul_tflops,
         vamp_horizon_s=args.vamp_horizon_s, kv_host_gib=args.kv_host_gib, split_policy=args.split_policy,
         split_fixed_ratio=args.fixed_ratio, cpu_slowdown=args.cpu_slowdown, device_prefixes=args.device_prefixes,
+        kv_host_active_gib=args.kv_host_active_gib,
     )
 
 
@@ -190,6 +195,10 @@ def host_kv_rows(config: dict, metrics: dict) -> list[list[str]]:
         ["host KV attended", f"{host['cpu_tokens'] + host['streamed_tokens']:,} token-steps in {host['steps']:,} "
                              f"steps, CPU share {host['cpu_share']:.3f} ({host['policy']})"],
         ["time host KV added", f"{host['added_s']:,.1f} s"],
+        *([["host KV bound", f"{config['kv_host_active_gib']:g} GiB ({host['active_bound_blocks']:,} blocks) attended "
+                             f"per step: admission held {host['bound_waits']:,} times; peak "
+                             f"{host['peak_host_blocks_used']:,} blocks"]]
+          if host.get("active_bound_blocks") else []),
     ]
 
 

@@ -25,6 +25,11 @@ from collections.abc import Sequence
 from moetide.core.blocks import BlockPool
 
 
+# with a host tier, when no uncached device block is free: keep cached device prefixes and spill new KV, or evict
+# the least recently used of them first (``KVCacheManager(evict_device_prefixes=)``); the CLI's --device-prefixes
+DEVICE_PREFIXES = ("keep", "evict")
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -48,6 +53,11 @@ class KVCacheManager:
         # prefixes are evicted first (``BlockPool.evict_preferred``, never the request's own hits), so running
         # contexts stay on the device and only what no longer fits there spills.
         self.evict_device_prefixes = evict_device_prefixes
+        # Two-tier pool: how many host blocks (ids from ``preferred_below``) each request holds, and their total.
+        # A block shared by two requests counts twice: each attends it every step (the scheduler's host bound).
+        self._host_from = pool.preferred_below
+        self._num_host: dict[str, int] = {}
+        self.num_host_blocks_held = 0
         self._blocks: dict[str, list[int]] = {}
         self._state_blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a request already offered to the cache
@@ -115,8 +125,17 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
             self._num_registered[request_id] = len(new_computed_blocks)
         blocks.extend(new_blocks)
+        if self._host_from is not None:
+            self._count_host(request_id, new_computed_blocks, new_blocks)
         self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens)
         return new_blocks
+
+    def _count_host(self, request_id: str, *block_lists: Sequence[int]) -> None:
+        first = self._host_from
+        n = sum(1 for blocks in block_lists for b in blocks if b >= first)  # type: ignore[operator]
+        if n:
+            self._num_host[request_id] = self._num_host.get(request_id, 0) + n
+            self.num_host_blocks_held += n
 
     def append_slot(self, request_id: str, num_tokens: int, block_hashes: Sequence[int]) -> bool:
         """Decode fast path: True when the request's held blocks already have room for ``num_tokens`` tokens
@@ -149,6 +168,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first (so a chain's tail is evicted before its head)."""
         blocks = self._blocks.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        self.num_host_blocks_held -= self._num_host.pop(request_id, 0)
         if blocks:
             self.pool.free(reversed(blocks))
         state_blocks = self._state_blocks.pop(request_id, None)
@@ -166,6 +186,10 @@ class KVCacheManager:
     def num_held_blocks(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))
 
+    def num_host_blocks(self, request_id: str) -> int:
+        """Host blocks in the request's block table (0 without a two-tier pool)."""
+        return self._num_host.get(request_id, 0)
+
     @property
     def request_ids(self) -> list[str]:
         return list(self._blocks)
@@ -176,6 +200,10 @@ class KVCacheManager:
         holders: dict[int, int] = {}
         for request_id, blocks in self._blocks.items():
             assert len(set(blocks)) == len(blocks), f"request {request_id!r} holds a block twice: {blocks}"
+            if self._host_from is not None:
+                num_host = sum(1 for b in blocks if b >= self._host_from)
+                assert self._num_host.get(request_id, 0) == num_host, f"request {request_id!r}: host count is off"
+        assert self.num_host_blocks_held == sum(self._num_host.values()), "host block total is off"
         for blocks in [*self._blocks.values(), *self._state_blocks.values()]:
             for block_id in blocks:
                 holders[block_id] = holders.get(block_id, 0) + 1

@@ -14,6 +14,10 @@ preempt, offload experts — carries it out and retries. Rules inherited from vL
   whatever the prefix cache no longer holds;
 * if anything was preempted in a step, no waiting request is admitted in that step;
 * a waiting request that cannot get memory blocks the queue behind it (FCFS).
+With a host KV tier (a two-tier pool), ``max_host_blocks_held`` bounds admission by the host KV that running
+requests attend each step: a waiting request that would take it past the bound waits, as one short of memory
+does (``Scheduler._host_room``). Without a bound, every spilled context is attended every step, and a large tier
+buys shorter queues with slower steps (docs/writescope.md, "Replay").
 Sessions (conversations, agent runs) are tracked by id: when each last spoke and how many requests it has in
 flight — what a policy needs to guess whether a cached prefix will be reused.
 """
@@ -38,6 +42,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole token budget
     enable_prefix_caching: bool = True
+    # Two-tier pool (host KV): admit a waiting request only if the host blocks that running requests hold, plus
+    # what it would add, stay within this bound (None: no bound). See ``Scheduler._host_room``.
+    max_host_blocks_held: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -46,6 +53,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_host_blocks_held is not None and self.max_host_blocks_held < 1:
+            raise ValueError(f"max_host_blocks_held must be a positive number of blocks, got "
+                             f"{self.max_host_blocks_held}")
 
 
 @dataclass
@@ -100,6 +110,7 @@ class Scheduler:
         self.now_s = 0.0
         self.num_preemptions = 0
         self.num_evicted_blocks = 0
+        self.num_host_bound_waits = 0  # admissions deferred by max_host_blocks_held
         # (request, pool free_version, token budget) of the last failed admission: until blocks are freed, the
         # same head with no smaller budget fails again, so it is not retried (it would cost O(context) per step).
         # Exact for `vllm`; for a policy whose answer also moves with time (vamp's allowance, moved at reviews)
@@ -172,6 +183,7 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         caching = self.config.enable_prefix_caching
+        bounded = self.config.max_host_blocks_held is not None and self.kv.pool.preferred_below is not None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             blocked = self._blocked
@@ -182,6 +194,10 @@ class Scheduler:
             num_computed = 0
             if caching:
                 hits, num_computed = self.kv.get_computed_blocks(request.block_hashes, request.num_tokens)
+            if bounded and self.running and not self._host_room(request, hits):
+                self._blocked = (request, self.kv.pool.free_version, budget)
+                self.num_host_bound_waits += 1
+                break  # FCFS: wait for running requests to release host KV
             request.num_computed_tokens = num_computed
             if self._admitting is not None:
                 self._admitting(request, hits, self.kv.pool, self.now_s, self.expert_line)
@@ -201,6 +217,22 @@ class Scheduler:
             out.scheduled.append((request, n))
             out.num_computed_before.append(num_computed)
             budget -= n
+
+    def _host_room(self, request: Request, hits: list[int]) -> bool:
+        """Whether admitting ``request`` keeps the host KV that running requests attend each step within
+        ``max_host_blocks_held``. Counted: the host blocks they hold now (``KVCacheManager.num_host_blocks_held``,
+        a shared block once per holder), the request's host prefix hits, and the part of every prompt still to be
+        written — the running requests' and this one's — that the uncached free device blocks cannot take. Not
+        counted: output tokens, so decoding requests can take the total past the bound by their outputs; and
+        cached device prefixes that ``evict_device_prefixes`` would evict, so the count errs high there."""
+        kv = self.kv
+        first_host, bs = kv.pool.preferred_below, kv.block_size
+        pending = -(-request.num_tokens // bs) - len(hits) + kv.num_state_blocks_per_request
+        for running in self.running:
+            pending += max(-(-running.num_tokens // bs) - kv.num_held_blocks(running.request_id), 0)
+        spill = max(pending - kv.pool.num_preferred_uncached(pending), 0)
+        host_hits = sum(1 for b in hits if b >= first_host)  # type: ignore[operator]
+        return kv.num_host_blocks_held + host_hits + spill <= self.config.max_host_blocks_held  # type: ignore[operator]
 
     def _allocate(
         self, request: Request, n: int, hits: list[int], is_running: bool, index: int, out: SchedulerOutput

@@ -89,6 +89,10 @@ class EngineConfig:
     page_bytes: int | None = None
     ignore_eos: bool = False
     kv_host_bytes: int = 0
+    # with host KV: admit a request only while the host KV running requests attend stays within this (None: no
+    # bound; core.scheduler), and evict LRU cached device prefixes before new KV spills (core.kv_manager)
+    kv_host_active_bytes: int | None = None
+    evict_device_prefixes: bool = False
     split_policy: str = "writescope"
     split_fixed_ratio: float = 0.5
     split_gpu: str = DEFAULT_SPLIT_GPU
@@ -121,6 +125,13 @@ class EngineConfig:
             raise ValueError(f"cold_experts must be one of {', '.join(COLD_EXPERT_MODES)}, got {self.cold_experts!r}")
         if not isinstance(self.cold_expert_max_rows, int) or self.cold_expert_max_rows < 1:
             raise ValueError(f"cold_expert_max_rows must be a positive integer, got {self.cold_expert_max_rows!r}")
+        active = self.kv_host_active_bytes
+        if active is not None:
+            if not self.kv_host_bytes:
+                raise ValueError("kv_host_active_bytes bounds host KV: set kv_host_bytes too")
+            if not isinstance(active, int) or isinstance(active, bool) or not 0 < active <= self.kv_host_bytes:
+                raise ValueError(f"kv_host_active_bytes must be an integer in (0, kv_host_bytes = "
+                                 f"{self.kv_host_bytes}], got {active!r}")
         if not 0.0 <= self.split_fixed_ratio <= 1.0:
             raise ValueError(f"split_fixed_ratio is a CPU share and must be in [0, 1], got {self.split_fixed_ratio!r}")
 
@@ -227,6 +238,12 @@ def _attention(storage: ArenaStorage, host: HostKVStorage | None, config: Engine
     return SplitAttentionBackend(storage, host, stepper)
 
 
+def _active_host_blocks(config: EngineConfig, kv: KVLayout, host_kv: HostKVStorage | None) -> int | None:
+    if host_kv is None or config.kv_host_active_bytes is None:
+        return None
+    return max(config.kv_host_active_bytes // kv.block_bytes, 1)
+
+
 def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePolicy,
                  policy_params: dict[str, object], split_costs: SplitCostSource | None = None) -> EngineParts:
     device = _device(config.device)
@@ -246,7 +263,8 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
         arena.attach_pool(ArenaPoolView(pool, first_host))
     state_layout = StateLayout.of(shapes, kv_layout.dtype)
     kv = KVCacheManager(pool, config.block_size,
-                        num_state_blocks_per_request=state_layout.num_blocks(kv_layout.block_bytes))
+                        num_state_blocks_per_request=state_layout.num_blocks(kv_layout.block_bytes),
+                        evict_device_prefixes=host_kv is not None and config.evict_device_prefixes)
     residency = ExpertResidency(ExpertResidencyConfig(
         num_layers=len(expert_layout.moe_layer_ids), num_experts=expert_layout.num_experts,
         expert_bytes=expert_layout.expert_bytes, max_offload_ratio=config.max_offload_ratio))
@@ -258,7 +276,8 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
     line = ArenaExpertLine(arena, residency, provider)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                           max_num_seqs=config.max_num_seqs,
-                                          enable_prefix_caching=pool.enable_caching),
+                                          enable_prefix_caching=pool.enable_caching,
+                                          max_host_blocks_held=_active_host_blocks(config, kv_layout, host_kv)),
                           kv, _policy(policy, policy_params, config, model, provider, residency), expert_line=line)
     if config.static_offload:
         region = residency.next_offload_region(max_experts=residency.max_num_offloaded)

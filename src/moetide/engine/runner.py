@@ -75,6 +75,7 @@ class EngineStats:
     wall_s: float = 0.0
     kv_host_blocks: int = 0  # host KV capacity in blocks (0: no host KV); ``kv_blocks`` counts them too
     split_policy: str | None = None  # with host KV: the split policy
+    host_bound_waits: int = 0  # admissions deferred by the host KV bound (``kv_host_active_bytes``)
     split: dict = field(default_factory=dict)  # with host KV: ``SplitCounters`` of this call
 
 
@@ -116,13 +117,16 @@ class Engine:
     test passes a deterministic one)."""
 
     def __init__(self, model_dir: str | Path, *, kv_budget_mib: float | None = None,
-                 kv_host_mib: float | None = None, policy: str | PressurePolicy = "vllm",
+                 kv_host_mib: float | None = None, kv_host_active_mib: float | None = None,
+                 policy: str | PressurePolicy = "vllm",
                  policy_params: Mapping[str, object] | None = None, split_costs: SplitCostSource | None = None,
                  clock: Callable[[], float] | None = None, **options: object) -> None:
         if kv_budget_mib is not None:
             options["kv_budget_bytes"] = int(kv_budget_mib * 1024 * 1024)
         if kv_host_mib is not None:
             options["kv_host_bytes"] = int(kv_host_mib * 1024 * 1024)
+        if kv_host_active_mib is not None:
+            options["kv_host_active_bytes"] = int(kv_host_active_mib * 1024 * 1024)
         if "kv_budget_bytes" not in options:
             raise UserError("an engine needs a KV budget: kv_budget_bytes or kv_budget_mib")
         try:
@@ -172,8 +176,7 @@ class Engine:
         sampler = Sampler(temperature, seed)
         index_of = {r.request_id: i for i, r in enumerate(requests)}
         stats, failed = EngineStats(), set()
-        evicted0, preempted0 = self.scheduler.num_evicted_blocks, self.scheduler.num_preemptions
-        reclaims0 = self.parts.expert_line.num_reclaims
+        counts0 = self._lifetime_counts()
         provider = self.parts.experts
         staged0, on_host0 = provider.stager.num_staged, provider.num_host_computed
         if isinstance(self.parts.attention, SplitAttentionBackend):
@@ -182,7 +185,7 @@ class Engine:
         while self.scheduler.has_work:
             failed.update(self._step(sampler, index_of, stats))
         stats.wall_s = time.perf_counter() - start
-        self._finish_stats(stats, requests, failed, evicted0, preempted0, reclaims0)
+        self._finish_stats(stats, requests, failed, counts0)
         stats.experts_staged = provider.stager.num_staged - staged0
         stats.experts_on_host = provider.num_host_computed - on_host0
         return GenerateResult([self._output(r, r.request_id in failed) for r in requests], stats)
@@ -267,12 +270,18 @@ class Engine:
             stats.prefill_s += seconds
         return decode
 
-    def _finish_stats(self, stats: EngineStats, requests: list[Request], failed: set[str], evicted0: int,
-                      preempted0: int, reclaims0: int) -> None:
-        stats.prefix_evictions = self.scheduler.num_evicted_blocks - evicted0
-        stats.preemptions = self.scheduler.num_preemptions - preempted0
+    def _lifetime_counts(self) -> tuple[int, int, int, int]:
+        """The engine's lifetime counters that ``EngineStats`` reports per call (as differences)."""
+        sched = self.scheduler
+        return (sched.num_evicted_blocks, sched.num_preemptions, self.parts.expert_line.num_reclaims,
+                sched.num_host_bound_waits)
+
+    def _finish_stats(self, stats: EngineStats, requests: list[Request], failed: set[str],
+                      counts0: tuple[int, int, int, int]) -> None:
+        evicted, preempted, reclaims, waits = (a - b for a, b in zip(self._lifetime_counts(), counts0))
+        stats.prefix_evictions, stats.preemptions, stats.expert_reclaims = evicted, preempted, reclaims
+        stats.host_bound_waits = waits
         stats.experts_offloaded = self.residency.num_offloaded
-        stats.expert_reclaims = self.parts.expert_line.num_reclaims - reclaims0
         stats.offloaded_ratio = self.residency.offloaded_ratio
         stats.kv_blocks = self.scheduler.kv.pool.num_blocks
         stats.recomputed_tokens = sum(r.num_recomputed_tokens for r in requests)

@@ -183,6 +183,13 @@ def ring_blocks(budget: MemoryBudget) -> int:
     return -(-HostKVLayout().ring_bytes // budget.charged_block_bytes)
 
 
+def active_host_blocks(config: ReplayConfig, budget: MemoryBudget) -> int | None:
+    """``--kv-host-active-gib`` in blocks (None: no bound), at least one."""
+    if config.kv_host_active_gib is None:
+        return None
+    return max(int(config.kv_host_active_gib * 2**30 // budget.charged_block_bytes), 1)
+
+
 def build_host_kv(model, gpu, config: ReplayConfig, budget: MemoryBudget) -> HostKV | None:
     """The host tier of ``config.kv_host_gib`` (None without one), its ids above every id the device can use."""
     if not config.kv_host_gib:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from moetide.core.blocks import BlockPool
-from moetide.core.kv_manager import KVCacheManager
+from moetide.core.kv_manager import DEVICE_PREFIXES, KVCacheManager
 from moetide.core.expert_line import ExpertLine
 from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy
@@ -22,14 +22,13 @@ from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
 from moetide.perf.routing_profile import read_rank_shares
 from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingConfig, StagingModel
-from moetide.sim.host_kv import HostKV, build_host_kv, ring_blocks  # noqa: F401 (ring_blocks: API)
+from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv, ring_blocks  # noqa: F401 (ring_blocks: API)
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
 from moetide.specs import get_gpu, get_host, get_model
 from moetide.workloads.base import Workload
 
 
-DEVICE_PREFIXES = ("keep", "evict")  # with a host tier: keep cached device prefixes (spill), or evict them first
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,8 @@ class ReplayConfig:
     split_fixed_ratio: float = 0.5  # the fixed-ratio policy's CPU share
     cpu_slowdown: float = 1.0  # true CPU attention time / modeled (writescope's correction learns it)
     device_prefixes: str = "keep"  # "evict": LRU cached device prefixes go before new KV spills (KVCacheManager)
+    # admission bound on the host KV that running requests attend each step, GiB (None: none; core.scheduler)
+    kv_host_active_gib: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -111,6 +112,13 @@ class ReplayConfig:
         if self.device_prefixes not in DEVICE_PREFIXES:
             raise UserError(f"--device-prefixes must be one of {', '.join(DEVICE_PREFIXES)}, got "
                             f"{self.device_prefixes!r}")
+        active = self.kv_host_active_gib
+        if active is not None:
+            if not self.kv_host_gib:
+                raise UserError("--kv-host-active-gib bounds a host KV tier: give --kv-host-gib too")
+            if not (math.isfinite(active) and 0 < active <= self.kv_host_gib):
+                raise UserError(f"--kv-host-active-gib must be in (0, --kv-host-gib = {self.kv_host_gib:g}], got "
+                                f"{active:g}")
         if not self.kv_host_gib:
             return
         if self.tp != 1:
@@ -144,14 +152,15 @@ def build_replay(
         max_num_batched_tokens=config.max_num_batched_tokens, kv_budget_gib=config.kv_budget_gib,
         state_checkpoints=config.state_checkpoints,
     )
+    host_kv = build_host_kv(model, gpu, config, budget)
     try:
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             enable_prefix_caching=config.enable_prefix_caching,
+            max_host_blocks_held=active_host_blocks(config, budget) if host_kv is not None else None,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    host_kv = build_host_kv(model, gpu, config, budget)
     if host_kv is None:
         pool = BlockPool(range(budget.num_blocks), enable_caching=config.enable_prefix_caching)
     else:  # device ids first (the ring's share of the budget left out), then the host tier's (sim.host_kv)
@@ -343,7 +352,10 @@ def run_replay(
     metrics.reclaims = built.expert_line.num_reclaims
     result = {"config": describe_config(workload, built), "metrics": metrics.to_dict()}
     if built.host_kv is not None:
-        result["metrics"]["host_kv"] = built.host_kv.counters.as_dict(built.host_kv.stepper)
+        sched = built.replay.scheduler
+        result["metrics"]["host_kv"] = {**built.host_kv.counters.as_dict(built.host_kv.stepper),
+                                        "active_bound_blocks": sched.config.max_host_blocks_held,
+                                        "bound_waits": sched.num_host_bound_waits}
     return result, metrics
 
 

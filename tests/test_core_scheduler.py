@@ -164,9 +164,9 @@ def test_a_waiting_request_is_offered_no_victims_and_a_rogue_preempt_is_refused(
 HOST_FROM = 100  # host block ids start here; ids below are device blocks
 
 
-def make_two_tier(device_blocks, host_blocks, bound=None, max_tokens=64):
+def make_two_tier(device_blocks, host_blocks, bound=None, max_tokens=64, evict=False):
     pool = BlockPool([*range(device_blocks), *range(HOST_FROM, HOST_FROM + host_blocks)], preferred_below=HOST_FROM)
-    kv = KVCacheManager(pool, BS)
+    kv = KVCacheManager(pool, BS, evict_device_prefixes=evict)
     config = SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=8, max_host_blocks_held=bound)
     return Scheduler(config, kv, get_policy("vllm"))
 
@@ -228,6 +228,78 @@ def test_a_request_larger_than_the_host_bound_runs_alone():
         step(sched)
 
 
+@pytest.mark.parametrize("evict", [False, True])
+def test_device_prefixes_give_way_before_the_host_bound_holds_a_request(evict):
+    """Two of four device blocks hold a finished request's prefix, a third a running one's. A 12-token request
+    (3 blocks) under a bound of 1 host block would spill 3 blocks past the cached prefix: rather than wait, the
+    prefix is evicted (by the scheduler, or by allocation under evict_device_prefixes) and it spills 1."""
+    sched = make_two_tier(4, 8, bound=1, evict=evict)
+    sched.add_request(req("old", list(range(8)), out=1))
+    sched.add_request(req("long", list(range(50, 54)), out=20))
+    step(sched)  # old finishes: blocks 0, 1 cached and free
+    old_hashes = req("old", list(range(8))).block_hashes
+    assert len(sched.kv.pool.lookup_chain(old_hashes)) == 2
+    sched.add_request(req("new", list(range(200, 212)), out=2))
+    out, _, _ = step(sched)  # long's second token takes the last uncached device block first
+    assert plan(out) == [("long", 1), ("new", 12)] and sched.num_host_bound_waits == 0
+    assert host_held(sched) == 1 and sched.kv.pool.lookup_chain(old_hashes) == []
+    assert out.num_evicted_blocks == (0 if evict else 2)
+
+
+def test_the_host_bound_waits_when_evicting_device_prefixes_would_not_make_room():
+    sched = make_two_tier(4, 8, bound=1)
+    sched.add_request(req("old", list(range(4)), out=1))  # one cached device block
+    sched.add_request(req("long", list(range(50, 54)), out=20))
+    step(sched)
+    sched.add_request(req("new", list(range(200, 216)), out=2))  # 4 blocks: 1 uncached + 1 cached device block
+    out, _, _ = step(sched)
+    assert plan(out) == [("long", 1)] and sched.num_host_bound_waits == 1 and out.num_evicted_blocks == 0
+    assert len(sched.kv.pool.lookup_chain(req("old", list(range(4))).block_hashes)) == 1  # nothing evicted
+
+
 def test_the_host_bound_needs_a_positive_block_count():
     with pytest.raises(ValueError, match="max_host_blocks_held must be a positive"):
         SchedulerConfig(max_host_blocks_held=0)
+
+
+@pytest.mark.parametrize("other_blocks", [4, 1])
+def test_host_hits_past_the_bound_are_recomputed_on_the_device_if_it_has_room(other_blocks):
+    """A request whose own host prefix hits take it past the bound: rather than wait, it drops them (uncached, with
+    the rest of their chain) and recomputes that part onto the device, once another prefix's device blocks are
+    evicted for it. With too few of them to evict, it waits and nothing is evicted or dropped."""
+    sched = make_two_tier(2 + other_blocks, 12, bound=3)
+    other, shared = list(range(500, 500 + 4 * other_blocks)), list(range(20))
+    sched.add_request(req("other", other, out=1))
+    step(sched)  # done: cached device blocks
+    sched.add_request(req("first", shared, out=1))
+    step(sched)  # done: 2 cached device blocks, 3 cached host blocks
+    sched.add_request(req("running", list(range(300, 304)), out=30))  # no uncached device block: a host one
+    step(sched)
+    assert host_held(sched) == 1
+    sched.add_request(req("again", shared + [99], out=2))  # hits 2 device and 3 host blocks: 1 + 3 + 1 > 3
+    out, _, _ = step(sched)
+    chain = sched.kv.pool.lookup_chain(req("x", shared).block_hashes)
+    if other_blocks == 4:  # recomputes 13 tokens: 4 blocks; running's 2nd token took a 2nd host block, so the
+        # bound has room for 1 of them and 3 of other's device blocks are evicted for the rest
+        assert plan(out) == [("running", 1), ("again", 13)] and sched.num_host_hits_dropped == 3
+        assert host_held(sched) == 3 and sched.kv.num_host_blocks("again") == 1
+        assert out.num_evicted_blocks == 3 + 3  # the 3 host hits dropped, 3 of other's device blocks
+        assert len(chain) == 5 and max(chain) < HOST_FROM  # the shared prefix is cached on the device now
+    else:
+        assert plan(out) == [("running", 1)] and sched.num_host_bound_waits == 1 and out.num_evicted_blocks == 0
+        assert sched.num_host_hits_dropped == 0 and len(chain) == 5 and max(chain) >= HOST_FROM
+
+
+def test_a_request_that_adds_no_host_kv_is_admitted_past_the_bound():
+    """A 16-token request admitted alone holds 5 host blocks against a bound of 2 (the device holds an old prefix).
+    A small request whose prompt fits on the device, once 2 blocks of that prefix are evicted, adds no host KV: it
+    is admitted beside it rather than waiting for it to finish."""
+    sched = make_two_tier(4, 20, bound=2)
+    sched.add_request(req("old", list(range(16)), out=1))
+    step(sched)  # done: 4 cached device blocks
+    sched.add_request(req("big", list(range(100, 116)), out=20))
+    step(sched)  # alone, so admitted past the bound: 4 host blocks
+    sched.add_request(req("small", list(range(200, 208)), out=2))
+    out, _, _ = step(sched)  # big's second output token takes a fifth host block first
+    assert plan(out) == [("big", 1), ("small", 8)] and out.num_evicted_blocks == 2
+    assert host_held(sched) == 5 and sched.kv.num_host_blocks("small") == 0

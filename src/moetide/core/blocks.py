@@ -300,6 +300,19 @@ class BlockPool:
             n += 1
         return n
 
+    def num_preferred_cached(self, limit: int, scan: int = 4096) -> int:
+        """Cached-free blocks below ``preferred_below`` among the ``scan`` oldest cached-free blocks, counted up to
+        ``limit``: what ``evict_preferred`` with the same ``scan`` could uncache (before protection)."""
+        bound, n = self.preferred_below, 0
+        if bound is None or limit <= 0 or self._no_preferred_cached_at == self.free_version:
+            return 0
+        for block_id in islice(self._cached_free, scan):
+            if block_id < bound:
+                n += 1
+                if n >= limit:
+                    break
+        return n
+
     def evict_preferred(self, num_blocks: int, protect: Collection[int] = (), scan: int = 4096) -> list[int]:
         """Uncache cached-free blocks below ``preferred_below`` (device blocks in a two-tier pool), least recently
         used first, each with its registered descendants, until ``num_blocks`` of them are uncached or the ``scan``
@@ -321,6 +334,14 @@ class BlockPool:
                 start = len(evicted)
                 self._uncache_chain(block_id, evicted)
                 got += sum(1 for b in evicted[start:] if b < bound)
+        return evicted
+
+    def uncache(self, block_id: int) -> list[int]:
+        """Unregister one block and every registered descendant, in use or free (a block in use stays with its
+        holders, now private). Returns the free ones, which join the uncached queue. A block not registered: []."""
+        evicted: list[int] = []
+        if block_id in self._hash_of:
+            self._uncache_chain(block_id, evicted)
         return evicted
 
     def _evict_from_head(self, num_blocks: int, evicted: list[int]) -> None:

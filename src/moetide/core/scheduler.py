@@ -111,6 +111,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_evicted_blocks = 0
         self.num_host_bound_waits = 0  # admissions deferred by max_host_blocks_held
+        self.num_host_hits_dropped = 0  # host prefix hits recomputed onto the device instead (max_host_blocks_held)
         # (request, pool free_version, token budget) of the last failed admission: until blocks are freed, the
         # same head with no smaller budget fails again, so it is not retried (it would cost O(context) per step).
         # Exact for `vllm`; for a policy whose answer also moves with time (vamp's allowance, moved at reviews)
@@ -194,10 +195,14 @@ class Scheduler:
             num_computed = 0
             if caching:
                 hits, num_computed = self.kv.get_computed_blocks(request.block_hashes, request.num_tokens)
-            if bounded and self.running and not self._host_room(request, hits):
-                self._blocked = (request, self.kv.pool.free_version, budget)
-                self.num_host_bound_waits += 1
-                break  # FCFS: wait for running requests to release host KV
+            if bounded and self.running:
+                kept = self._host_room(request, hits, out)
+                if kept is None:
+                    self._blocked = (request, self.kv.pool.free_version, budget)
+                    self.num_host_bound_waits += 1
+                    break  # FCFS: wait for running requests to release host KV
+                if len(kept) < len(hits):
+                    hits, num_computed = kept, len(kept) * self.kv.block_size
             request.num_computed_tokens = num_computed
             if self._admitting is not None:
                 self._admitting(request, hits, self.kv.pool, self.now_s, self.expert_line)
@@ -218,21 +223,66 @@ class Scheduler:
             out.num_computed_before.append(num_computed)
             budget -= n
 
-    def _host_room(self, request: Request, hits: list[int]) -> bool:
-        """Whether admitting ``request`` keeps the host KV that running requests attend each step within
-        ``max_host_blocks_held``. Counted: the host blocks they hold now (``KVCacheManager.num_host_blocks_held``,
-        a shared block once per holder), the request's host prefix hits, and the part of every prompt still to be
-        written — the running requests' and this one's — that the uncached free device blocks cannot take. Not
-        counted: output tokens, so decoding requests can take the total past the bound by their outputs; and
-        cached device prefixes that ``evict_device_prefixes`` would evict, so the count errs high there."""
+    def _host_room(self, request: Request, hits: list[int], out: SchedulerOutput) -> list[int] | None:
+        """The prefix hits with which ``request`` can be admitted under ``max_host_blocks_held``; None: it waits.
+
+        The bound is on the host KV that running requests attend each step. Their share: the host blocks they hold
+        (``KVCacheManager.num_host_blocks_held``, a shared block once per holder) and the part of their prompts
+        still to be written that the uncached free device blocks cannot take. The request's: its host prefix hits,
+        and the part of its own prompt that then spills. It is admitted when both fit, or when it adds nothing (a
+        request larger than the bound, admitted alone, can put the total past it; others that add no host KV still
+        join it). Output tokens are not counted: decoding requests can take the total past the bound by them.
+
+        Before the request waits, two things give way, in this order:
+        * cached prefixes in device blocks: the least recently used (never its own hits) are evicted so that its
+          prompt goes to the device instead (under ``evict_device_prefixes``, allocation evicts them itself);
+        * its own host hits: the prefix from the first host hit on is uncached and recomputed onto the device, if
+          the device can take it. Without this, a conversation whose context once spilled would hit its host copy
+          every turn, and could run only while the bound has room for all of it.
+        """
+        need = self._host_need(request, hits)
+        first_host = self.kv.pool.preferred_below
+        if need is None:
+            cut = next((i for i, b in enumerate(hits) if b >= first_host), None)  # type: ignore[operator]
+            if cut is None:
+                return None
+            need = self._host_need(request, hits[:cut])
+            if need is None:
+                return None
+            dropped = self.kv.pool.uncache(hits[cut])  # and the rest of the chain: the device copy replaces it
+            out.num_evicted_blocks += len(dropped)
+            self.num_evicted_blocks += len(dropped)
+            self.num_host_hits_dropped += len(hits) - cut
+            hits = hits[:cut]
+        if need and not self.kv.evict_device_prefixes:
+            evicted = self.kv.pool.evict_preferred(need, protect=hits)
+            out.num_evicted_blocks += len(evicted)
+            self.num_evicted_blocks += len(evicted)
+        return hits
+
+    def _host_need(self, request: Request, hits: list[int]) -> int | None:
+        """How many cached device blocks must be evicted for ``request`` with these hits to fit the host bound
+        (``_host_room``): 0 if none, None if no eviction is enough."""
         kv = self.kv
-        first_host, bs = kv.pool.preferred_below, kv.block_size
-        pending = -(-request.num_tokens // bs) - len(hits) + kv.num_state_blocks_per_request
+        pool, first_host, bs = kv.pool, kv.pool.preferred_below, kv.block_size
+        running_pending = 0
         for running in self.running:
-            pending += max(-(-running.num_tokens // bs) - kv.num_held_blocks(running.request_id), 0)
-        spill = max(pending - kv.pool.num_preferred_uncached(pending), 0)
+            running_pending += max(-(-running.num_tokens // bs) - kv.num_held_blocks(running.request_id), 0)
+        own_pending = -(-request.num_tokens // bs) - len(hits) + kv.num_state_blocks_per_request
+        device = pool.num_preferred_uncached(running_pending + own_pending)
+        running_spill = max(running_pending - device, 0)
+        own_spill = max(running_pending + own_pending - device, 0) - running_spill
         host_hits = sum(1 for b in hits if b >= first_host)  # type: ignore[operator]
-        return kv.num_host_blocks_held + host_hits + spill <= self.config.max_host_blocks_held  # type: ignore[operator]
+        room = self.config.max_host_blocks_held - kv.num_host_blocks_held - running_spill  # type: ignore[operator]
+        need = host_hits + own_spill - max(room, 0)  # spilled blocks to move onto the device
+        if need <= 0:
+            return 0
+        if need > own_spill:
+            return None  # its host hits alone take it past the bound: no eviction on the device helps
+        free_device_hits = pool.num_free_among(b for b in hits if b < first_host)  # type: ignore[operator]
+        if pool.num_preferred_cached(need + free_device_hits) - free_device_hits < need:
+            return None  # evicting every device prefix it may would not make room
+        return need
 
     def _allocate(
         self, request: Request, n: int, hits: list[int], is_running: bool, index: int, out: SchedulerOutput

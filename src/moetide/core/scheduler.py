@@ -16,8 +16,9 @@ preempt, offload experts — carries it out and retries. Rules inherited from vL
 * a waiting request that cannot get memory blocks the queue behind it (FCFS).
 With a host KV tier (a two-tier pool), ``max_host_blocks_held`` bounds admission by the host KV that running
 requests attend each step: a waiting request that would take it past the bound waits, as one short of memory
-does (``Scheduler._host_room``). Without a bound, every spilled context is attended every step, and a large tier
-buys shorter queues with slower steps (docs/writescope.md, "Replay").
+does, once evicting cached device prefixes and recomputing its own host hits onto the device cannot make room
+(``Scheduler._host_room``). Without a bound, every spilled context is attended every step, and a large tier buys
+shorter queues with slower steps (docs/writescope.md, "An admission bound").
 Sessions (conversations, agent runs) are tracked by id: when each last spoke and how many requests it has in
 flight — what a policy needs to guess whether a cached prefix will be reused.
 """

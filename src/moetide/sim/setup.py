@@ -22,7 +22,8 @@ from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
 from moetide.perf.routing_profile import read_rank_shares
 from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingConfig, StagingModel
-from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv, ring_blocks  # noqa: F401 (ring_blocks: API)
+from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv
+from moetide.sim.host_kv import ring_blocks  # noqa: F401 (API: tests import it from here)
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
 from moetide.specs import get_gpu, get_host, get_model

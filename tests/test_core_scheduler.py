@@ -172,7 +172,8 @@ def make_two_tier(device_blocks, host_blocks, bound=None, max_tokens=64, evict=F
 
 
 def host_held(sched):
-    held = sum(1 for rid in sched.kv.request_ids for b in sched.kv.get_blocks(rid) if b >= HOST_FROM)
+    kv = sched.kv
+    held = sum(1 for rid in kv.request_ids for b in [*kv.get_blocks(rid), *kv.get_state_blocks(rid)] if b >= HOST_FROM)
     assert held == sched.kv.num_host_blocks_held  # the manager's running count agrees with the block tables
     return held
 
@@ -222,8 +223,8 @@ def test_a_request_larger_than_the_host_bound_runs_alone():
     assert plan(out) == [("small", 8)]  # big waits: 4 host blocks > 2
     while "big" not in sched.kv.request_ids:
         step(sched)
-    # all 6 on the host: small's cached prefix keeps the device blocks (the pool evicts only when told)
-    assert [r.request_id for r in sched.running] == ["big"] and host_held(sched) == 6
+    # 4 on the host: alone, it is admitted past the bound, after small's cached prefix gives way on the device
+    assert [r.request_id for r in sched.running] == ["big"] and host_held(sched) == 4
     while sched.has_work:
         step(sched)
 
@@ -291,15 +292,50 @@ def test_host_hits_past_the_bound_are_recomputed_on_the_device_if_it_has_room(ot
 
 
 def test_a_request_that_adds_no_host_kv_is_admitted_past_the_bound():
-    """A 16-token request admitted alone holds 5 host blocks against a bound of 2 (the device holds an old prefix).
-    A small request whose prompt fits on the device, once 2 blocks of that prefix are evicted, adds no host KV: it
-    is admitted beside it rather than waiting for it to finish."""
+    """big's first output token takes it to 3 host blocks against a bound of 2 (outputs are not counted at
+    admission). A small request whose prompt fits on the device, once a finished request's 2 cached blocks are
+    evicted, adds no host KV: it joins big rather than waiting for it to finish."""
     sched = make_two_tier(4, 20, bound=2)
-    sched.add_request(req("old", list(range(16)), out=1))
-    step(sched)  # done: 4 cached device blocks
-    sched.add_request(req("big", list(range(100, 116)), out=20))
-    step(sched)  # alone, so admitted past the bound: 4 host blocks
+    sched.add_request(req("a", list(range(7)), out=2))
+    sched.add_request(req("big", list(range(100, 116)), out=40))
+    step(sched)  # a: 2 device blocks; big: 2 device, 2 host (within the bound)
+    step(sched)  # a finishes (cached); big's first output goes to a third host block
+    assert host_held(sched) == 3
     sched.add_request(req("small", list(range(200, 208)), out=2))
-    out, _, _ = step(sched)  # big's second output token takes a fifth host block first
+    out, _, _ = step(sched)
     assert plan(out) == [("big", 1), ("small", 8)] and out.num_evicted_blocks == 2
-    assert host_held(sched) == 5 and sched.kv.num_host_blocks("small") == 0
+    assert host_held(sched) == 3 and sched.kv.num_host_blocks("small") == 0
+
+
+def test_host_state_blocks_count_toward_the_bound():
+    """A hybrid model's per-request state blocks are read every step, like KV: those on the host are counted."""
+    pool = BlockPool([*range(2), *range(HOST_FROM, HOST_FROM + 8)], preferred_below=HOST_FROM)
+    kv = KVCacheManager(pool, BS, num_state_blocks_per_request=1)
+    sched = Scheduler(SchedulerConfig(max_host_blocks_held=2), kv, get_policy("vllm"))
+    sched.add_request(req("a", list(range(4)), out=5))  # a state block and a KV block: both on the device
+    sched.add_request(req("b", list(range(100, 104)), out=5))  # both on the host: 2, the bound
+    sched.add_request(req("c", list(range(200, 204)), out=5))  # 2 more: waits
+    out, _, _ = step(sched)
+    assert plan(out) == [("a", 4), ("b", 4)] and sched.kv.num_host_blocks("b") == 2 and host_held(sched) == 2
+    assert sched.num_host_bound_waits == 1
+
+
+def test_under_evict_mode_running_prompts_count_cached_device_prefixes_as_room():
+    """evict_device_prefixes: a running request's prompt still to be written goes to cached device blocks (its
+    allocations evict them), not to the host, so a request with 3 host hits fits a bound of 3 and keeps them."""
+    sched = make_two_tier(16, 20, max_tokens=128, evict=True)
+    sched.add_request(req("old", list(range(1000, 1064)), out=1))  # 16 blocks: every device block, then cached
+    sched.add_request(req("sp", list(range(2000, 2012)), out=1))  # 3 host blocks, then cached
+    while sched.has_work:
+        step(sched)
+    sched.config = SchedulerConfig(max_num_batched_tokens=128, max_host_blocks_held=3, long_prefill_token_threshold=8)
+    sched.add_request(req("long", list(range(3000, 3040)), out=10))  # prefilled 8 tokens a step
+    step(sched)
+    sched.add_request(req("w", list(range(2000, 2012)) + list(range(4000, 4008)), out=2))
+    out, _, _ = step(sched)
+    assert plan(out) == [("long", 8), ("w", 8)] and out.num_computed_before[1] == 12  # its 3 host hits
+    peak = host_held(sched)
+    while sched.has_work:
+        step(sched)
+        peak = max(peak, host_held(sched))
+    assert sched.num_host_hits_dropped == 0 and peak == 3

@@ -53,8 +53,9 @@ class KVCacheManager:
         # prefixes are evicted first (``BlockPool.evict_preferred``, never the request's own hits), so running
         # contexts stay on the device and only what no longer fits there spills.
         self.evict_device_prefixes = evict_device_prefixes
-        # Two-tier pool: how many host blocks (ids from ``preferred_below``) each request holds, and their total.
-        # A block shared by two requests counts twice: each attends it every step (the scheduler's host bound).
+        # Two-tier pool: how many host blocks (ids from ``preferred_below``) each request holds, state blocks
+        # included, and their total. A block shared by two requests counts twice: each attends it every step (the
+        # scheduler's host bound).
         self._host_from = pool.preferred_below
         self._num_host: dict[str, int] = {}
         self.num_host_blocks_held = 0
@@ -114,6 +115,8 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(num_new)
         if new_blocks is None:
             return None
+        if self._host_from is not None:  # state blocks included: they are read every step too
+            self._count_host(request_id, new_computed_blocks, new_blocks)
         blocks = self._blocks.get(request_id)
         if blocks is None:
             blocks = self._blocks[request_id] = []
@@ -125,8 +128,6 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
             self._num_registered[request_id] = len(new_computed_blocks)
         blocks.extend(new_blocks)
-        if self._host_from is not None:
-            self._count_host(request_id, new_computed_blocks, new_blocks)
         self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens)
         return new_blocks
 
@@ -187,7 +188,7 @@ class KVCacheManager:
         return len(self._blocks.get(request_id, ()))
 
     def num_host_blocks(self, request_id: str) -> int:
-        """Host blocks in the request's block table (0 without a two-tier pool)."""
+        """Host blocks the request holds, its state blocks included (0 without a two-tier pool)."""
         return self._num_host.get(request_id, 0)
 
     @property
@@ -201,7 +202,8 @@ class KVCacheManager:
         for request_id, blocks in self._blocks.items():
             assert len(set(blocks)) == len(blocks), f"request {request_id!r} holds a block twice: {blocks}"
             if self._host_from is not None:
-                num_host = sum(1 for b in blocks if b >= self._host_from)
+                held = [*blocks, *self._state_blocks.get(request_id, ())]
+                num_host = sum(1 for b in held if b >= self._host_from)
                 assert self._num_host.get(request_id, 0) == num_host, f"request {request_id!r}: host count is off"
         assert self.num_host_blocks_held == sum(self._num_host.values()), "host block total is off"
         for blocks in [*self._blocks.values(), *self._state_blocks.values()]:

@@ -196,7 +196,7 @@ class Scheduler:
             num_computed = 0
             if caching:
                 hits, num_computed = self.kv.get_computed_blocks(request.block_hashes, request.num_tokens)
-            if bounded and self.running:
+            if bounded:
                 kept = self._host_room(request, hits, out)
                 if kept is None:
                     self._blocked = (request, self.kv.pool.free_version, budget)
@@ -227,63 +227,74 @@ class Scheduler:
     def _host_room(self, request: Request, hits: list[int], out: SchedulerOutput) -> list[int] | None:
         """The prefix hits with which ``request`` can be admitted under ``max_host_blocks_held``; None: it waits.
 
-        The bound is on the host KV that running requests attend each step. Their share: the host blocks they hold
-        (``KVCacheManager.num_host_blocks_held``, a shared block once per holder) and the part of their prompts
-        still to be written that the uncached free device blocks cannot take. The request's: its host prefix hits,
-        and the part of its own prompt that then spills. It is admitted when both fit, or when it adds nothing (a
-        request larger than the bound, admitted alone, can put the total past it; others that add no host KV still
-        join it). Output tokens are not counted: decoding requests can take the total past the bound by them.
+        The bound is on the host KV (and host state blocks) that running requests attend each step. Counted: the
+        host blocks they hold (``KVCacheManager.num_host_blocks_held``, a shared block once per holder), the
+        request's host prefix hits, and the prompts still to be written — the running requests', then this one's,
+        as they allocate — beyond the free device blocks. The request is admitted when the total stays within the
+        bound, or when it adds nothing to it (a request admitted alone can put the total past the bound; others
+        whose KV goes to the device still join it). Output tokens are not counted: decoding requests can take the
+        total past the bound by them.
 
         Before the request waits, two things give way, in this order:
-        * cached prefixes in device blocks: the least recently used (never its own hits) are evicted so that its
-          prompt goes to the device instead (under ``evict_device_prefixes``, allocation evicts them itself);
-        * its own host hits: the prefix from the first host hit on is uncached and recomputed onto the device, if
-          the device can take it. Without this, a conversation whose context once spilled would hit its host copy
-          every turn, and could run only while the bound has room for all of it.
+        * cached prefixes in device blocks: the fewest least recently used ones that make it fit (never its own
+          hits) are evicted, so that prompts are written to the device instead (under ``evict_device_prefixes``
+          allocation evicts them itself);
+        * its own host hits: the prefix from the first host hit on is uncached (with every registered block after
+          it, as any eviction) and recomputed onto the device, if the device can take it, so that the device copy
+          is the cached one. Else a conversation whose context once spilled would hit its host copy every turn,
+          and could run only while the bound had room for all of it.
+        With nothing running, the request is admitted whatever the bound (else it might never run), after device
+        prefixes give way for as much of its prompt as they can. These evictions happen before allocation: should
+        it fail for want of host blocks (a full tier, which the bound does not see), they are not undone.
         """
-        need = self._host_need(request, hits)
-        first_host = self.kv.pool.preferred_below
-        if need is None:
+        kv = self.kv
+        first_host = kv.pool.preferred_below
+        evict = self._host_evictions(request, hits)
+        if evict is None:
             cut = next((i for i, b in enumerate(hits) if b >= first_host), None)  # type: ignore[operator]
-            if cut is None:
+            evict = None if cut is None else self._host_evictions(request, hits[:cut])
+            if evict is not None:
+                dropped = kv.pool.uncache(hits[cut])  # type: ignore[index]
+                out.num_evicted_blocks += len(dropped)
+                self.num_evicted_blocks += len(dropped)
+                self.num_host_hits_dropped += len(hits) - cut  # type: ignore[operator]
+                hits = hits[:cut]
+            elif self.running:
                 return None
-            need = self._host_need(request, hits[:cut])
-            if need is None:
-                return None
-            dropped = self.kv.pool.uncache(hits[cut])  # and the rest of the chain: the device copy replaces it
-            out.num_evicted_blocks += len(dropped)
-            self.num_evicted_blocks += len(dropped)
-            self.num_host_hits_dropped += len(hits) - cut
-            hits = hits[:cut]
-        if need and not self.kv.evict_device_prefixes:
-            evicted = self.kv.pool.evict_preferred(need, protect=hits)
+            else:  # alone: admitted as it is, with as much of its prompt on the device as evictions allow
+                evict = self._host_evictions(request, hits, alone=True)
+        if evict and not kv.evict_device_prefixes:
+            evicted = kv.pool.evict_preferred(evict, protect=hits)
             out.num_evicted_blocks += len(evicted)
             self.num_evicted_blocks += len(evicted)
         return hits
 
-    def _host_need(self, request: Request, hits: list[int]) -> int | None:
-        """How many cached device blocks must be evicted for ``request`` with these hits to fit the host bound
-        (``_host_room``): 0 if none, None if no eviction is enough."""
+    def _host_evictions(self, request: Request, hits: list[int], alone: bool = False) -> int | None:
+        """The fewest cached device blocks to evict for ``request``, with these hits, to pass ``_host_room``'s
+        test: 0 if none, None if evicting every one it may is not enough. ``alone``: as many as keep its own
+        prompt off the host."""
         kv = self.kv
         pool, first_host, bs = kv.pool, kv.pool.preferred_below, kv.block_size
         running_pending = 0
         for running in self.running:
             running_pending += max(-(-running.num_tokens // bs) - kv.num_held_blocks(running.request_id), 0)
-        own_pending = -(-request.num_tokens // bs) - len(hits) + kv.num_state_blocks_per_request
-        device = pool.num_preferred_uncached(running_pending + own_pending)
-        running_spill = max(running_pending - device, 0)
-        own_spill = max(running_pending + own_pending - device, 0) - running_spill
-        host_hits = sum(1 for b in hits if b >= first_host)  # type: ignore[operator]
-        room = self.config.max_host_blocks_held - kv.num_host_blocks_held - running_spill  # type: ignore[operator]
-        need = host_hits + own_spill - max(room, 0)  # spilled blocks to move onto the device
-        if need <= 0:
-            return 0
-        if need > own_spill:
-            return None  # its host hits alone take it past the bound: no eviction on the device helps
+        pending = running_pending + -(-request.num_tokens // bs) - len(hits) + kv.num_state_blocks_per_request
+        device = pool.num_preferred_uncached(pending)
         free_device_hits = pool.num_free_among(b for b in hits if b < first_host)  # type: ignore[operator]
-        if pool.num_preferred_cached(need + free_device_hits) - free_device_hits < need:
-            return None  # evicting every device prefix it may would not make room
-        return need
+        evictable = max(pool.num_preferred_cached(max(pending - device, 0) + free_device_hits) - free_device_hits, 0)
+        host_hits = len(hits) - sum(1 for b in hits if b < first_host)  # type: ignore[operator]
+        # e evictions: the total stays within the bound when held + host hits + (pending - device - e) <= bound;
+        # the request adds nothing when it has no host hit and every pending block fits on the device
+        options = [max(pending - device, 0)] if host_hits == 0 or alone else []
+        room = self.config.max_host_blocks_held - kv.num_host_blocks_held - host_hits  # type: ignore[operator]
+        if room >= 0:
+            options.append(max(pending - device - room, 0))
+        if alone:
+            return min(options[0], evictable)
+        fits = [e for e in options if e <= evictable]
+        if not fits:
+            return None
+        return 0 if kv.evict_device_prefixes else min(fits)
 
     def _allocate(
         self, request: Request, n: int, hits: list[int], is_running: bool, index: int, out: SchedulerOutput

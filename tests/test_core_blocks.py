@@ -301,3 +301,25 @@ def test_evict_preferred_takes_the_oldest_device_prefixes_only():
     assert pool.num_preferred_uncached(8) == 3 and pool.allocate(3) == [0, 1, 2]  # device blocks first
     pool.check_invariants()
     assert BlockPool(range(4)).evict_preferred(2) == []  # one tier: nothing to prefer
+
+
+def test_promote_moves_a_host_block_into_a_device_block_and_keeps_its_chain():
+    """promote: a free cached host block's hash and place in its chain go to the first free device block; the
+    chain's later blocks stay registered (their parent hash is unchanged) and a lookup now finds the device block."""
+    pool = BlockPool([*range(2), *range(10, 14)], preferred_below=10)
+    assert pool.allocate(2) == [0, 1] and pool.allocate(2) == [10, 11]
+    assert pool.cache_chain([0, 10, 11], [100, 101, 102], 0, 3) == 3  # device 0, then host 10, 11
+    assert pool.promote(10) is None  # in use: it may not be written yet
+    pool.free([11, 10, 0])
+    assert pool.promote(10) is None  # no free uncached device block
+    pool.free([1])
+    assert pool.promote(10) == 1
+    assert pool.lookup_chain([100, 101, 102]) == [0, 1, 11]  # the child stays hit-able through the new parent
+    assert pool.block_hash(10) is None and 10 in pool.uncached_free_block_ids()
+    assert 1 in pool.cached_free_block_ids() and pool.num_preferred_cached(4) == 2
+    assert pool.promote(11) is None  # no free device block left
+    assert pool.promote(12) is None  # not cached
+    pool.check_invariants()
+    assert pool.evict_preferred(1, protect={0}) == [1, 11]  # the moved block evicts like any other, descendants too
+    pool.check_invariants()
+    assert BlockPool(range(4)).promote(0) is None  # one tier

@@ -264,10 +264,10 @@ def test_the_host_bound_needs_a_positive_block_count():
 
 
 @pytest.mark.parametrize("other_blocks", [4, 1])
-def test_host_hits_past_the_bound_are_recomputed_on_the_device_if_it_has_room(other_blocks):
-    """A request whose own host prefix hits take it past the bound: rather than wait, it drops them (uncached, with
-    the rest of their chain) and recomputes that part onto the device, once another prefix's device blocks are
-    evicted for it. With too few of them to evict, it waits and nothing is evicted or dropped."""
+def test_host_hits_past_the_bound_are_copied_to_the_device_if_it_has_room(other_blocks):
+    """A request whose own host prefix hits take it past the bound: rather than wait, their places in the prefix
+    cache move to device blocks, freed by evicting another prefix, and the backend copies them before the step
+    (``out.promoted``). With too few device blocks to evict, it waits and nothing is evicted or moved."""
     sched = make_two_tier(2 + other_blocks, 12, bound=3)
     other, shared = list(range(500, 500 + 4 * other_blocks)), list(range(20))
     sched.add_request(req("other", other, out=1))
@@ -278,17 +278,36 @@ def test_host_hits_past_the_bound_are_recomputed_on_the_device_if_it_has_room(ot
     step(sched)
     assert host_held(sched) == 1
     sched.add_request(req("again", shared + [99], out=2))  # hits 2 device and 3 host blocks: 1 + 3 + 1 > 3
+    first_host_blocks = sched.kv.pool.lookup_chain(req("x", shared).block_hashes)[2:]
     out, _, _ = step(sched)
     chain = sched.kv.pool.lookup_chain(req("x", shared).block_hashes)
-    if other_blocks == 4:  # recomputes 13 tokens: 4 blocks; running's 2nd token took a 2nd host block, so the
-        # bound has room for 1 of them and 3 of other's device blocks are evicted for the rest
-        assert plan(out) == [("running", 1), ("again", 13)] and sched.num_host_hits_dropped == 3
-        assert host_held(sched) == 3 and sched.kv.num_host_blocks("again") == 1
-        assert out.num_evicted_blocks == 3 + 3  # the 3 host hits dropped, 3 of other's device blocks
-        assert len(chain) == 5 and max(chain) < HOST_FROM  # the shared prefix is cached on the device now
+    if other_blocks == 4:  # 3 of other's 4 device blocks are evicted for the 3 host hits
+        assert plan(out) == [("running", 1), ("again", 1)]  # all 5 blocks hit: only its last token is computed
+        assert [src for src, _ in out.promoted] == first_host_blocks and sched.num_host_hits_promoted == 3
+        assert chain[2:] == [dst for _, dst in out.promoted] and max(chain) < HOST_FROM
+        assert sched.num_host_hits_dropped == 0 and out.num_evicted_blocks == 3
+        assert host_held(sched) == 3  # running's 2 and again's last, partial block
     else:
         assert plan(out) == [("running", 1)] and sched.num_host_bound_waits == 1 and out.num_evicted_blocks == 0
-        assert sched.num_host_hits_dropped == 0 and len(chain) == 5 and max(chain) >= HOST_FROM
+        assert out.promoted == [] and chain[2:] == first_host_blocks
+
+
+def test_host_hits_in_use_are_recomputed_not_copied():
+    """Host hits another running request holds may still be being written: they are not moved but uncached, and
+    the request recomputes them onto device blocks a finished request's prefix gives way for."""
+    sched = make_two_tier(4, 20, bound=8)
+    shared = list(range(20))
+    sched.add_request(req("filler", list(range(500, 516)), out=2))  # the 4 device blocks
+    sched.add_request(req("holder", shared, out=40))  # 5 host blocks
+    step(sched)
+    step(sched)  # filler done: its 4 device blocks cached; holder's first output took a sixth host block
+    sched.add_request(req("again", shared + [99], out=2))  # its 5 host hits, held by holder: 6 + 5 > 8
+    out, _, _ = step(sched)
+    assert plan(out) == [("holder", 1), ("again", 21)] and out.promoted == []
+    assert sched.num_host_hits_dropped == 5 and sched.num_host_hits_promoted == 0
+    assert sched.kv.get_blocks("again")[:4] == [0, 1, 2, 3] and host_held(sched) == 8
+    chain = sched.kv.pool.lookup_chain(req("x", shared).block_hashes)
+    assert chain[:4] == [0, 1, 2, 3]  # the recomputed device copy is the cached one now
 
 
 def test_a_request_that_adds_no_host_kv_is_admitted_past_the_bound():

@@ -255,6 +255,32 @@ def test_a_host_kv_bound_and_prefix_eviction_keep_parity(tiny_checkpoint, hf_ref
         check_books(engine)
 
 
+def test_host_hits_copied_to_device_blocks_keep_parity(tiny_checkpoint, monkeypatch):
+    """Two turns: the second extends every first-turn conversation. Under a bound of 8 host blocks the second turn's
+    host prefix hits do not fit, so their places in the prefix cache move to device blocks and the engine copies
+    them before the step. Output equals an engine that keeps all KV on the device (itself transformers' parity
+    engine); without the copy it does not."""
+    checkpoint = tiny_checkpoint("qwen3_moe")
+    block_bytes = KVLayout.of(load_model(checkpoint), BLOCK_SIZE).block_bytes
+    prompts = parity_prompts()
+    reference = Engine(checkpoint, **{**TIGHT, "kv_budget_bytes": 512 * PAGE_BYTES})
+    first = reference.generate(prompts, 8)
+    second = [p + o.token_ids for p, o in zip(prompts, first.outputs)]
+    expected = reference.generate(second, 8)
+    engine = Engine(checkpoint, split_policy="writescope", split_costs=balanced_costs,
+                    kv_host_active_bytes=8 * block_bytes, **{**SPILL, "kv_budget_bytes": 6 * PAGE_BYTES})
+    assert [o.token_ids for o in engine.generate(prompts, 8).outputs] == [o.token_ids for o in first.outputs]
+    result = engine.generate(second, 8)
+    assert [o.token_ids for o in result.outputs] == [o.token_ids for o in expected.outputs]
+    assert result.stats.host_blocks_promoted > 0 and result.stats.host_hits_recomputed == 0
+    check_books(engine)
+    monkeypatch.setattr(Engine, "_copy_promoted", lambda self, pairs: None)
+    engine = Engine(checkpoint, split_policy="writescope", split_costs=balanced_costs,
+                    kv_host_active_bytes=8 * block_bytes, **{**SPILL, "kv_budget_bytes": 6 * PAGE_BYTES})
+    engine.generate(prompts, 8)
+    assert [o.token_ids for o in engine.generate(second, 8).outputs] != [o.token_ids for o in expected.outputs]
+
+
 # ---- options and the CLI -------------------------------------------------------------------------------------
 
 

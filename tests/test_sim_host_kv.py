@@ -195,6 +195,27 @@ def test_an_admission_bound_on_host_kv_trades_ttft_for_tpot(capsys, tmp_path):
     assert free["completed"] == bounded["completed"] == 6 and bounded["preemptions"] == 0
 
 
+def test_host_hits_past_the_bound_are_copied_and_charged():
+    """With 4 GiB of device KV and a 2 GiB bound, later turns' host prefix hits move to device blocks: each copy is
+    charged at the link's streaming rate, and the replay is the same stepped or fast-forwarded."""
+    config = ReplayConfig(model="qwen3-30b-a3b", gpu="h100", kv_budget_gib=4.0, kv_host_gib=16.0,
+                          kv_host_active_gib=2.0)
+    results = []
+    for fast in (False, True):
+        built = build_replay(sessions(), config)
+        built.replay.fast_forward = fast
+        metrics = built.replay.run()
+        built.replay.scheduler.kv.check_invariants()
+        sched, counters = built.replay.scheduler, built.host_kv.counters
+        results.append((metrics.to_dict(), list(metrics.ttft), sched.num_host_hits_promoted, counters))
+    (m, _, promoted, counters), _ = results
+    assert results[0] == results[1]
+    assert promoted == counters.promoted_blocks > 0 and m["completed"] == sessions().num_requests
+    costs = built.host_kv._costs(0, 1)
+    per_block = built.host_kv.attention.block_bytes * costs.stream_s_per_byte
+    assert promoted * per_block < counters.promote_s <= promoted * per_block + counters.steps * costs.stream_fixed_s
+
+
 def test_compare_refuses_a_bad_policy_before_any_replay(capsys, monkeypatch):
     """--kv-host-gib with vamp among the policies: one error line before the first replay runs, not after."""
     from moetide.cli import main

@@ -196,8 +196,10 @@ def host_kv_rows(config: dict, metrics: dict) -> list[list[str]]:
                              f"steps, CPU share {host['cpu_share']:.3f} ({host['policy']})"],
         ["time host KV added", f"{host['added_s']:,.1f} s"],
         *([["host KV bound", f"{config['kv_host_active_gib']:g} GiB ({host['active_bound_blocks']:,} blocks) attended "
-                             f"per step: admission held {host['bound_waits']:,} times; host hits recomputed "
-                             f"{host['host_hits_recomputed_blocks']:,} blocks; peak {host['peak_host_blocks_used']:,}"]]
+                             f"per step: admission held {host['bound_waits']:,} times; host hits copied to the "
+                             f"GPU {host['host_hits_promoted_blocks']:,} blocks ({host['promote_s']:,.1f} s), "
+                             f"recomputed {host['host_hits_recomputed_blocks']:,}; peak "
+                             f"{host['peak_host_blocks_used']:,}"]]
           if host.get("active_bound_blocks") else []),
     ]
 

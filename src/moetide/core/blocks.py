@@ -336,6 +336,34 @@ class BlockPool:
                 got += sum(1 for b in evicted[start:] if b < bound)
         return evicted
 
+    def promote(self, block_id: int) -> int | None:
+        """Move a free cached block's registration — its hash and its place in its chain — to the first uncached
+        free block below ``preferred_below`` (a device block, in a two-tier pool), and return that block; the old
+        one becomes uncached. The caller copies the content (the engine at the start of the step, the replay by
+        charging the copy). Its registered descendants stay: their parent hash is unchanged. None, changing
+        nothing, when the block is in use (a block registered this step may not be computed yet), not cached, or
+        no such free block is left."""
+        bound = self.preferred_below
+        if bound is None or self._ref_cnt.get(block_id) != 0 or block_id not in self._hash_of:
+            return None
+        target = next(iter(self._uncached_free), None)
+        if target is None or target >= bound:
+            return None
+        block_hash, parent_hash = self._hash_of.pop(block_id), self._parent_of.pop(block_id)
+        self._hash_of[target], self._parent_of[target] = block_hash, parent_hash
+        self._block_of[block_hash] = target
+        if parent_hash is not None:
+            siblings = self._children[parent_hash]
+            siblings.discard(block_id)
+            siblings.add(target)
+        del self._cached_free[block_id], self._uncached_free[target]
+        self._cached_free[target] = None
+        self._uncached_free[block_id] = None
+        if block_id < bound:
+            self._uncached_free.move_to_end(block_id, last=False)
+        self._no_preferred_cached_at = -1  # a cached-free device block appeared
+        return target
+
     def uncache(self, block_id: int) -> list[int]:
         """Unregister one block and every registered descendant, in use or free (a block in use stays with its
         holders, now private). Returns the free ones, which join the uncached queue. A block not registered: []."""

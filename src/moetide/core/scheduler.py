@@ -16,7 +16,7 @@ preempt, offload experts — carries it out and retries. Rules inherited from vL
 * a waiting request that cannot get memory blocks the queue behind it (FCFS).
 With a host KV tier (a two-tier pool), ``max_host_blocks_held`` bounds admission by the host KV that running
 requests attend each step: a waiting request that would take it past the bound waits, as one short of memory
-does, once evicting cached device prefixes and recomputing its own host hits onto the device cannot make room
+does, once evicting cached device prefixes and moving its own host hits onto the device cannot make room
 (``Scheduler._host_room``). Without a bound, every spilled context is attended every step, and a large tier buys
 shorter queues with slower steps (docs/writescope.md, "An admission bound").
 Sessions (conversations, agent runs) are tracked by id: when each last spoke and how many requests it has in
@@ -70,6 +70,9 @@ class SchedulerOutput:
     failed: list[Request] = field(default_factory=list)  # can never fit: the pool is smaller than the request
     offloaded: list[tuple[int, int]] = field(default_factory=list)
     reclaimed: bool = False  # the policy gave the last offloaded region back to its experts before this step
+    # (host block, device block): the device block took over the host block's place in the prefix cache
+    # (``BlockPool.promote``); the backend copies its content before this step's forward, scheduled or not
+    promoted: list[tuple[int, int]] = field(default_factory=list)
     num_evicted_blocks: int = 0
     total_num_scheduled_tokens: int = 0
 
@@ -112,7 +115,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_evicted_blocks = 0
         self.num_host_bound_waits = 0  # admissions deferred by max_host_blocks_held
-        self.num_host_hits_dropped = 0  # host prefix hits recomputed onto the device instead (max_host_blocks_held)
+        # host prefix hits past max_host_blocks_held: copied to device blocks, or recomputed there
+        self.num_host_hits_promoted = 0
+        self.num_host_hits_dropped = 0
         # (request, pool free_version, token budget) of the last failed admission: until blocks are freed, the
         # same head with no smaller budget fails again, so it is not retried (it would cost O(context) per step).
         # Exact for `vllm`; for a policy whose answer also moves with time (vamp's allowance, moved at reviews)
@@ -202,7 +207,7 @@ class Scheduler:
                     self._blocked = (request, self.kv.pool.free_version, budget)
                     self.num_host_bound_waits += 1
                     break  # FCFS: wait for running requests to release host KV
-                if len(kept) < len(hits):
+                if kept is not hits:  # host hits moved to device blocks, or dropped to be recomputed
                     hits, num_computed = kept, len(kept) * self.kv.block_size
             request.num_computed_tokens = num_computed
             if self._admitting is not None:
@@ -239,10 +244,11 @@ class Scheduler:
         * cached prefixes in device blocks: the fewest least recently used ones that make it fit (never its own
           hits) are evicted, so that prompts are written to the device instead (under ``evict_device_prefixes``
           allocation evicts them itself);
-        * its own host hits: the prefix from the first host hit on is uncached (with every registered block after
-          it, as any eviction) and recomputed onto the device, if the device can take it, so that the device copy
-          is the cached one. Else a conversation whose context once spilled would hit its host copy every turn,
-          and could run only while the bound had room for all of it.
+        * its own host hits, if they alone leave no room and the device can take them (evictions as above): each
+          free one moves to a device block (``_promote``: the backend copies it before the step), and from the
+          first that cannot (in use by another request, so perhaps not yet written) the prefix is uncached and
+          recomputed. Either way the device copy is the cached one from then on. Else a conversation whose context
+          once spilled would hit its host copy every turn, and could run only while the bound had room for it.
         With nothing running, the request is admitted whatever the bound (else it might never run), after device
         prefixes give way for as much of its prompt as they can. These evictions happen before allocation: should
         it fail for want of host blocks (a full tier, which the bound does not see), they are not undone.
@@ -253,21 +259,44 @@ class Scheduler:
         if evict is None:
             cut = next((i for i, b in enumerate(hits) if b >= first_host), None)  # type: ignore[operator]
             evict = None if cut is None else self._host_evictions(request, hits[:cut])
-            if evict is not None:
-                dropped = kv.pool.uncache(hits[cut])  # type: ignore[index]
-                out.num_evicted_blocks += len(dropped)
-                self.num_evicted_blocks += len(dropped)
-                self.num_host_hits_dropped += len(hits) - cut  # type: ignore[operator]
-                hits = hits[:cut]
-            elif self.running:
+            if evict is not None:  # promotion takes uncached device blocks: evict now, in either mode
+                self._evict_device(evict, hits[:cut], out)  # type: ignore[index]
+                return self._promote(hits, cut, out)  # type: ignore[arg-type]
+            if self.running:
                 return None
-            else:  # alone: admitted as it is, with as much of its prompt on the device as evictions allow
-                evict = self._host_evictions(request, hits, alone=True)
+            evict = self._host_evictions(request, hits, alone=True)  # alone: admitted as it is
         if evict and not kv.evict_device_prefixes:
-            evicted = kv.pool.evict_preferred(evict, protect=hits)
-            out.num_evicted_blocks += len(evicted)
-            self.num_evicted_blocks += len(evicted)
+            self._evict_device(evict, hits, out)
         return hits
+
+    def _evict_device(self, num_blocks: int, protect: list[int], out: SchedulerOutput) -> None:
+        evicted = self.kv.pool.evict_preferred(num_blocks, protect=protect)
+        out.num_evicted_blocks += len(evicted)
+        self.num_evicted_blocks += len(evicted)
+
+    def _promote(self, hits: list[int], cut: int, out: SchedulerOutput) -> list[int]:
+        """Hits from ``cut`` on, moved to the device: each free host hit's registration goes to a free device block
+        (``BlockPool.promote``) whose content the backend copies before the step runs (``out.promoted``). Where one
+        cannot be moved (in use, or no free device block left), it is uncached with the rest of its chain, and the
+        request recomputes from there."""
+        pool, first_host = self.kv.pool, self.kv.pool.preferred_below
+        kept = hits[:cut]
+        for block_id in hits[cut:]:
+            if block_id < first_host:  # type: ignore[operator]
+                kept.append(block_id)
+                continue
+            target = pool.promote(block_id)
+            if target is None:
+                break
+            kept.append(target)
+            out.promoted.append((block_id, target))
+            self.num_host_hits_promoted += 1
+        if len(kept) < len(hits):
+            dropped = pool.uncache(hits[len(kept)])
+            out.num_evicted_blocks += len(dropped)
+            self.num_evicted_blocks += len(dropped)
+            self.num_host_hits_dropped += len(hits) - len(kept)
+        return kept
 
     def _host_evictions(self, request: Request, hits: list[int], alone: bool = False) -> int | None:
         """The fewest cached device blocks to evict for ``request``, with these hits, to pass ``_host_room``'s
@@ -292,9 +321,7 @@ class Scheduler:
         if alone:
             return min(options[0], evictable)
         fits = [e for e in options if e <= evictable]
-        if not fits:
-            return None
-        return 0 if kv.evict_device_prefixes else min(fits)
+        return min(fits) if fits else None
 
     def _allocate(
         self, request: Request, n: int, hits: list[int], is_running: bool, index: int, out: SchedulerOutput

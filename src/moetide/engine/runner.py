@@ -76,6 +76,8 @@ class EngineStats:
     kv_host_blocks: int = 0  # host KV capacity in blocks (0: no host KV); ``kv_blocks`` counts them too
     split_policy: str | None = None  # with host KV: the split policy
     host_bound_waits: int = 0  # admissions deferred by the host KV bound (``kv_host_active_bytes``)
+    host_blocks_promoted: int = 0  # host prefix hits past that bound copied to device blocks
+    host_hits_recomputed: int = 0  # host prefix hits past that bound that could not be copied: recomputed
     split: dict = field(default_factory=dict)  # with host KV: ``SplitCounters`` of this call
 
 
@@ -137,6 +139,7 @@ class Engine:
         self.parts: EngineParts = build_engine(Path(model_dir), config, policy, dict(policy_params or {}),
                                                split_costs)
         self._next_request = 0
+        self._num_promoted = 0  # host blocks copied to device blocks over the engine's life (_copy_promoted)
         t0 = time.perf_counter()  # the scheduler's clock: engine seconds since it was built, unless given
         self._clock = clock or (lambda: time.perf_counter() - t0)
         params = getattr(self.parts.scheduler.policy, "params", None)
@@ -203,6 +206,8 @@ class Engine:
         sched = self.scheduler
         running_before = {id(r) for r in sched.running}
         out = sched.schedule(self._clock())
+        if out.promoted:
+            self._copy_promoted(out.promoted)
         failed = [r.request_id for r in out.failed]
         if out.is_empty:
             if not (failed or out.preempted) and sched.has_work:
@@ -224,6 +229,14 @@ class Engine:
         if self._step_stats is not None:
             self._step_stats.record(seconds, out.total_num_scheduled_tokens, decode)
         return failed
+
+    def _copy_promoted(self, pairs: list[tuple[int, int]]) -> None:
+        """Host prefix blocks whose place in the prefix cache went to device blocks (``SchedulerOutput.promoted``):
+        their bytes, in the one layout both tiers share, are copied before the step's forward reads them."""
+        host, storage = self.parts.host_kv, self.parts.storage
+        for src, dst in pairs:
+            storage.kv_block(dst).copy_(host.block_bytes_view[src - host.first_block_id], non_blocking=True)
+        self._num_promoted += len(pairs)
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         parts, kv = self.parts, self.scheduler.kv
@@ -270,17 +283,18 @@ class Engine:
             stats.prefill_s += seconds
         return decode
 
-    def _lifetime_counts(self) -> tuple[int, int, int, int]:
+    def _lifetime_counts(self) -> tuple[int, ...]:
         """The engine's lifetime counters that ``EngineStats`` reports per call (as differences)."""
         sched = self.scheduler
         return (sched.num_evicted_blocks, sched.num_preemptions, self.parts.expert_line.num_reclaims,
-                sched.num_host_bound_waits)
+                sched.num_host_bound_waits, self._num_promoted, sched.num_host_hits_dropped)
 
     def _finish_stats(self, stats: EngineStats, requests: list[Request], failed: set[str],
-                      counts0: tuple[int, int, int, int]) -> None:
-        evicted, preempted, reclaims, waits = (a - b for a, b in zip(self._lifetime_counts(), counts0))
+                      counts0: tuple[int, ...]) -> None:
+        evicted, preempted, reclaims, waits, promoted, dropped = (
+            a - b for a, b in zip(self._lifetime_counts(), counts0))
         stats.prefix_evictions, stats.preemptions, stats.expert_reclaims = evicted, preempted, reclaims
-        stats.host_bound_waits = waits
+        stats.host_bound_waits, stats.host_blocks_promoted, stats.host_hits_recomputed = waits, promoted, dropped
         stats.experts_offloaded = self.residency.num_offloaded
         stats.offloaded_ratio = self.residency.offloaded_ratio
         stats.kv_blocks = self.scheduler.kv.pool.num_blocks

@@ -88,6 +88,8 @@ class HostKVCounters:
     device_tokens: int = 0
     added_s: float = 0.0  # what the host KV added to the attention phases, over the whole replay
     peak_host_blocks_used: int = 0
+    promoted_blocks: int = 0  # host prefix hits copied to device blocks (the admission bound's promotions)
+    promote_s: float = 0.0  # the time those copies took (charged to their steps)
 
     def as_dict(self, stepper: SplitStepper) -> dict[str, object]:
         host = self.cpu_tokens + self.streamed_tokens
@@ -123,6 +125,15 @@ class HostKV:
             c = split_coefficients(self.attention, 0, num_queries)
             base = self._base_costs[num_queries] = SplitCosts(**dataclasses.asdict(c))
         return dataclasses.replace(base, gpu_fixed_s=gpu_fixed_s(self.attention, device_tokens, num_queries))
+
+    def promote_s(self, num_blocks: int) -> float:
+        """Seconds to copy ``num_blocks`` host blocks to device blocks over the link: one transfer, at the rate
+        streamed KV gets (``SplitCosts.stream_*``). Counted."""
+        costs = self._costs(0, 1)
+        seconds = costs.stream_fixed_s + num_blocks * self.attention.block_bytes * costs.stream_s_per_byte
+        self.counters.promoted_blocks += num_blocks
+        self.counters.promote_s += seconds
+        return seconds
 
     def seqs(self, kv: KVCacheManager, contexts: list[tuple[str, int]]) -> list[SeqKV]:
         """The step's running requests' KV by residency, from (request id, context after the step). A request's

@@ -97,6 +97,8 @@ class Replay:
                 metrics.failed_request(request, self.now_s)
                 self._turn_done(request)
             if out.is_empty:
+                if out.promoted:  # an admission that moved host hits, then failed to allocate: the copy still runs
+                    self.now_s += self.host_kv.promote_s(len(out.promoted))  # type: ignore[union-attr]
                 if events:
                     self.now_s = max(self.now_s, events[0][0])
                 elif sched.has_work and not (out.preempted or out.failed):  # a step that only preempted is progress
@@ -114,6 +116,8 @@ class Replay:
             seqs = self.host_kv.seqs(self.scheduler.kv, [(r.request_id, start + n) for (r, n), start in scheduled])
             added, _ = self.host_kv.charge(seqs, max(1, out.total_num_scheduled_tokens // len(seqs)))
             host_tokens = [s.host_tokens for s in seqs]
+            if out.promoted:  # host hits copied to device blocks before the step (core.scheduler, _promote)
+                added += self.host_kv.promote_s(len(out.promoted))
         # the roofline step attends the device-resident KV only: each query against the host tokens is charged in
         # ``added`` (a chunk whose own tokens went to host blocks is counted as if they preceded it)
         num_decode = kv_read = pairs = 0

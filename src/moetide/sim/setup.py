@@ -357,7 +357,8 @@ def run_replay(
         result["metrics"]["host_kv"] = {**built.host_kv.counters.as_dict(built.host_kv.stepper),
                                         "active_bound_blocks": sched.config.max_host_blocks_held,
                                         "bound_waits": sched.num_host_bound_waits,
-                                        "host_hits_recomputed_blocks": sched.num_host_hits_dropped}
+                                        "host_hits_recomputed_blocks": sched.num_host_hits_dropped,
+                                        "host_hits_promoted_blocks": sched.num_host_hits_promoted}
     return result, metrics
 
 

@@ -202,8 +202,10 @@ def _emit(json_path: str | None, report: dict) -> None:
               f"{split['cpu_s'] * 1e3:.1f} ms measured, {split['predicted_cpu_s'] * 1e3:.1f} ms predicted"
               + (f"; correction factor {split['correction_factor']:.2f}, {split['probes']} probes"
                  if stats['split_policy'] == "writescope" else "")
-              + (f"; admission held {stats['host_bound_waits']} times by the host KV bound"
-                 if stats['host_bound_waits'] else ""))
+              + (f"; admission held {stats['host_bound_waits']} times by the host KV bound, host hits copied to the "
+                 f"device {stats['host_blocks_promoted']} blocks, recomputed {stats['host_hits_recomputed']}"
+                 if stats['host_bound_waits'] or stats['host_blocks_promoted'] or stats['host_hits_recomputed']
+                 else ""))
     if json_path is not None:
         try:
             Path(json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

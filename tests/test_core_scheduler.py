@@ -358,3 +358,99 @@ def test_under_evict_mode_running_prompts_count_cached_device_prefixes_as_room()
         step(sched)
         peak = max(peak, host_held(sched))
     assert sched.num_host_hits_dropped == 0 and peak == 3
+
+
+def test_an_own_device_hit_after_host_hits_is_kept_when_they_are_promoted():
+    """A chain host, host, device (its context spilled, then got a device block again): moving the host hits must
+    not evict the device hit after them (a review's crash: 'stale prefix hit')."""
+    pool = BlockPool([*range(3), *range(HOST_FROM, HOST_FROM + 20)], preferred_below=HOST_FROM)
+    kv = KVCacheManager(pool, BS)
+    sched = Scheduler(SchedulerConfig(), kv, get_policy("vllm"))
+    sched.add_request(req("occ", list(range(1000, 1012)), out=1))  # 3 device blocks, then cached
+    step(sched)
+    sched.add_request(req("s", list(range(8)), out=5))  # its prompt spills: 2 host blocks
+    step(sched)
+    pool.evict_preferred(3)  # occ's prefix goes: s's next block is a device one
+    while sched.has_work:
+        step(sched)
+    s_tokens = list(range(8)) + [7] * 4
+    assert pool.lookup_chain(req("q", s_tokens).block_hashes) == [HOST_FROM, HOST_FROM + 1, 0]
+    sched.config = SchedulerConfig(max_host_blocks_held=1)
+    sched.add_request(req("t", s_tokens + [1], out=2))
+    out, _, _ = step(sched)
+    assert out.promoted == [(HOST_FROM, 1), (HOST_FROM + 1, 2)] and plan(out) == [("t", 1)]
+    assert sched.kv.get_blocks("t")[:3] == [1, 2, 0]
+
+
+def test_random_two_tier_runs_keep_the_bound_and_every_token_in_place():
+    """Seeded random runs (both device-prefix modes, chunked prefill, shared prefixes, outputs): the books check
+    every step; an admission beside running requests never takes the host total past the bound with blocks of
+    its own; and every token a step reads sits where the backend would find it, promoted copies included."""
+    import random
+
+    checked = promoted = 0
+    for seed in range(150):
+        rng = random.Random(seed)
+        pool = BlockPool([*range(rng.randint(3, 12)), *range(HOST_FROM, HOST_FROM + rng.randint(4, 24))],
+                         preferred_below=HOST_FROM)
+        kv = KVCacheManager(pool, BS, evict_device_prefixes=rng.random() < 0.5)
+        bound = rng.randint(1, 8)
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=rng.choice([8, 16, 64]), max_num_seqs=4,
+                                          long_prefill_token_threshold=rng.choice([0, 4]),
+                                          max_host_blocks_held=bound), kv, get_policy("vllm"))
+        bases = [list(range(10_000 * k, 10_000 * k + rng.randint(4, 24))) for k in range(4)]
+        content: dict[int, list] = {}
+        for t in range(150):
+            if rng.random() < 0.4:
+                base = rng.choice(bases)
+                tokens = base[: rng.randint(1, len(base))] + [rng.randint(50_000, 60_000) for _ in range(4)]
+                sched.add_request(req(f"r{t}", tokens, out=rng.randint(1, 6)))
+                if rng.random() < 0.3:
+                    bases.append(tokens)
+            if not sched.has_work:
+                continue
+            before = {r.request_id for r in sched.running}
+            out = sched.schedule()
+            kv.check_invariants()
+            for src, dst in out.promoted:
+                assert src >= HOST_FROM > dst
+                content[dst] = list(content.get(src, [None] * BS))
+            promoted += len(out.promoted)
+            new = [r.request_id for r, _ in out.scheduled if r.request_id not in before]
+            for rid in new[0 if before else 1:]:  # the first admitted into an empty batch may pass the bound
+                assert not (kv.num_host_blocks(rid) and kv.num_host_blocks_held > bound and not out.preempted)
+            for (r, n), start in zip(out.scheduled, out.num_computed_before):
+                table = kv.get_blocks(r.request_id)
+                for p in range(start, start + n):
+                    content.setdefault(table[p // BS], [None] * BS)[p % BS] = r.token_ids[p]
+                for p in range(start + n):
+                    assert content[table[p // BS]][p % BS] == r.token_ids[p]
+                    checked += 1
+            sched.update(out, {r.request_id: 7 for r, _ in out.scheduled})
+    assert promoted > 0 and checked > 10_000
+
+
+def test_a_host_hit_in_use_makes_the_rest_of_the_prefix_count_as_prompt_to_write():
+    """A running request holds the chain host, device. Another request's hits are both; past the bound, its host
+    hit in use cannot be copied, so from it on the prefix would be recomputed, the device hit after it included:
+    three blocks to write, with two device prefixes to evict and no host room. It waits, nothing evicted; counting
+    the device hit as kept would admit it and then spill past the bound (a review's fuzz found this)."""
+    pool = BlockPool([*range(4), *range(HOST_FROM, HOST_FROM + 20)], preferred_below=HOST_FROM)
+    kv = KVCacheManager(pool, BS)
+    sched = Scheduler(SchedulerConfig(long_prefill_token_threshold=4), kv, get_policy("vllm"))
+    sched.add_request(req("occ", list(range(1000, 1016)), out=1))  # 4 device blocks, then cached
+    while sched.has_work:
+        step(sched)
+    sched.add_request(req("a", list(range(8)), out=40))
+    step(sched)  # a's first chunk: a host block
+    pool.evict_preferred(4)  # occ's prefix goes
+    step(sched)  # a's second chunk: a device block
+    sched.add_request(req("occ2", list(range(2000, 2012)), out=1))
+    while len(sched.running) > 1 or sched.waiting:
+        step(sched)
+    assert kv.get_blocks("a") == [HOST_FROM, 0, 1] and pool.num_preferred_cached(8) == 2
+    sched.config = SchedulerConfig(max_host_blocks_held=1, long_prefill_token_threshold=4)
+    sched.add_request(req("b", list(range(8)) + [9], out=2))  # hits a's host block and a's device block
+    out, _, _ = step(sched)
+    assert plan(out) == [("a", 1)] and sched.num_host_bound_waits == 1
+    assert sched.num_host_hits_dropped == 0 and out.num_evicted_blocks == 0 and host_held(sched) == 1

@@ -258,9 +258,15 @@ class Scheduler:
         evict = self._host_evictions(request, hits)
         if evict is None:
             cut = next((i for i, b in enumerate(hits) if b >= first_host), None)  # type: ignore[operator]
-            evict = None if cut is None else self._host_evictions(request, hits[:cut])
+            if cut is not None:  # as _promote will do: its free host hits take device blocks, and from the
+                # first host hit in use on the prefix is recomputed, so only device hits before that are kept
+                pool = kv.pool
+                end = next((i for i in range(cut, len(hits))
+                            if hits[i] >= first_host and not pool.is_free(hits[i])), len(hits))  # type: ignore
+                device_hits = [b for b in hits[:end] if b < first_host]  # type: ignore[operator]
+                evict = self._host_evictions(request, device_hits, protect=hits)
             if evict is not None:  # promotion takes uncached device blocks: evict now, in either mode
-                self._evict_device(evict, hits[:cut], out)  # type: ignore[index]
+                self._evict_device(evict, hits, out)
                 return self._promote(hits, cut, out)  # type: ignore[arg-type]
             if self.running:
                 return None
@@ -276,32 +282,37 @@ class Scheduler:
 
     def _promote(self, hits: list[int], cut: int, out: SchedulerOutput) -> list[int]:
         """Hits from ``cut`` on, moved to the device: each free host hit's registration goes to a free device block
-        (``BlockPool.promote``) whose content the backend copies before the step runs (``out.promoted``). Where one
-        cannot be moved (in use, or no free device block left), it is uncached with the rest of its chain, and the
-        request recomputes from there."""
+        (``BlockPool.promote``) whose content the backend copies before the step runs (``out.promoted``). Once no
+        free device block is left, the remaining hits stay where they are (recomputing them would only write them
+        to the host again). A host hit in use by another request may not be written yet, so it cannot be copied:
+        from it on the prefix is uncached, with the rest of its chain, and recomputed."""
         pool, first_host = self.kv.pool, self.kv.pool.preferred_below
         kept = hits[:cut]
-        for block_id in hits[cut:]:
+        for i in range(cut, len(hits)):
+            block_id = hits[i]
             if block_id < first_host:  # type: ignore[operator]
                 kept.append(block_id)
                 continue
+            if not pool.is_free(block_id):
+                dropped = pool.uncache(block_id)
+                out.num_evicted_blocks += len(dropped)
+                self.num_evicted_blocks += len(dropped)
+                self.num_host_hits_dropped += len(hits) - i
+                break
             target = pool.promote(block_id)
-            if target is None:
+            if target is None:  # no free device block left
+                kept.extend(hits[i:])
                 break
             kept.append(target)
             out.promoted.append((block_id, target))
             self.num_host_hits_promoted += 1
-        if len(kept) < len(hits):
-            dropped = pool.uncache(hits[len(kept)])
-            out.num_evicted_blocks += len(dropped)
-            self.num_evicted_blocks += len(dropped)
-            self.num_host_hits_dropped += len(hits) - len(kept)
         return kept
 
-    def _host_evictions(self, request: Request, hits: list[int], alone: bool = False) -> int | None:
+    def _host_evictions(self, request: Request, hits: list[int], alone: bool = False,
+                        protect: list[int] | None = None) -> int | None:
         """The fewest cached device blocks to evict for ``request``, with these hits, to pass ``_host_room``'s
         test: 0 if none, None if evicting every one it may is not enough. ``alone``: as many as keep its own
-        prompt off the host."""
+        prompt off the host. ``protect``: the request's hits, when ``hits`` is a part of them (never evicted)."""
         kv = self.kv
         pool, first_host, bs = kv.pool, kv.pool.preferred_below, kv.block_size
         running_pending = 0
@@ -309,7 +320,8 @@ class Scheduler:
             running_pending += max(-(-running.num_tokens // bs) - kv.num_held_blocks(running.request_id), 0)
         pending = running_pending + -(-request.num_tokens // bs) - len(hits) + kv.num_state_blocks_per_request
         device = pool.num_preferred_uncached(pending)
-        free_device_hits = pool.num_free_among(b for b in hits if b < first_host)  # type: ignore[operator]
+        free_device_hits = pool.num_free_among(
+            b for b in (hits if protect is None else protect) if b < first_host)  # type: ignore[operator]
         evictable = max(pool.num_preferred_cached(max(pending - device, 0) + free_device_hits) - free_device_hits, 0)
         host_hits = len(hits) - sum(1 for b in hits if b < first_host)  # type: ignore[operator]
         # e evictions: the total stays within the bound when held + host hits + (pending - device - e) <= bound;

@@ -17,7 +17,7 @@ preempt, offload experts — carries it out and retries. Rules inherited from vL
 With a host KV tier (a two-tier pool), ``max_host_blocks_held`` bounds admission by the host KV that running
 requests attend each step: a waiting request that would take it past the bound waits, as one short of memory
 does, once evicting cached device prefixes and moving its own host hits onto the device cannot make room
-(``Scheduler._host_room``). Without a bound, every spilled context is attended every step, and a large tier buys
+(``core.host_admission``). Without a bound, every spilled context is attended every step, and a large tier buys
 shorter queues with slower steps (docs/writescope.md, "An admission bound").
 Sessions (conversations, agent runs) are tracked by id: when each last spoke and how many requests it has in
 flight — what a policy needs to guess whether a cached prefix will be reused.
@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from moetide.core.host_admission import HostAdmission
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import EvictPrefix, OffloadExperts, Preempt, PressurePolicy, PressureView
 from moetide.core.request import Request, RequestStatus
@@ -44,7 +45,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole token budget
     enable_prefix_caching: bool = True
     # Two-tier pool (host KV): admit a waiting request only if the host blocks that running requests hold, plus
-    # what it would add, stay within this bound (None: no bound). See ``Scheduler._host_room``.
+    # what it would add, stay within this bound (None: no bound). See ``core.host_admission``.
     max_host_blocks_held: int | None = None
 
     def __post_init__(self) -> None:
@@ -115,14 +116,23 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_evicted_blocks = 0
         self.num_host_bound_waits = 0  # admissions deferred by max_host_blocks_held
-        # host prefix hits past max_host_blocks_held: copied to device blocks, or recomputed there
-        self.num_host_hits_promoted = 0
-        self.num_host_hits_dropped = 0
+        # two-tier pool: the rule of config.max_host_blocks_held (read each admission, so the bound may change)
+        self.host_admission = HostAdmission(kv) if kv.pool.preferred_below is not None else None
         # (request, pool free_version, token budget) of the last failed admission: until blocks are freed, the
         # same head with no smaller budget fails again, so it is not retried (it would cost O(context) per step).
         # Exact for `vllm`; for a policy whose answer also moves with time (vamp's allowance, moved at reviews)
         # the head is asked again only after the next free — a known approximation.
         self._blocked: tuple[Request, int, int] | None = None
+
+    @property
+    def num_host_hits_promoted(self) -> int:
+        """Host prefix hits past ``max_host_blocks_held`` copied to device blocks (``core.host_admission``)."""
+        return self.host_admission.num_promoted if self.host_admission is not None else 0
+
+    @property
+    def num_host_hits_dropped(self) -> int:
+        """Host prefix hits past ``max_host_blocks_held`` recomputed onto the device instead."""
+        return self.host_admission.num_dropped if self.host_admission is not None else 0
 
     # ---- requests in and out ------------------------------------------------------------------------------
     def add_request(self, request: Request, now_s: float | None = None) -> None:
@@ -189,8 +199,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        caching = self.config.enable_prefix_caching
-        bounded = self.config.max_host_blocks_held is not None and self.kv.pool.preferred_below is not None
+        caching, bound = self.config.enable_prefix_caching, self.config.max_host_blocks_held
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             blocked = self._blocked
@@ -201,8 +210,10 @@ class Scheduler:
             num_computed = 0
             if caching:
                 hits, num_computed = self.kv.get_computed_blocks(request.block_hashes, request.num_tokens)
-            if bounded:
-                kept = self._host_room(request, hits, out)
+            if bound is not None and self.host_admission is not None:
+                evicted = out.num_evicted_blocks
+                kept = self.host_admission.admit(request, hits, self.running, bound, out)
+                self.num_evicted_blocks += out.num_evicted_blocks - evicted
                 if kept is None:
                     self._blocked = (request, self.kv.pool.free_version, budget)
                     self.num_host_bound_waits += 1
@@ -228,112 +239,6 @@ class Scheduler:
             out.scheduled.append((request, n))
             out.num_computed_before.append(num_computed)
             budget -= n
-
-    def _host_room(self, request: Request, hits: list[int], out: SchedulerOutput) -> list[int] | None:
-        """The prefix hits with which ``request`` can be admitted under ``max_host_blocks_held``; None: it waits.
-
-        The bound is on the host KV (and host state blocks) that running requests attend each step. Counted: the
-        host blocks they hold (``KVCacheManager.num_host_blocks_held``, a shared block once per holder), the
-        request's host prefix hits, and the prompts still to be written — the running requests', then this one's,
-        as they allocate — beyond the free device blocks. The request is admitted when the total stays within the
-        bound, or when it adds nothing to it (a request admitted alone can put the total past the bound; others
-        whose KV goes to the device still join it). Output tokens are not counted: decoding requests can take the
-        total past the bound by them.
-
-        Before the request waits, two things give way, in this order:
-        * cached prefixes in device blocks: the fewest least recently used ones that make it fit (never its own
-          hits) are evicted, so that prompts are written to the device instead (under ``evict_device_prefixes``
-          allocation evicts them itself);
-        * its own host hits, if they alone leave no room and the device can take them (evictions as above): each
-          free one moves to a device block (``_promote``: the backend copies it before the step), and from the
-          first that cannot (in use by another request, so perhaps not yet written) the prefix is uncached and
-          recomputed. Either way the device copy is the cached one from then on. Else a conversation whose context
-          once spilled would hit its host copy every turn, and could run only while the bound had room for it.
-        With nothing running, the request is admitted whatever the bound (else it might never run), after device
-        prefixes give way for as much of its prompt as they can. These evictions happen before allocation: should
-        it fail for want of host blocks (a full tier, which the bound does not see), they are not undone.
-        """
-        kv = self.kv
-        first_host = kv.pool.preferred_below
-        evict = self._host_evictions(request, hits)
-        if evict is None:
-            cut = next((i for i, b in enumerate(hits) if b >= first_host), None)  # type: ignore[operator]
-            if cut is not None:  # as _promote will do: its free host hits take device blocks, and from the
-                # first host hit in use on the prefix is recomputed, so only device hits before that are kept
-                pool = kv.pool
-                end = next((i for i in range(cut, len(hits))
-                            if hits[i] >= first_host and not pool.is_free(hits[i])), len(hits))  # type: ignore
-                device_hits = [b for b in hits[:end] if b < first_host]  # type: ignore[operator]
-                evict = self._host_evictions(request, device_hits, protect=hits)
-            if evict is not None:  # promotion takes uncached device blocks: evict now, in either mode
-                self._evict_device(evict, hits, out)
-                return self._promote(hits, cut, out)  # type: ignore[arg-type]
-            if self.running:
-                return None
-            evict = self._host_evictions(request, hits, alone=True)  # alone: admitted as it is
-        if evict and not kv.evict_device_prefixes:
-            self._evict_device(evict, hits, out)
-        return hits
-
-    def _evict_device(self, num_blocks: int, protect: list[int], out: SchedulerOutput) -> None:
-        evicted = self.kv.pool.evict_preferred(num_blocks, protect=protect)
-        out.num_evicted_blocks += len(evicted)
-        self.num_evicted_blocks += len(evicted)
-
-    def _promote(self, hits: list[int], cut: int, out: SchedulerOutput) -> list[int]:
-        """Hits from ``cut`` on, moved to the device: each free host hit's registration goes to a free device block
-        (``BlockPool.promote``) whose content the backend copies before the step runs (``out.promoted``). Once no
-        free device block is left, the remaining hits stay where they are (recomputing them would only write them
-        to the host again). A host hit in use by another request may not be written yet, so it cannot be copied:
-        from it on the prefix is uncached, with the rest of its chain, and recomputed."""
-        pool, first_host = self.kv.pool, self.kv.pool.preferred_below
-        kept = hits[:cut]
-        for i in range(cut, len(hits)):
-            block_id = hits[i]
-            if block_id < first_host:  # type: ignore[operator]
-                kept.append(block_id)
-                continue
-            if not pool.is_free(block_id):
-                dropped = pool.uncache(block_id)
-                out.num_evicted_blocks += len(dropped)
-                self.num_evicted_blocks += len(dropped)
-                self.num_host_hits_dropped += len(hits) - i
-                break
-            target = pool.promote(block_id)
-            if target is None:  # no free device block left
-                kept.extend(hits[i:])
-                break
-            kept.append(target)
-            out.promoted.append((block_id, target))
-            self.num_host_hits_promoted += 1
-        return kept
-
-    def _host_evictions(self, request: Request, hits: list[int], alone: bool = False,
-                        protect: list[int] | None = None) -> int | None:
-        """The fewest cached device blocks to evict for ``request``, with these hits, to pass ``_host_room``'s
-        test: 0 if none, None if evicting every one it may is not enough. ``alone``: as many as keep its own
-        prompt off the host. ``protect``: the request's hits, when ``hits`` is a part of them (never evicted)."""
-        kv = self.kv
-        pool, first_host, bs = kv.pool, kv.pool.preferred_below, kv.block_size
-        running_pending = 0
-        for running in self.running:
-            running_pending += max(-(-running.num_tokens // bs) - kv.num_held_blocks(running.request_id), 0)
-        pending = running_pending + -(-request.num_tokens // bs) - len(hits) + kv.num_state_blocks_per_request
-        device = pool.num_preferred_uncached(pending)
-        free_device_hits = pool.num_free_among(
-            b for b in (hits if protect is None else protect) if b < first_host)  # type: ignore[operator]
-        evictable = max(pool.num_preferred_cached(max(pending - device, 0) + free_device_hits) - free_device_hits, 0)
-        host_hits = len(hits) - sum(1 for b in hits if b < first_host)  # type: ignore[operator]
-        # e evictions: the total stays within the bound when held + host hits + (pending - device - e) <= bound;
-        # the request adds nothing when it has no host hit and every pending block fits on the device
-        options = [max(pending - device, 0)] if host_hits == 0 or alone else []
-        room = self.config.max_host_blocks_held - kv.num_host_blocks_held - host_hits  # type: ignore[operator]
-        if room >= 0:
-            options.append(max(pending - device - room, 0))
-        if alone:
-            return min(options[0], evictable)
-        fits = [e for e in options if e <= evictable]
-        return min(fits) if fits else None
 
     def _allocate(
         self, request: Request, n: int, hits: list[int], is_running: bool, index: int, out: SchedulerOutput

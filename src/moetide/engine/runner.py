@@ -139,7 +139,6 @@ class Engine:
         self.parts: EngineParts = build_engine(Path(model_dir), config, policy, dict(policy_params or {}),
                                                split_costs)
         self._next_request = 0
-        self._num_promoted = 0  # host blocks copied to device blocks over the engine's life (_copy_promoted)
         t0 = time.perf_counter()  # the scheduler's clock: engine seconds since it was built, unless given
         self._clock = clock or (lambda: time.perf_counter() - t0)
         params = getattr(self.parts.scheduler.policy, "params", None)
@@ -236,7 +235,6 @@ class Engine:
         host, storage = self.parts.host_kv, self.parts.storage
         for src, dst in pairs:
             storage.kv_block(dst).copy_(host.block_bytes_view[src - host.first_block_id], non_blocking=True)
-        self._num_promoted += len(pairs)
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         parts, kv = self.parts, self.scheduler.kv
@@ -287,7 +285,7 @@ class Engine:
         """The engine's lifetime counters that ``EngineStats`` reports per call (as differences)."""
         sched = self.scheduler
         return (sched.num_evicted_blocks, sched.num_preemptions, self.parts.expert_line.num_reclaims,
-                sched.num_host_bound_waits, self._num_promoted, sched.num_host_hits_dropped)
+                sched.num_host_bound_waits, sched.num_host_hits_promoted, sched.num_host_hits_dropped)
 
     def _finish_stats(self, stats: EngineStats, requests: list[Request], failed: set[str],
                       counts0: tuple[int, ...]) -> None:

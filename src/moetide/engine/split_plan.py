@@ -7,7 +7,7 @@ registry) and the online correction; ``perf`` owns the costs. This module only w
   plan-split`` optimises — for the checkpoint's ``ModelSpec`` (its config.json), a GPU preset or file and a host
   preset or file; a calibrated host file (``moetide calibrate``) also supplies its fitted ``[offload_efficiency]``.
   Any callable ``(device_tokens, num_queries) -> SplitCosts`` can stand in for it (tests pin the split that way).
-* ``SplitStepper`` (``core.split_planner``', which the replay runs too) asks the named policy for each step's
+* ``SplitStepper`` (``core.split_planner``'s, which the replay runs too) asks the named policy for each step's
   ``SeqSplit``s. For ``writescope`` that is ``core.split_planner.SplitPlanner``: the optimum of T(X) with the CPU side
   scaled by the correction factor k, and ``observe`` feeds back the *measured* CPU time of the step (the worker
   thread's time in the CPU partials, summed over layers) against the uncorrected prediction. The baselines are

@@ -30,8 +30,6 @@ from moetide.specs import get_gpu, get_host, get_model
 from moetide.workloads.base import Workload
 
 
-
-
 @dataclass(frozen=True)
 class ReplayConfig:
     model: str = "qwen3-30b-a3b"
@@ -183,6 +181,7 @@ def build_replay(
     replay = Replay(workload, scheduler, step_time, progress=progress,
                     offloaded_ratio=lambda: line.residency.offloaded_ratio, host_kv=host_kv)
     return BuiltReplay(replay, budget, config, line, step_time, host_kv)
+
 
 class StepTimeWithStaging:
     """Modeled step time plus the exposed staging of the experts offloaded at that moment; counts staged bytes.

@@ -66,7 +66,7 @@ def test_json_output_has_exact_figures(capsys):
 def test_json_default_is_everything_and_dtype_bytes_scales(capsys):
     _, out, _ = run_cli(capsys, "--json", "--dtype-bytes", "1")
     doc = json.loads(out)
-    assert [len(doc[k]) for k in ("models", "gpus", "hosts")] == [4, 5, 3]
+    assert [len(doc[k]) for k in ("models", "gpus", "hosts")] == [4, 10, 4]
     mixtral = next(m for m in doc["models"] if m["name"] == "mixtral-8x7b")
     assert mixtral["derived"]["kv_bytes_per_token"] == 65_536
 

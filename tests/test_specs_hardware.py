@@ -10,6 +10,7 @@ from importlib import resources
 
 import pytest
 
+from moetide.cli import main
 from moetide.errors import UserError
 from moetide.specs import HardwareSpec, HostSpec, get_gpu, get_host, preset_names
 
@@ -26,8 +27,9 @@ def preset_text(file_name: str) -> str:
 
 
 def test_preset_names():
-    assert preset_names("gpu") == ["h200", "h100-sxm", "a100-40gb", "a100-80gb", "v100-32gb"]
-    assert preset_names("host") == ["ddr4-3200-8ch", "ddr5-4800-8ch", "ddr5-4800-12ch"]
+    assert preset_names("gpu") == ["h200", "h100-sxm", "a100-40gb", "a100-80gb", "v100-32gb", "h100-nvl",
+                                   "h100-pcie", "a100-pcie-40gb", "a100-pcie-80gb", "v100-pcie-32gb"]
+    assert preset_names("host") == ["ddr4-3200-8ch", "ddr5-4800-8ch", "ddr5-4800-12ch", "ddr4-2933-8ch"]
 
 
 def test_h200_figures():
@@ -44,13 +46,79 @@ def test_aliases_and_case():
     assert get_host("DDR5-4800-12CH").cpu_model == "AMD EPYC 9654 (Genoa)"
 
 
+@pytest.mark.parametrize("alias, name", [
+    ("H100-PCIe-80GB", "h100-pcie"), ("a100-40gb-pcie", "a100-pcie-40gb"), ("A100-80GB-PCIE", "a100-pcie-80gb"),
+    ("v100-32gb-pcie", "v100-pcie-32gb"), ("a100-sxm-40gb", "a100-40gb"), ("a100-sxm-80gb", "a100-80gb"),
+    ("V100-SXM2-32GB", "v100-32gb")])
+def test_form_factor_aliases(alias, name):
+    gpu = get_gpu(alias)
+    assert gpu.name == name and gpu == get_gpu(name)
+
+
+def test_host_alias_names_the_cpu():
+    host = get_host("Xeon-Gold-5318Y")
+    assert host.name == "ddr4-2933-8ch" and host == get_host("ddr4-2933-8ch")
+
+
+@pytest.mark.parametrize("file_name", ["gpus.toml", "hosts.toml"])
+def test_names_and_aliases_never_clash(file_name):
+    """The alias map keeps the last table that claims a key, so a clash would silently shadow a preset."""
+    keys = [key.lower() for name, table in tomllib.loads(preset_text(file_name)).items()
+            for key in (name, *table.get("aliases", ()))]
+    assert len(keys) == len(set(keys))
+
+
 def test_v100_uses_fp16_tensor_figure():
-    gpu = get_gpu("v100-32gb")
-    assert (gpu.matmul_dtype, gpu.matmul_flops_per_s) == ("fp16", 125e12)
-    assert all(get_gpu(n).matmul_dtype == "bf16" for n in preset_names("gpu") if n != "v100-32gb")
+    sxm2, pcie = get_gpu("v100-32gb"), get_gpu("v100-pcie-32gb")
+    assert (sxm2.matmul_dtype, sxm2.matmul_flops_per_s) == ("fp16", 125e12)
+    assert (pcie.matmul_dtype, pcie.matmul_flops_per_s) == ("fp16", 112e12)  # lower boost clock at 250 W
+    assert all(get_gpu(n).matmul_dtype == "bf16" for n in preset_names("gpu") if not n.startswith("v100"))
 
 
-@pytest.mark.parametrize("name", ["h200", "h100-sxm", "a100-40gb", "a100-80gb", "v100-32gb"])
+# name: HBM GiB, HBM bytes/s, sparse BF16/FP16 headline TFLOP/s (None: the datasheet quotes dense), PCIe generation,
+# bidirectional GPU-to-GPU link GB/s (NVLink bridge, or PCIe where there is none)
+PCIE_CARDS = {
+    "h100-nvl": (94, 3.9e12, 1671, "Gen5", 600),
+    "h100-pcie": (80, 2.0e12, 1513, "Gen5", 600),
+    "a100-pcie-40gb": (40, 1.555e12, 624, "Gen4", 600),
+    "a100-pcie-80gb": (80, 1.935e12, 624, "Gen4", 600),
+    "v100-pcie-32gb": (32, 900e9, None, "Gen3", 32),
+}
+
+
+@pytest.mark.parametrize("name", PCIE_CARDS)
+def test_pcie_card_figures(name):
+    hbm_gib, hbm_bandwidth, sparse_tflops, generation, link_gb_s = PCIE_CARDS[name]
+    gpu = get_gpu(name)
+    assert gpu.hbm_bytes == hbm_gib * GiB
+    assert gpu.hbm_bandwidth_bytes_per_s == hbm_bandwidth
+    if sparse_tflops is not None:
+        assert gpu.matmul_flops_per_s == sparse_tflops * 1e12 / 2  # dense = sparse headline / 2
+    assert gpu.host_link == f"PCIe {generation} x16"
+    assert gpu.gpu_link_bandwidth_bytes_per_s == link_gb_s * 1e9 / 2  # one direction
+    assert gpu.source.startswith("https://")
+
+
+def test_pcie_cards_differ_from_their_sxm_parts_only_where_the_datasheet_does():
+    assert get_gpu("a100-pcie-40gb") == dataclasses.replace(get_gpu("a100-40gb"), name="a100-pcie-40gb")
+    a100_sxm, a100_pcie = get_gpu("a100-80gb"), get_gpu("a100-pcie-80gb")
+    assert a100_pcie.hbm_bandwidth_bytes_per_s < a100_sxm.hbm_bandwidth_bytes_per_s
+    assert a100_pcie.matmul_flops_per_s == a100_sxm.matmul_flops_per_s
+    sxm, nvl, pcie = get_gpu("h100-sxm"), get_gpu("h100-nvl"), get_gpu("h100-pcie")
+    assert pcie.matmul_flops_per_s < nvl.matmul_flops_per_s < sxm.matmul_flops_per_s
+    assert nvl.hbm_bytes > sxm.hbm_bytes == pcie.hbm_bytes
+    assert nvl.gpu_link_bandwidth_bytes_per_s < sxm.gpu_link_bandwidth_bytes_per_s  # bridge, not NVSwitch
+
+
+def test_specs_cli_prints_h100_nvl(capsys):
+    assert main(["specs", "--gpu", "h100-nvl"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("h100-nvl"))
+    assert row.split() == ["h100-nvl", "94", "3,900", "835.5", "bf16", "PCIe", "Gen5", "x16", "55", "300"]
+    assert "h100-sxm" not in out and "Host CPUs" not in out
+
+
+@pytest.mark.parametrize("name", preset_names("gpu"))
 def test_host_link_is_measured_not_theoretical(name):
     gpu = get_gpu(name)
     generation = re.search(r"Gen(\d)", gpu.host_link).group(0)
@@ -60,7 +128,8 @@ def test_host_link_is_measured_not_theoretical(name):
 
 
 @pytest.mark.parametrize("name, peak, cores, ghz", [
-    ("ddr4-3200-8ch", 204.8e9, 40, 2.3), ("ddr5-4800-8ch", 307.2e9, 56, 2.0), ("ddr5-4800-12ch", 460.8e9, 96, 2.4)])
+    ("ddr4-3200-8ch", 204.8e9, 40, 2.3), ("ddr5-4800-8ch", 307.2e9, 56, 2.0), ("ddr5-4800-12ch", 460.8e9, 96, 2.4),
+    ("ddr4-2933-8ch", 187.712e9, 24, 2.1)])
 def test_host_bandwidth_and_flops(name, peak, cores, ghz):
     host = get_host(name)
     assert host.peak_dram_bandwidth_bytes_per_s == peak  # channels x MT/s x 8 B

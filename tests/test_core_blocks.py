@@ -111,15 +111,49 @@ def test_invalidation_reaches_referenced_descendants_without_freeing_them():
     pool.check_invariants()
 
 
-def test_cache_block_refuses_duplicates_and_broken_chains():
-    pool = BlockPool(range(4))
-    hashes = hash_token_blocks(list(range(8)), BS)
+def test_cache_block_refuses_broken_chains_and_uncached_blocks_are_reused_last_in_first_out():
+    pool = BlockPool(range(5))
     a, b, c = pool.allocate(3)
-    assert pool.cache_block(a, hashes[0], None)
-    assert not pool.cache_block(b, hashes[0], None)  # already held by a
     assert not pool.cache_block(c, 12345, 999)  # parent never registered
-    pool.free([b, c])
-    assert pool.uncached_free_block_ids() == [3, b, c]
+    pool.free([b, c])  # vLLM's free_blocks prepends never-cached blocks in the order given
+    assert pool.uncached_free_block_ids() == [b, c, 3, 4]
+    pool.check_invariants()
+
+
+def test_duplicate_hashes_are_kept_as_vllm_keeps_them():
+    """Two requests computing the same block at once both register it (vLLM's BlockHashToBlockMap): a lookup
+    returns the first holder; evicting it leaves the hash, and the chain after it, hittable through the other."""
+    pool = BlockPool(range(6))
+    hashes = hash_token_blocks(list(range(8)), BS)
+    a0, a1, b0, b1 = pool.allocate(4)
+    assert pool.cache_block(a0, hashes[0], None) and pool.cache_block(a1, hashes[1], hashes[0])
+    assert pool.cache_block(b0, hashes[0], None) and pool.cache_block(b1, hashes[1], hashes[0])
+    pool.check_invariants()
+    assert pool.num_cached_blocks == 4
+    assert pool.lookup_chain(hashes[:2]) == [a0, a1]
+    assert pool.registered_descendants(a0) == []  # b0 still holds hashes[0]
+    pool.free([a1, a0])
+    pool.free([b1, b0])
+    assert pool.cached_free_block_ids() == [a1, a0, b1, b0]
+    assert pool.evict(2) == [a1, a0]  # LRU order; no cascade, since b0 and b1 hold the same hashes
+    pool.check_invariants()
+    assert pool.lookup_chain(hashes[:2]) == [b0, b1]
+    assert pool.evict(1) == [b1] and pool.evict(1) == [b0]
+    assert pool.lookup_chain(hashes[:2]) == []
+    pool.check_invariants()
+
+
+def test_evicting_the_last_holder_of_a_hash_invalidates_the_chain_after_it():
+    pool = BlockPool(range(6))
+    hashes = hash_token_blocks(list(range(12)), BS)
+    a0, a1, a2, b1 = pool.allocate(4)
+    pool.cache_block(a0, hashes[0], None)
+    pool.cache_block(a1, hashes[1], hashes[0])
+    pool.cache_block(b1, hashes[1], hashes[0])  # a duplicate of block 1
+    pool.cache_block(a2, hashes[2], hashes[1])
+    pool.free([a0, a1, a2, b1])  # the head first: only reachable through the pool API
+    assert sorted(pool.evict(1)) == sorted([a0, a1, b1, a2])  # b1's eviction was the last hold on hashes[1]
+    assert pool.num_cached_blocks == 0
     pool.check_invariants()
 
 
@@ -129,7 +163,7 @@ def test_cached_free_blocks_are_reusable_until_evicted():
     manager.free("a")
     assert pool.num_uncached_free_blocks == 2 and pool.num_cached_free_blocks == 2
     hits, num_computed, new = admit(manager, "b", list(range(9)))
-    assert (hits, num_computed, new) == ([0, 1], 8, [3])
+    assert (hits, num_computed, new) == ([0, 1], 8, [2])  # the partial block, freed last, is reused first
     assert pool.num_cached_free_blocks == 0
 
 
@@ -198,10 +232,10 @@ def test_evict_spares_protected_prefix_hits():
     pool, manager = make(6)
     admit(manager, "a", list(range(8)) + [1])  # 0,1 cached, 2 partial
     manager.free("a")
-    admit(manager, "b", [5] * 9)  # 3,4 cached, 5 partial
+    admit(manager, "b", [5] * 9)  # 2,3 cached (2 was a's partial block, reused first), 4 partial
     manager.free("b")
-    assert pool.cached_free_block_ids() == [1, 0, 4, 3]
-    assert pool.evict(2, protect={0, 1}) == [4, 3]
+    assert pool.cached_free_block_ids() == [1, 0, 3, 2]
+    assert pool.evict(2, protect={0, 1}) == [3, 2]
     assert pool.evict(1, protect={0, 1}) == []
 
 

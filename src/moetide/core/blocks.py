@@ -21,8 +21,13 @@ How it differs from vLLM's pool, and why:
   can never be hit again. vLLM leaves them cached until they drift to the head of the queue; here evicting a
   block unregisters every registered descendant at once (iteratively — agent chains run to tens of thousands of
   blocks). Invariant: every registered block's parent hash is registered (or is the chain root).
-* **No duplicates.** A hash maps to one block. Registering a hash that is already held by another block is
-  refused (``cache_block`` returns False) and that block stays private; it is freed as an uncached block.
+* **Duplicates, as vLLM keeps them.** Two requests that share a prefix and chunk-prefill at once each compute the
+  blocks past their common hit, so one hash can be registered by several blocks (vLLM does not de-duplicate, so
+  that block tables stay append-only). A lookup returns the first holder still registered (vLLM's
+  ``BlockHashToBlockMap.get_one_block``); a freed duplicate is a cached block like any other, queued by LRU; the
+  hash, and so every block chained after it, stays registered until its last holder is evicted.
+* **Never-cached blocks are reused last in, first out.** A freed block without a hash goes to the head of the
+  uncached queue (vLLM's ``free_blocks`` prepends them, for locality), a cached one to the tail of its LRU queue.
 * **Growth and shrink by given ids.** The arena (``core.arena``) decides which block ids exist; the pool adds and
   removes exactly those. Removal is atomic: all free, or nothing changes.
 * **Draining.** ``drain(ids)`` marks blocks that are about to leave (an expert region going back to its experts):
@@ -60,7 +65,8 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, int] = {}  # registered block id -> its hash
         self._parent_of: dict[int, int | None] = {}  # registered block id -> parent's hash (None: chain head)
-        self._block_of: dict[int, int] = {}  # hash -> the one registered block holding it
+        self._block_of: dict[int, int] = {}  # hash -> its first registered holder (what lookups return)
+        self._dups: dict[int, list[int]] = {}  # hash -> its later holders, in registration order (rare)
         self._children: dict[int, set[int]] = {}  # hash -> registered block ids whose parent it is
         self._draining: set[int] = set()  # blocks marked to leave (drain); those with no reference are drained
         self._drained: set[int] = set()  # draining blocks with no reference: out of both free queues
@@ -99,8 +105,8 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Registered blocks, in use or free."""
-        return len(self._block_of)
+        """Registered blocks, in use or free (duplicates included)."""
+        return len(self._hash_of)
 
     def block_ids(self) -> list[int]:
         return sorted(self._ref_cnt)
@@ -159,11 +165,14 @@ class BlockPool:
             ref_cnt[block_id] = count + 1
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference from each block, in the order given; at zero a block joins the tail of its queue."""
+        """Drop one reference from each block, in the order given. At zero a cached block joins the tail of the LRU
+        queue; the uncached ones of this call go, in the order given, to the head of the uncached queue (a host
+        block of a two-tier pool to its tail, behind every device block)."""
         ref_cnt, prefer = self._ref_cnt, self.preferred_below
         hash_of, cached_free, uncached_free = self._hash_of, self._cached_free, self._uncached_free
         draining = self._draining
         self.free_version += 1
+        first: list[int] = []
         for block_id in block_ids:
             count = ref_cnt[block_id] - 1
             if count < 0:
@@ -176,15 +185,18 @@ class BlockPool:
                     cached_free[block_id] = None
                 else:
                     uncached_free[block_id] = None
-                    if prefer is not None and block_id < prefer:
-                        uncached_free.move_to_end(block_id, last=False)
+                    if prefer is None or block_id < prefer:
+                        first.append(block_id)
+        for block_id in reversed(first):
+            uncached_free.move_to_end(block_id, last=False)
 
     # ---- the prefix cache ---------------------------------------------------------------------------------
     def cache_block(self, block_id: int, block_hash: int, parent_hash: int | None) -> bool:
-        """Register a full block under ``block_hash`` (``parent_hash`` None for a chain's first block).
+        """Register a full block under ``block_hash`` (``parent_hash`` None for a chain's first block); another
+        block may hold the same hash (a duplicate: the module docstring).
 
-        Returns False and changes nothing if caching is off, the hash is already held by another block, or the
-        parent hash is not registered (an eviction broke the chain: the block could never be hit)."""
+        Returns False and changes nothing if caching is off, the block already holds that hash, or the parent hash
+        is not registered (an eviction broke the chain: the block could never be hit)."""
         if parent_hash is None:
             return self.cache_chain([block_id], [block_hash], 0, 1) == 1
         return self.cache_chain([block_id, block_id], [parent_hash, block_hash], 1, 2) == 1
@@ -201,14 +213,20 @@ class BlockPool:
         for i in range(start, end):
             block_hash = block_hashes[i]
             block_id = block_ids[i]
-            if block_hash in block_of or (parent_hash is not None and parent_hash not in block_of):
+            if parent_hash is not None and parent_hash not in block_of:
                 parent_hash = block_hash
                 continue
             if block_id in hash_of:
+                if hash_of[block_id] == block_hash:  # (a hit registered again: already there)
+                    parent_hash = block_hash
+                    continue
                 raise ValueError(f"block {block_id} is already cached under another hash")
             hash_of[block_id] = block_hash
             parent_of[block_id] = parent_hash
-            block_of[block_hash] = block_id
+            if block_hash in block_of:
+                self._dups.setdefault(block_hash, []).append(block_id)
+            else:
+                block_of[block_hash] = block_id
             if parent_hash is not None:
                 kids = children.get(parent_hash)
                 if kids is None:
@@ -225,10 +243,13 @@ class BlockPool:
 
     def registered_descendants(self, block_id: int, limit: int | None = None,
                                skip: Collection[int] = ()) -> list[int]:
-        """Registered blocks whose chains pass through this one: what evicting it invalidates besides itself.
-        Stops after ``limit`` blocks when given; does not enter blocks in ``skip`` (already accounted for)."""
+        """Registered blocks whose chains pass through this one: what evicting it invalidates besides itself
+        (nothing while another block holds its hash). Stops after ``limit`` blocks when given; does not enter
+        blocks in ``skip`` (already accounted for)."""
         block_hash = self._hash_of.get(block_id)
-        stack = list(self._children.get(block_hash, ())) if block_hash is not None else []
+        if block_hash is None or block_hash in self._dups:
+            return []
+        stack = list(self._children.get(block_hash, ()))
         out = []
         while stack and (limit is None or len(out) < limit):
             child = stack.pop()
@@ -351,7 +372,11 @@ class BlockPool:
             return None
         block_hash, parent_hash = self._hash_of.pop(block_id), self._parent_of.pop(block_id)
         self._hash_of[target], self._parent_of[target] = block_hash, parent_hash
-        self._block_of[block_hash] = target
+        if self._block_of[block_hash] == block_id:
+            self._block_of[block_hash] = target
+        else:
+            dups = self._dups[block_hash]
+            dups[dups.index(block_id)] = target
         if parent_hash is not None:
             siblings = self._children[parent_hash]
             siblings.discard(block_id)
@@ -375,6 +400,7 @@ class BlockPool:
     def _evict_from_head(self, num_blocks: int, evicted: list[int]) -> None:
         """Unprotected eviction from the LRU head: leaves (the common case) inline, others through the cascade."""
         cached_free, children, hash_of, block_of = self._cached_free, self._children, self._hash_of, self._block_of
+        dups = self._dups
         uncached_free, pop_head = self._uncached_free, cached_free.popitem
         parent_pop, append = self._parent_of.pop, evicted.append
         prefer = self.preferred_below
@@ -382,7 +408,7 @@ class BlockPool:
         while len(evicted) < num_blocks and cached_free:
             block_id = pop_head(False)[0]
             block_hash = hash_of[block_id]
-            if block_hash in children:  # registered descendants: back to the head, then the general path
+            if block_hash in children or block_hash in dups:  # back to the head, then the general path
                 cached_free[block_id] = None
                 cached_free.move_to_end(block_id, last=False)
                 self._uncache_chain(block_id, evicted)
@@ -408,13 +434,13 @@ class BlockPool:
             block_id = stack.pop()
             block_hash = self._hash_of.pop(block_id)
             parent_hash = self._parent_of.pop(block_id)
-            del self._block_of[block_hash]
             siblings = self._children.get(parent_hash) if parent_hash is not None else None
             if siblings is not None:  # None when the parent was uncached in this same cascade
                 siblings.discard(block_id)
                 if not siblings:
                     del self._children[parent_hash]
-            stack.extend(self._children.pop(block_hash, ()))
+            if not self._drop_holder(block_hash, block_id):  # its last holder: the chain after it is lost
+                stack.extend(self._children.pop(block_hash, ()))
             if self._ref_cnt[block_id] == 0:
                 del self._cached_free[block_id]
                 self._uncached_free[block_id] = None
@@ -422,6 +448,20 @@ class BlockPool:
                     self._uncached_free.move_to_end(block_id, last=False)
                 evicted.append(block_id)
                 self.num_evicted_blocks += 1
+
+    def _drop_holder(self, block_hash: int, block_id: int) -> bool:
+        """Take ``block_id`` off the holders of ``block_hash``; True while another block still holds it."""
+        dups = self._dups.get(block_hash)
+        if dups is None:
+            del self._block_of[block_hash]
+            return False
+        if self._block_of[block_hash] == block_id:
+            self._block_of[block_hash] = dups.pop(0)
+        else:
+            dups.remove(block_id)
+        if not dups:
+            del self._dups[block_hash]
+        return True
 
     # ---- growth and shrink --------------------------------------------------------------------------------
     def add_blocks(self, block_ids: Iterable[int]) -> None:
@@ -517,9 +557,13 @@ class BlockPool:
         if self.preferred_below is not None:
             tiers = [b >= self.preferred_below for b in self._uncached_free]
             assert tiers == sorted(tiers), "a preferred uncached free block sits behind a non-preferred one"
-        assert len(self._block_of) == len(self._hash_of) == len(self._parent_of), "hash maps differ in size"
+        num_dups = sum(len(d) for d in self._dups.values())
+        assert len(self._block_of) + num_dups == len(self._hash_of) == len(self._parent_of), "hash maps differ"
+        for block_hash, dups in self._dups.items():
+            assert dups and self._block_of[block_hash] not in dups, f"duplicate holders of {block_hash} are off"
         for block_id, block_hash in self._hash_of.items():
-            assert self._block_of[block_hash] == block_id, f"hash of block {block_id} maps elsewhere"
+            assert (self._block_of[block_hash] == block_id or block_id in self._dups.get(block_hash, ())), (
+                f"hash of block {block_id} maps elsewhere")
             parent_hash = self._parent_of[block_id]
             if parent_hash is not None:
                 assert parent_hash in self._block_of, f"block {block_id}'s parent hash is not registered"

@@ -347,9 +347,10 @@ def test_under_evict_mode_running_prompts_count_cached_device_prefixes_as_room()
     sched.add_request(req("sp", list(range(2000, 2012)), out=1))  # 3 host blocks, then cached
     while sched.has_work:
         step(sched)
-    sched.config = SchedulerConfig(max_num_batched_tokens=128, max_host_blocks_held=3, long_prefill_token_threshold=8)
+    sched.config = SchedulerConfig(max_num_batched_tokens=8, max_host_blocks_held=3)
     sched.add_request(req("long", list(range(3000, 3040)), out=10))  # prefilled 8 tokens a step
-    step(sched)
+    step(sched)  # (alone, it is not capped by a threshold: the step's budget keeps it at 8)
+    sched.config = SchedulerConfig(max_num_batched_tokens=128, max_host_blocks_held=3, long_prefill_token_threshold=8)
     sched.add_request(req("w", list(range(2000, 2012)) + list(range(4000, 4008)), out=2))
     out, _, _ = step(sched)
     assert plan(out) == [("long", 8), ("w", 8)] and out.num_computed_before[1] == 12  # its 3 host hits
@@ -437,14 +438,15 @@ def test_a_host_hit_in_use_makes_the_rest_of_the_prefix_count_as_prompt_to_write
     the device hit as kept would admit it and then spill past the bound (a review's fuzz found this)."""
     pool = BlockPool([*range(4), *range(HOST_FROM, HOST_FROM + 20)], preferred_below=HOST_FROM)
     kv = KVCacheManager(pool, BS)
-    sched = Scheduler(SchedulerConfig(long_prefill_token_threshold=4), kv, get_policy("vllm"))
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4), kv, get_policy("vllm"))
     sched.add_request(req("occ", list(range(1000, 1016)), out=1))  # 4 device blocks, then cached
     while sched.has_work:
         step(sched)
     sched.add_request(req("a", list(range(8)), out=40))
-    step(sched)  # a's first chunk: a host block
+    step(sched)  # a's first chunk: a host block (alone, a is capped by the step's budget, not a threshold)
     pool.evict_preferred(4)  # occ's prefix goes
     step(sched)  # a's second chunk: a device block
+    sched.config = SchedulerConfig(long_prefill_token_threshold=4)
     sched.add_request(req("occ2", list(range(2000, 2012)), out=1))
     while len(sched.running) > 1 or sched.waiting:
         step(sched)

@@ -137,7 +137,7 @@ def test_fast_paths_are_exact(workload, budget_gib, policy, token_budget, block_
     assert results[0] == results[1]
     assert results[0][0]["steps"] > (1000 if workload == "generator" else 500)
     if workload == "long":
-        assert sum(taken) > 30  # prefill runs were taken
+        assert sum(taken) >= 20  # prefill runs were taken
 
 
 def test_ttft_counts_from_the_send_time_not_the_next_step():

@@ -13,7 +13,13 @@ preempt, offload experts — carries it out and retries. Rules inherited from vL
 * a preempted request frees its blocks, goes back to the *front* of the waiting queue, and later recomputes
   whatever the prefix cache no longer holds;
 * if anything was preempted in a step, no waiting request is admitted in that step;
-* a waiting request that cannot get memory blocks the queue behind it (FCFS).
+* a waiting request that cannot get memory blocks the queue behind it (FCFS);
+* a waiting (or preempted) request is admitted only if its whole known sequence fits — the free blocks, cached
+  ones included, less its own hits, cover every block it needs — not just its first chunk
+  (``scheduler_reserve_full_isl``, vLLM 0.32's default, PR #37307); without it, as in older vLLM (0.15), a
+  long prompt is admitted on its first chunk and later chunks preempt the requests behind it;
+* ``long_prefill_token_threshold`` caps chunks only while more than one request is running or waiting: a lone
+  request has nobody to starve.
 With a host KV tier (a two-tier pool), ``max_host_blocks_held`` bounds admission by the host KV that running
 requests attend each step: a waiting request that would take it past the bound waits, as one short of memory
 does, once evicting cached device prefixes and moving its own host hits onto the device cannot make room
@@ -44,6 +50,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole token budget
     enable_prefix_caching: bool = True
+    # admit a waiting request only if its whole known sequence fits (vLLM 0.32's default); False: its first chunk
+    scheduler_reserve_full_isl: bool = True
     # Two-tier pool (host KV): admit a waiting request only if the host blocks that running requests hold, plus
     # what it would add, stay within this bound (None: no bound). See ``core.host_admission``.
     max_host_blocks_held: int | None = None
@@ -123,6 +131,7 @@ class Scheduler:
         # Exact for `vllm`; for a policy whose answer also moves with time (vamp's allowance, moved at reviews)
         # the head is asked again only after the next free — a known approximation.
         self._blocked: tuple[Request, int, int] | None = None
+        self._threshold = config.long_prefill_token_threshold  # this step's (schedule() drops it for a lone request)
 
     @property
     def num_host_hits_promoted(self) -> int:
@@ -158,6 +167,8 @@ class Scheduler:
         if now_s is not None:
             self.now_s = now_s
         out = SchedulerOutput()
+        threshold = self.config.long_prefill_token_threshold
+        self._threshold = threshold if len(self.running) + len(self.waiting) > 1 else 0
         maybe_reclaim = getattr(self.policy, "maybe_reclaim", None)
         if maybe_reclaim is not None and self.expert_line is not None:
             out.reclaimed = maybe_reclaim(self.expert_line, self.kv.pool, self.now_s)
@@ -169,7 +180,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> int:
         n = min(request.num_tokens_to_compute, budget)
-        threshold = self.config.long_prefill_token_threshold
+        threshold = self._threshold
         return min(n, threshold) if threshold else n
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -224,7 +235,8 @@ class Scheduler:
             if self._admitting is not None:
                 self._admitting(request, hits, self.kv.pool, self.now_s, self.expert_line)
             n = self._chunk(request, budget)
-            if not self._allocate(request, n, hits, False, len(self.running), out):
+            if not (self._full_sequence_fits(request, hits, out)
+                    and self._allocate(request, n, hits, False, len(self.running), out)):
                 request.num_computed_tokens = 0
                 if self.running:
                     self._blocked = (request, self.kv.pool.free_version, budget)
@@ -239,6 +251,26 @@ class Scheduler:
             out.scheduled.append((request, n))
             out.num_computed_before.append(num_computed)
             budget -= n
+
+    def _full_sequence_fits(self, request: Request, hits: list[int], out: SchedulerOutput) -> bool:
+        """vLLM's ``full_sequence_must_fit`` admission gate (``scheduler_reserve_full_isl``): every block the
+        request's known tokens need beyond its hits must be free, counting cached-free blocks other than its hits
+        as free (they would be evicted as the chunks come). Nothing is evicted here; only when even that is short
+        is the policy asked, with the shortfall in uncached blocks as ``_allocate`` asks it (``vllm`` then has no
+        way out and the request waits; ``vamp`` may move the line)."""
+        if not self.config.scheduler_reserve_full_isl:
+            return True
+        kv, pool = self.kv, self.kv.pool
+        while True:
+            computed = request.num_computed_tokens
+            short = kv.num_blocks_short(request.request_id, request.num_tokens - computed, computed, len(hits))
+            if short == 0 or short <= pool.num_cached_free_blocks - pool.num_free_among(hits):
+                return True
+            view = PressureView(short, request, False, [], pool, frozenset(hits), self.now_s, self.expert_line,
+                                self.running)
+            actions = self.policy.relieve(view)
+            if not actions or not self._apply(actions, hits, out, request, []):
+                return False
 
     def _allocate(
         self, request: Request, n: int, hits: list[int], is_running: bool, index: int, out: SchedulerOutput

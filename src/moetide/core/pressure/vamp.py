@@ -88,8 +88,6 @@ class VampPolicy:
 
     def __init__(self, params: VampParams) -> None:
         self.params = params
-        # reclaim keeps a clock read at every step; plain vamp reads nothing the decode fast path skips
-        self.reads_every_step = params.reclaim
         self._busy = DecayedRate(params.horizon_s)  # step seconds per second
         self._last_busy_s = 0.0
         self._ghost: OrderedDict[int, int] = OrderedDict()  # evicted block hash -> eviction number
@@ -107,12 +105,22 @@ class VampPolicy:
         self._next_reclaim_check_s = -math.inf
         self._roomy_since: float | None = None  # since when the pool has had room to spare (vamp-reclaim)
         self._draining: list[int] | None = None  # blocks of the region being given back (give_back)
+        self._line = None  # the expert line of the last plan (read by reads_every_step)
         self.num_given_back = 0
+
+    @property
+    def reads_every_step(self) -> bool:
+        """Whether the scheduler must step normally (no decode fast path): reclaim keeps a clock read at every
+        step, and a draining region goes back at the first step after its last block is freed."""
+        if self.params.reclaim or self._draining is not None:
+            return True
+        line = self._line  # a review lowered the allowance: the next step starts giving back
+        return self.params.give_back and line is not None and line.residency.num_offloaded > self._allowed
 
     # ---- the plan ---------------------------------------------------------------------------------------------
     def relieve(self, view: PressureView) -> list[Action]:
         self._observe(view.now_s)
-        line = view.expert_line
+        line = self._line = view.expert_line
         if line is not None:
             self._size_ghost_list(line)
             self._review(line, view.now_s)

@@ -42,9 +42,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--block-size", type=int, default=defaults.block_size,
                         help="tokens per KV block (default: vLLM's, 16, or for hybrid models the size that fits one "
                         "layer's linear-attention state in a page: 544 for Qwen3-Next-80B at TP 1-2)")
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                        help="most requests running at once (default: vLLM 0.32's server default for the GPU: "
+                        "1024 on H100/H200-class GPUs, 256 on A100, V100 and smaller)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                        help="token budget of a step (default: vLLM 0.32's server default for the GPU: 8192 on "
+                        "H100/H200-class GPUs, 16384 from 160 GiB, 2048 on A100, V100 and smaller)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    parser.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction,
+                        default=defaults.scheduler_reserve_full_isl,
+                        help="admit a waiting request only if its whole known sequence fits in the KV cache, as "
+                        "vLLM 0.32 does (default); --no-scheduler-reserve-full-isl admits it on its first chunk, as "
+                        "vLLM before PR #37307 (e.g. 0.15) did")
     parser.add_argument("--state-checkpoints", action="store_true",
                         help="hybrid models: charge a linear-attention state checkpoint per cached block")
     if with_offload_ratio:
@@ -137,7 +146,8 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         model=args.model, gpu=args.gpu, tp=args.tp, policy=policy, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_budget_gib=args.kv_budget_gib,
-        enable_prefix_caching=not args.no_prefix_caching, state_checkpoints=args.state_checkpoints, seed=args.seed,
+        enable_prefix_caching=not args.no_prefix_caching,
+        scheduler_reserve_full_isl=args.scheduler_reserve_full_isl, state_checkpoints=args.state_checkpoints, seed=args.seed,
         max_offload_ratio=getattr(args, "max_offload_ratio", 0.0), staging_mode=args.staging,
         routing_zipf_s=args.routing_zipf_s, routing_profile=args.routing_profile,
         host_link_shared_by=args.host_link_shared_by,
@@ -165,6 +175,9 @@ def print_summary(result: dict) -> None:
           f"{config['workload']['sessions']:,} sessions ({config['workload']['mode']} loop) | {config['model']} on "
           f"{config['tp']} x {config['gpu']} | policy {config['policy']} | "
           f"{config['memory']['num_blocks']:,} KV blocks of {config['block_size']} tokens per GPU")
+    admission = "whole sequence" if config.get("scheduler_reserve_full_isl", True) else "first chunk"
+    print(f"scheduler: vLLM 0.32's v1 rules (admission on the {admission}, max_num_seqs {config['max_num_seqs']}, "
+          f"max_num_batched_tokens {config['max_num_batched_tokens']}; docs/replay.md)")
     print("times are MODELED by the roofline step-time model, not measured\n")
     print(format_table(["latency (ms)", "mean", "p50", "p90", "p99"], summary_rows(metrics), align="<>>>>"))
     print()

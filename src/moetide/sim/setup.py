@@ -26,7 +26,7 @@ from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv
 from moetide.sim.host_kv import ring_blocks  # noqa: F401 (API: tests import it from here)
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
-from moetide.specs import get_gpu, get_host, get_model
+from moetide.specs import HardwareSpec, get_gpu, get_host, get_model
 from moetide.workloads.base import Workload
 
 
@@ -37,11 +37,13 @@ class ReplayConfig:
     tp: int = 1
     policy: str = "vllm"
     block_size: int | None = None  # None: vLLM's (16, or the hybrid page-aligned size; perf.budget)
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: vLLM 0.32's online-serving default for the GPU
+    max_num_seqs: int | None = None  # (vllm_serving_defaults)
     gpu_memory_utilization: float = 0.9
     kv_budget_gib: float | None = None  # per GPU; None: utilization × HBM − weights − activation reserve
     enable_prefix_caching: bool = True
+    # admit a waiting request only if its whole known sequence fits (vLLM 0.32); False: on its first chunk (0.15)
+    scheduler_reserve_full_isl: bool = True
     state_checkpoints: bool = False  # hybrid models: charge a state checkpoint per cached block (vLLM's option)
     max_offload_ratio: float = 0.15  # cap on the offloaded share of routed-expert bytes (vamp, static-offload)
     # "auto": prefetch the likeliest offloaded experts behind the previous layer's compute, fetch the rest on
@@ -130,6 +132,18 @@ class ReplayConfig:
                             "is not modeled yet (docs/writescope.md, Replay); use vllm or static-offload")
 
 
+def vllm_serving_defaults(gpu: HardwareSpec) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` that vLLM 0.32's OpenAI server picks on this GPU
+    (``EngineArgs.get_batch_defaults``, vllm/engine/arg_utils.py): 16,384 and 1,024 from 160 GiB of memory;
+    8,192 and 1,024 from 70 GiB unless it is an A100 (PR #17885: a larger batch lowered A100 throughput); else
+    2,048 and 256."""
+    if gpu.hbm_bytes >= 160 * 2**30:
+        return 16384, 1024
+    if gpu.hbm_bytes >= 70 * 2**30 and "a100" not in gpu.name.lower():
+        return 8192, 1024
+    return 2048, 256
+
+
 @dataclass
 class BuiltReplay:
     replay: Replay
@@ -146,6 +160,10 @@ def build_replay(
     model, gpu = get_model(config.model), get_gpu(config.gpu)
     if config.block_size is None:  # the result's config records the size used
         config = replace(config, block_size=default_block_size(model, tp=config.tp))
+    batched, seqs = vllm_serving_defaults(gpu)
+    config = replace(config, max_num_batched_tokens=batched if config.max_num_batched_tokens is None
+                     else config.max_num_batched_tokens, max_num_seqs=seqs if config.max_num_seqs is None
+                     else config.max_num_seqs)
     budget = memory_budget(
         model, gpu, tp=config.tp, block_size=config.block_size, gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_budget_gib=config.kv_budget_gib,
@@ -156,6 +174,7 @@ def build_replay(
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             enable_prefix_caching=config.enable_prefix_caching,
+            scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
             max_host_blocks_held=active_host_blocks(config, budget) if host_kv is not None else None,
         )
     except ValueError as exc:

@@ -7,6 +7,9 @@ free plus evictable blocks cover the request:
 2. Otherwise a running requester preempts the newest running request (the last in FCFS order) by recompute —
    possibly itself — and the scheduler asks again; nothing is evicted in vain. A waiting requester waits:
    vLLM v1 stops admitting when allocation fails and never preempts for a waiting request.
+A waiting request is first held to vLLM 0.32's full-sequence gate (``Scheduler._full_sequence_fits``): it asks
+here only when even every evictable block would not hold its whole sequence, so this returns [] and it waits.
+``benchmarks/vllm_fidelity.py`` holds the result to vLLM 0.32's own scheduler step for step (docs/replay.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,342 @@
+"""Drive vLLM 0.32's real v1 ``Scheduler`` step by step with no model.
+
+Why: the fidelity benchmark compares our scheduler with vLLM's, step by step.
+Re-implementing vLLM's rules would only test our reading of them, so this
+module builds the real ``Scheduler`` + ``KVCacheManager`` + ``BlockPool`` the
+way vLLM's own tests do (``create_scheduler`` in tests/v1/core/utils.py), then
+loops ``schedule()`` -> fake ``ModelRunnerOutput`` -> ``update_from_output()``.
+
+Import it only under the vLLM venv (/work/venv-vllm/bin/python). In-process:
+the ``Scheduler`` is built directly, so no engine core or worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_kv_cache_groups, get_request_block_hasher, init_none_hash,
+    resolve_kv_cache_block_sizes)
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+
+@dataclass
+class HybridSpec:
+    """A Qwen3-Next-shaped KV cache: full-attention layers + Gated DeltaNet layers.
+
+    Defaults are Qwen3-Next-80B-A3B (48 layers, every 4th full attention; 2 KV
+    heads x 256; GDN 16 key / 32 value heads of 128, conv kernel 4, bf16
+    states). Byte sizes only matter for vLLM's page-size unification; the
+    scheduler sees block counts. ``attention_block_size=None`` applies vLLM's
+    ``Platform._align_hybrid_block_size`` rule (smallest multiple of the
+    16-token kernel block whose attention page >= the mamba page: 544 here, at
+    TP 1 or 2). ``mamba_block_size=None``: 'align' -> the attention block size,
+    'none' -> max_model_len (``MambaModelConfig``). ``mamba_cache_mode=None``:
+    what vLLM resolves ('align' with prefix caching, else 'none'); 'none' with
+    prefix caching is refused: vLLM flips it to 'align', and forced it asserts.
+    """
+    num_attention_layers: int = 12
+    num_mamba_layers: int = 36
+    mamba_cache_mode: str | None = None  # vLLM 0.32 values: 'none' | 'align'
+    attention_block_size: int | None = None
+    mamba_block_size: int | None = None
+    tp_size: int = 1
+    num_kv_heads: int = 2
+    head_dim: int = 256
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    dtype: torch.dtype = torch.bfloat16
+
+    def mamba_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """GDN (conv state, ssm state) per TP rank, as gated_delta_net_state_shape."""
+        conv_dim = (self.linear_key_head_dim * self.linear_num_key_heads * 2
+                    + self.linear_value_head_dim * self.linear_num_value_heads)
+        return ((conv_dim // self.tp_size, self.linear_conv_kernel_dim - 1),
+                (self.linear_num_value_heads // self.tp_size,
+                 self.linear_value_head_dim, self.linear_key_head_dim))
+
+
+@dataclass
+class VllmSideConfig:
+    """What the baseline varies. ``num_blocks`` includes vLLM's null block 0."""
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 131072  # set it from the longest prompt + max_tokens
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    scheduler_reserve_full_isl: bool = True  # vLLM 0.32's default
+    watermark: float = 0.0  # vLLM 0.32's default (off)
+    hash_algo: str = "sha256"  # vLLM's default; xxhash is faster but not installed
+    hybrid: HybridSpec | None = None  # None: one full-attention group
+
+
+@dataclass
+class StepRecord:
+    scheduled: dict[str, int]  # vLLM's num_scheduled_tokens, in vLLM's order
+    preempted: list[str]  # in the order vLLM preempted them
+    new_hits: dict[str, int]  # new/resumed this step: num_computed_tokens at admission
+    # Per request, per KV cache group: for new/resumed requests vLLM hands the
+    # worker the whole block table (prefix-hit blocks first, then new ones);
+    # for running ones only the blocks allocated this step.
+    new_block_ids: dict[str, list[list[int]]]
+    finished: list[str]
+    num_free_blocks: int
+    num_scheduled: int = 0  # sum(scheduled.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_model_dir(max_model_len: int) -> str:
+    """A config-only llama folder: ModelConfig needs a config, never weights.
+
+    The Scheduler reads no hybrid flag from ModelConfig (it reads
+    ``kv_cache_config.has_mamba_layers`` and ``cache_config.mamba_cache_mode``),
+    so a plain llama config serves the hybrid case too."""
+    d = tempfile.mkdtemp(prefix="vllm_driver_cfg_")
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+           "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 32000,
+           "max_position_embeddings": max_model_len,
+           "torch_dtype": "bfloat16"}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def _hybrid_layer_specs(h: HybridSpec, cfg: VllmSideConfig, mode: str) -> dict:
+    """Per-layer specs; pages padded equal so vLLM's grouping keeps our block sizes."""
+    kv_heads = max(1, h.num_kv_heads // h.tp_size)  # KV heads replicate past TP 2
+    attn_1tok = 2 * kv_heads * h.head_dim * h.dtype.itemsize
+    shapes = h.mamba_shapes()
+    mamba_page = sum(math.prod(s) for s in shapes) * h.dtype.itemsize
+    attn_bs = h.attention_block_size or 16 * math.ceil(mamba_page / (16 * attn_1tok))
+    mamba_bs = h.mamba_block_size or (attn_bs if mode == "align" else cfg.max_model_len)
+    page = max(attn_bs * attn_1tok, mamba_page)
+    attn = FullAttentionSpec(block_size=attn_bs, num_kv_heads=kv_heads,
+                             head_size=h.head_dim, dtype=h.dtype, page_size_padded=page)
+    mamba = MambaSpec(block_size=mamba_bs, shapes=shapes, dtypes=(h.dtype, h.dtype),
+                      page_size_padded=page, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                      mamba_cache_mode=mode)
+    n = h.num_attention_layers + h.num_mamba_layers
+    every = max(1, n // max(1, h.num_attention_layers))  # Qwen3-Next: every 4th layer
+    specs, n_attn = {}, 0
+    for i in range(n):
+        if (i + 1) % every == 0 and n_attn < h.num_attention_layers:
+            specs[f"model.layers.{i}.self_attn.attn"] = attn
+            n_attn += 1
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = mamba
+    return specs
+
+
+class VllmSide:
+    """One real vLLM Scheduler, advanced one step per ``step()`` call."""
+
+    def __init__(self, cfg: VllmSideConfig):
+        self.cfg = cfg
+        h = cfg.hybrid
+        mode = "none"
+        if h is not None:
+            mode = h.mamba_cache_mode or ("align" if cfg.enable_prefix_caching else "none")
+            if mode == "none" and cfg.enable_prefix_caching:  # MambaModelConfig flips it;
+                raise ValueError("vLLM 0.32 runs mamba_cache_mode 'none' only without "
+                                 "prefix caching (its hybrid coordinator asserts)")
+        model_config = ModelConfig(model=_tiny_model_dir(max(cfg.max_model_len, 1 << 20)),
+                                   skip_tokenizer_init=True, dtype="bfloat16",
+                                   max_model_len=cfg.max_model_len, seed=0)
+        sched_config = SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len, is_encoder_decoder=False,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            enable_chunked_prefill=True, async_scheduling=False,
+            scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
+            watermark=cfg.watermark)
+        cache_config = CacheConfig(block_size=cfg.block_size,
+                                   enable_prefix_caching=cfg.enable_prefix_caching,
+                                   prefix_caching_hash_algo=cfg.hash_algo,
+                                   mamba_cache_mode=mode)
+        vc = VllmConfig(model_config=model_config, scheduler_config=sched_config,
+                        cache_config=cache_config)
+        # The CPU platform's config hooks must not have changed what we compare.
+        s, c = vc.scheduler_config, vc.cache_config
+        assert (s.max_num_seqs, s.max_num_batched_tokens, s.enable_chunked_prefill,
+                s.long_prefill_token_threshold, c.enable_prefix_caching) == (
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, True,
+            cfg.long_prefill_token_threshold, cfg.enable_prefix_caching), (s, c)
+        if h is None:
+            groups = [KVCacheGroupSpec(["layer"], FullAttentionSpec(
+                block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))]
+        else:  # pages are equal, so the layout (normally the engine's pick) is moot
+            c.kv_cache_layout = c.kv_cache_layout or "LBNHC"
+            groups = get_kv_cache_groups(vc, _hybrid_layer_specs(h, cfg, mode))
+        kv_cfg = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[],
+                               kv_cache_groups=groups)
+        # What EngineCore._initialize_kv_caches sets after profiling.
+        c.num_gpu_blocks = cfg.num_blocks
+        c.block_size = min(g.kv_cache_spec.block_size for g in groups
+                           if g.kv_cache_spec.prefix_cacheable)
+        if h is not None:
+            c.mamba_block_size = next(g.kv_cache_spec.block_size for g in groups
+                                      if isinstance(g.kv_cache_spec, MambaSpec))
+        sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cfg, vc)
+        kv_cfg.hash_block_size = hash_bs
+        self.scheduler_block_size, self.hash_block_size = sched_bs, hash_bs
+        self.sched = Scheduler(vllm_config=vc, kv_cache_config=kv_cfg,
+                               structured_output_manager=StructuredOutputManager(vc),
+                               block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
+        self.group_kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        self.group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self.mamba_cache_mode = mode if h is not None else None
+        self._hasher = None
+        if cfg.enable_prefix_caching:  # as EngineCore does
+            hash_fn = get_hash_fn_by_name(cfg.hash_algo)
+            init_none_hash(hash_fn)
+            self._hasher = get_request_block_hasher(hash_bs, hash_fn)
+        self._arrival = 0
+        self._preempted_order: list[str] = []
+        real_preempt = self.sched._preempt_request
+
+        def preempt(request, *args, **kwargs):  # records vLLM's victim order
+            self._preempted_order.append(request.request_id)
+            return real_preempt(request, *args, **kwargs)
+        self.sched._preempt_request = preempt
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
+        """Exactly ``max_tokens`` outputs: ignore_eos and no stop tokens."""
+        self._arrival += 1
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      pooling_params=None, arrival_time=float(self._arrival),
+                      block_hasher=self._hasher)
+        self.sched.add_request(req)
+
+    def step(self, sampled_token: Callable[[str, int], int]) -> StepRecord:
+        """schedule() -> one token for each request whose prompt is done -> update."""
+        self._preempted_order = []
+        so = self.sched.schedule()
+        scheduled = dict(so.num_scheduled_tokens)
+        new_hits: dict[str, int] = {}
+        new_blocks: dict[str, list[list[int]]] = {}
+        for nr in so.scheduled_new_reqs:
+            new_hits[nr.req_id] = nr.num_computed_tokens
+            new_blocks[nr.req_id] = [list(b) for b in nr.block_ids]
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            if rid in cr.resumed_req_ids:
+                new_hits[rid] = cr.num_computed_tokens[i]
+            if cr.new_block_ids[i] is not None:
+                new_blocks[rid] = [list(b) for b in cr.new_block_ids[i]]
+        requests = self.sched.requests
+        sampled = []
+        for rid in scheduled:  # num_computed_tokens is already advanced here
+            r = requests[rid]
+            sampled.append([sampled_token(rid, r.num_output_tokens)]
+                           if r.num_computed_tokens >= r.num_tokens else [])
+        out = ModelRunnerOutput(req_ids=list(scheduled),
+                                req_id_to_index={rid: i for i, rid in enumerate(scheduled)},
+                                sampled_token_ids=sampled)
+        eco = self.sched.update_from_output(so, out)
+        finished = [o.request_id for outs in eco.values() for o in outs.outputs
+                    if o.finish_reason is not None]
+        preempted = self._preempted_order
+        assert set(preempted) == set(so.preempted_req_ids or ()), (preempted, so.preempted_req_ids)
+        return StepRecord(scheduled=scheduled, preempted=list(preempted), new_hits=new_hits,
+                          new_block_ids=new_blocks, finished=finished,
+                          num_free_blocks=self.sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+                          num_scheduled=so.total_num_scheduled_tokens)
+
+    @property
+    def has_work(self) -> bool:
+        return self.sched.get_num_unfinished_requests() > 0
+
+    def check(self) -> None:
+        """Pool accounting and the budgets; O(num_blocks), so call it sparingly."""
+        pool = self.sched.kv_cache_manager.block_pool
+        in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0 and not b.is_null)
+        assert in_use + pool.get_num_free_blocks() == self.cfg.num_blocks - 1, in_use
+        assert len(self.sched.running) <= self.cfg.max_num_seqs
+        for r in self.sched.running:
+            assert r.num_computed_tokens <= r.num_tokens, r.request_id
+
+
+if __name__ == "__main__":
+    import random
+    import time
+
+    def tok(rid: str, i: int) -> int:
+        return 1000 + i
+
+    def run(side: VllmSide, prompts: dict[str, list[int]], max_tokens: int) -> dict:
+        """Print every step; check budgets, finishing, and token accounting."""
+        for rid, p in prompts.items():
+            side.add_request(rid, p, max_tokens)
+        recs = []
+        while side.has_work and len(recs) < 10_000:
+            recs.append(rec := side.step(tok))
+            side.check()
+            assert rec.num_scheduled == sum(rec.scheduled.values()) <= side.cfg.max_num_batched_tokens
+            print(len(recs), rec)
+        hits = {k: v for r in recs for k, v in r.new_hits.items()}
+        for rid in prompts:
+            assert sum(rid in r.finished for r in recs) == 1, rid
+            # each prompt token and each output but the last is computed once, less the hit
+            assert (sum(r.scheduled.get(rid, 0) for r in recs) + hits[rid]
+                    == len(prompts[rid]) + max_tokens - 1), rid
+        print("hits", hits)
+        return hits
+
+    prefix = list(range(1, 41))  # a 40-token shared prefix: two full 16-token blocks
+    prompts = {f"r{i}": prefix + [100 + i] * 8 for i in range(3)}
+    small = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
+    print("== full attention: block 16, 21 blocks incl. null (20 usable)")
+    hits = run(VllmSide(VllmSideConfig(num_blocks=21, **small)), prompts, 6)
+    assert hits == {"r0": 0, "r1": 32, "r2": 32}, hits
+    print("== hybrid, Qwen3-Next shape, 16-token blocks so it reads")
+    side = VllmSide(VllmSideConfig(num_blocks=41, hybrid=HybridSpec(attention_block_size=16), **small))
+    print("groups", side.group_kinds, side.group_block_sizes, side.mamba_cache_mode,
+          type(side.sched.kv_cache_manager.coordinator).__name__)
+    run(side, prompts, 6)
+    side = VllmSide(VllmSideConfig(num_blocks=2000, max_model_len=8192, hybrid=HybridSpec()))
+    print("default hybrid: group block sizes", side.group_block_sizes, side.mamba_cache_mode)
+
+    for num_blocks in (1200, 8000):  # tight pool (preemptions), roomy pool (all 50 run)
+        rng = random.Random(0)
+        side = VllmSide(VllmSideConfig(num_blocks=num_blocks, max_model_len=8192,
+                                       max_num_batched_tokens=2048, max_num_seqs=64))
+        shared = [rng.randrange(32000) for _ in range(512)]
+        for i in range(50):
+            side.add_request(f"t{i}", shared[: rng.randrange(512)] + [
+                rng.randrange(32000) for _ in range(rng.randrange(200, 1500))], 4000)
+        t0, n_pre, n_tok, n_run = time.perf_counter(), 0, 0, 0
+        for _ in range(2000):
+            rec = side.step(tok)
+            n_pre, n_tok = n_pre + len(rec.preempted), n_tok + rec.num_scheduled
+            n_run += len(rec.scheduled)
+        dt = time.perf_counter() - t0
+        side.check()
+        print(f"{num_blocks} blocks, 50 requests, 2000 steps: {dt:.2f}s = "
+              f"{dt / 2 :.3f} ms/step; {n_run / 2000:.1f} scheduled/step, "
+              f"{n_tok} tokens, {n_pre} preemptions")

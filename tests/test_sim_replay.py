@@ -163,3 +163,31 @@ def test_weighted_summary_equals_the_expanded_summary_exactly(pairs):
     weighted, plain = weighted_summary(values, weights), summary(expanded)
     assert weighted["mean"] == pytest.approx(plain.pop("mean"), rel=1e-12)
     assert {k: v for k, v in weighted.items() if k != "mean"} == plain  # percentiles bit for bit
+
+
+def test_batch_limits_default_to_vllm_serving_defaults_per_gpu():
+    """vLLM 0.32's EngineArgs.get_batch_defaults for its OpenAI server: larger batches from 70 GiB, but not on A100."""
+    from moetide.sim.setup import build_replay, vllm_serving_defaults
+    from moetide.specs import get_gpu
+
+    assert vllm_serving_defaults(get_gpu("h100")) == (8192, 1024)
+    assert vllm_serving_defaults(get_gpu("h200")) == (8192, 1024)
+    assert vllm_serving_defaults(get_gpu("a100-80gb")) == (2048, 256)
+    assert vllm_serving_defaults(get_gpu("v100-32gb")) == (2048, 256)
+    built = build_replay(generate_agent_sessions(1, num_sessions=1), ReplayConfig(gpu="a100-80gb"))
+    assert (built.config.max_num_batched_tokens, built.config.max_num_seqs) == (2048, 256)
+    built = build_replay(generate_agent_sessions(1, num_sessions=1), ReplayConfig(max_num_seqs=8))
+    assert (built.config.max_num_batched_tokens, built.config.max_num_seqs) == (8192, 8)
+
+
+def test_first_chunk_admission_preempts_more_than_full_sequence_admission():
+    """--no-scheduler-reserve-full-isl (older vLLM) admits on the first chunk: under pressure later chunks and
+    decodes preempt what was admitted too early."""
+    from moetide.sim.setup import build_replay
+
+    preemptions = {}
+    for full in (True, False):
+        built = build_replay(generate_agent_sessions(2, num_sessions=5),
+                             ReplayConfig(kv_budget_gib=3.0, scheduler_reserve_full_isl=full))
+        preemptions[full] = built.replay.run().preemptions
+    assert preemptions[False] > 20 and preemptions[True] < preemptions[False] // 4  # measured: 71 and 0

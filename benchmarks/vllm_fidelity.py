@@ -75,6 +75,7 @@ class CoreSide:
                                self.kv, get_policy("vllm"))
         self.block_size = block_size
         self.requests: dict[str, Request] = {}
+        self._running_before: set[str] = set()  # running after the last step: who is newly scheduled now
 
     def add_request(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
         request = Request.from_tokens(request_id, prompt, max_tokens, self.block_size)
@@ -93,12 +94,8 @@ class CoreSide:
                     if r.request_id not in self._running_before}
         _, finished = self.sched.update(out, sampled)
         self._running_before = {r.request_id for r in self.sched.running}
-        self.kv.check_invariants() if self._check else None
         return Record({r.request_id: n for r, n in out.scheduled}, [r.request_id for r in out.preempted], new_hits,
                       [r.request_id for r in finished])
-
-    _running_before: set[str] = set()
-    _check = False
 
 
 # ---- workloads ----------------------------------------------------------------------------------------------

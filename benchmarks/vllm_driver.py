@@ -92,6 +92,7 @@ class VllmSideConfig:
     watermark: float = 0.0  # vLLM 0.32's default (off)
     hash_algo: str = "sha256"  # vLLM's default; xxhash is faster but not installed
     hybrid: HybridSpec | None = None  # None: one full-attention group
+    retention_interval: int | str | None = "default"  # prefix_cache_retention_interval: "default" is vLLM's (0)
 
 
 @dataclass
@@ -192,8 +193,12 @@ class VllmSide:
         else:  # pages are equal, so the layout (normally the engine's pick) is moot
             c.kv_cache_layout = c.kv_cache_layout or "LBNHC"
             groups = get_kv_cache_groups(vc, _hybrid_layer_specs(h, cfg, mode))
-        kv_cfg = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[],
-                               kv_cache_groups=groups)
+        # get_kv_cache_config_from_groups copies the cache config's retention interval (0 by default in 0.32:
+        # keep only the replay boundary's and junctions' states); None keeps every state (dense)
+        kv_cfg = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                               prefix_cache_retention_interval=(c.prefix_cache_retention_interval if
+                                                                cfg.retention_interval == "default"
+                                                                else cfg.retention_interval))
         # What EngineCore._initialize_kv_caches sets after profiling.
         c.num_gpu_blocks = cfg.num_blocks
         c.block_size = min(g.kv_cache_spec.block_size for g in groups

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moetide.core.blocks import BlockPool  # noqa: E402
 from moetide.core.kv_manager import KVCacheManager  # noqa: E402
+from moetide.core.mamba_states import MambaStates  # noqa: E402
 from moetide.core.pressure import get_policy  # noqa: E402
 from moetide.core.request import Request  # noqa: E402
 from moetide.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
@@ -63,9 +64,12 @@ class CoreSide:
     block 0 is the null block)."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int, reserve_full_isl: bool, num_state_blocks: int = 0) -> None:
+                 long_prefill_token_threshold: int, reserve_full_isl: bool, mamba_groups: int = 0,
+                 retention_interval: int | None = 0) -> None:
         self.pool = BlockPool(range(1, num_blocks))
-        self.kv = KVCacheManager(self.pool, block_size, num_state_blocks_per_request=num_state_blocks)
+        mamba = MambaStates(self.pool, block_size, mamba_groups, retention_interval=retention_interval) \
+            if mamba_groups else None
+        self.kv = KVCacheManager(self.pool, block_size, mamba=mamba)
         options = {"scheduler_reserve_full_isl": reserve_full_isl} if hasattr(
             SchedulerConfig, "scheduler_reserve_full_isl") else {}  # (an older core has no such option)
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
@@ -228,11 +232,12 @@ def run_side(side, sessions, step_of, record_of, max_steps: int) -> Stats:
 
 def compare(name: str, sessions, num_blocks: int, block_size: int = 16, max_num_seqs: int = 1024,
             max_num_batched_tokens: int = 8192, threshold: int = 0, reserve_full_isl: bool = True,
-            max_steps: int = 200_000, hybrid: bool = False) -> dict:
+            max_steps: int = 200_000, hybrid: bool = False, retention_interval: int | None = 0) -> dict:
     """``hybrid``: a Qwen3-Next-80B-shaped KV cache (12 full-attention layers, 36 Gated DeltaNet layers in 3
     groups; vLLM's 544-token page-aligned block, its default ``mamba_cache_mode`` 'align' with prefix caching)
-    against the core's model of it (attention blocks of 544 tokens, one state block per linear-attention group
-    per running request)."""
+    against the core's model of it (``core.mamba_states``); ``retention_interval`` as vLLM's
+    ``prefix_cache_retention_interval`` (0, its default: states kept at replay boundaries and junctions only;
+    None: every state)."""
     from vllm_driver import HybridSpec, VllmSide, VllmSideConfig
 
     longest = max(len(a.prompt) + a.max_tokens for s in sessions for a in s)
@@ -241,11 +246,12 @@ def compare(name: str, sessions, num_blocks: int, block_size: int = 16, max_num_
                                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=longest + 16,
                                     long_prefill_token_threshold=threshold,
                                     scheduler_reserve_full_isl=reserve_full_isl,
-                                    hybrid=HybridSpec() if hybrid else None))
+                                    hybrid=HybridSpec() if hybrid else None,
+                                    retention_interval=retention_interval if hybrid else "default"))
     v = run_side(vside, sessions, lambda s: s.step(sampled_token), lambda r: r, max_steps)
     t1 = time.perf_counter()
     cside = CoreSide(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, threshold, reserve_full_isl,
-                     num_state_blocks=3 if hybrid else 0)
+                     mamba_groups=3 if hybrid else 0, retention_interval=retention_interval)
     c = run_side(cside, sessions, lambda s: s.step(), lambda r: r, max_steps)
     t2 = time.perf_counter()
     identical = sum(1 for a, b in zip(v.trace, c.trace) if a == b)
@@ -265,6 +271,7 @@ def compare(name: str, sessions, num_blocks: int, block_size: int = 16, max_num_
         "config": name, "requests": sum(len(s) for s in sessions), "num_blocks": num_blocks,
         "block_size": block_size, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "long_prefill_token_threshold": threshold, "scheduler_reserve_full_isl": reserve_full_isl, "hybrid": hybrid,
+        "retention_interval": retention_interval if hybrid else None,
         "steps": steps, "identical_steps": identical, "identical_share": round(identical / max(steps, 1), 5),
         "first_divergence": divergence,
         "vllm": {"steps": v.steps, "preemptions": v.preemptions, "recomputed_tokens": v.recomputed_tokens,
@@ -292,6 +299,10 @@ CONFIGS = {
                                     block_size=544, hybrid=True),
     "hybrid-tight": lambda: compare("hybrid-tight", weka(30, 6, 20, 16_384, 10), num_blocks=200,
                                     block_size=544, hybrid=True),
+    "hybrid-tight-dense": lambda: compare("hybrid-tight-dense", weka(30, 6, 20, 16_384, 10), num_blocks=200,
+                                          block_size=544, hybrid=True, retention_interval=None),
+    "hybrid-tight-threshold": lambda: compare("hybrid-tight-threshold", weka(30, 6, 20, 16_384, 10),
+                                              num_blocks=200, block_size=544, hybrid=True, threshold=1088),
 }
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from moetide.core.blocks import BlockPool
+from moetide.core.mamba_states import MambaStates
 
 
 # with a host tier, when no uncached device block is free: keep cached device prefixes and spill new KV, or evict
@@ -38,7 +39,7 @@ class KVCacheManager:
     """Block tables of running requests, over one pool with one block size."""
 
     def __init__(self, pool: BlockPool, block_size: int, *, num_state_blocks_per_request: int = 0,
-                 evict_device_prefixes: bool = False) -> None:
+                 evict_device_prefixes: bool = False, mamba: MambaStates | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_state_blocks_per_request < 0:
@@ -48,6 +49,12 @@ class KVCacheManager:
         # Hybrid models (linear-attention layers) keep a fixed-size state per running sequence; like vLLM's hybrid
         # allocator, it is carved from the same pool: these blocks are taken with the request's first allocation.
         self.num_state_blocks_per_request = num_state_blocks_per_request
+        # Or, with prefix caching on a hybrid model, vLLM's "align" mode: states as cached blocks of their own,
+        # moving with the sequence (``core.mamba_states``); hits then end where a state was kept.
+        if mamba is not None and (num_state_blocks_per_request or mamba.pool is not pool
+                                  or mamba.block_size != block_size):
+            raise ValueError("mamba states replace num_state_blocks_per_request and share the pool and block size")
+        self.mamba = mamba
         # Two-tier pool (``BlockPool.preferred_below``): by default new KV spills to the host once no uncached device
         # block is free, and cached device prefixes stay. With this set, the least recently used cached device
         # prefixes are evicted first (``BlockPool.evict_preferred``, never the request's own hits), so running
@@ -64,10 +71,37 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading blocks of a request already offered to the cache
 
     def get_computed_blocks(self, block_hashes: Sequence[int], num_tokens: int) -> tuple[list[int], int]:
-        """Cached prefix of a request with ``num_tokens`` known tokens: (block ids, computed tokens). No refs."""
+        """Cached prefix of a request with ``num_tokens`` known tokens: (block ids, computed tokens). No refs.
+        With mamba states, the attention hit is cut back to the last block whose state is kept."""
         max_hit_blocks = max(num_tokens - 1, 0) // self.block_size
         hits = self.pool.lookup_chain(block_hashes[:max_hit_blocks])
+        if self.mamba is not None and hits:
+            del hits[self.mamba.hit_blocks(block_hashes, len(hits)):]
         return hits, len(hits) * self.block_size
+
+    def shared_prefix_boundary(self, block_hashes: Sequence[int], num_tokens: int, hits: Sequence[int]) -> int:
+        """Tokens of the attention hit when it is longer than ``hits`` (its state was not kept: a junction whose
+        state the request should keep, vLLM's ``shared_prefix_boundary``); 0 otherwise, and without mamba."""
+        if self.mamba is None:
+            return 0
+        max_hit_blocks = max(num_tokens - 1, 0) // self.block_size
+        longest = len(self.pool.lookup_chain(block_hashes[:max_hit_blocks]))
+        return longest * self.block_size if longest > len(hits) else 0
+
+    def protected(self, hits: Sequence[int]) -> frozenset[int]:
+        """Blocks an admission must not lose before it takes them: its hits, and with mamba their states."""
+        if self.mamba is None or not hits:
+            return frozenset(hits)
+        return frozenset([*hits, *self.mamba.hit_states(self.pool.block_hash(hits[-1]))])  # type: ignore[arg-type]
+
+    def hits_ready(self, hits: Sequence[int]) -> bool:
+        """False when the hits' states were cached in this step: vLLM admits such a request the step after."""
+        return self.mamba is None or not hits or self.mamba.ready(self.pool.block_hash(hits[-1]))  # type: ignore
+
+    def new_step(self) -> None:
+        """The scheduler's call at the start of every step."""
+        if self.mamba is not None:
+            self.mamba.new_step()
 
     def num_blocks_short(
         self, request_id: str, num_new_tokens: int, num_computed_tokens: int, num_new_computed_blocks: int = 0
@@ -81,9 +115,11 @@ class KVCacheManager:
     ) -> int:
         num_required = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
         held = self._blocks.get(request_id)
+        states = 0 if self.mamba is None else self.mamba.num_new_blocks(
+            request_id, num_computed_tokens + num_new_tokens, num_new_computed_blocks)
         if held is None:
-            return max(num_required - num_new_computed_blocks, 0) + self.num_state_blocks_per_request
-        return max(num_required - len(held) - num_new_computed_blocks, 0)
+            return max(num_required - num_new_computed_blocks, 0) + self.num_state_blocks_per_request + states
+        return max(num_required - len(held) - num_new_computed_blocks, 0) + states
 
     def allocate_slots(
         self,
@@ -93,13 +129,24 @@ class KVCacheManager:
         *,
         num_computed_tokens: int = 0,
         new_computed_blocks: Sequence[int] = (),
+        num_prompt_tokens: int = 0,
+        shared_prefix_boundary: int = 0,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` after ``num_computed_tokens`` (which include ``new_computed_blocks``,
-        the hits from ``get_computed_blocks``). Returns the newly allocated block ids, or None with no effect."""
+        the hits from ``get_computed_blocks``). Returns the newly allocated block ids, or None with no effect —
+        except that with mamba states those the request no longer needs are released first, as vLLM does
+        whether or not the allocation succeeds. ``num_prompt_tokens`` and ``shared_prefix_boundary`` say which
+        states to keep (mamba only)."""
         blocks = self._blocks.get(request_id)
         total = num_computed_tokens + num_new_tokens
-        if blocks is not None and not new_computed_blocks and total <= len(blocks) * self.block_size:
+        mamba = self.mamba
+        if mamba is not None:
+            mamba.remove_skipped(request_id, num_computed_tokens)
+        if (blocks is not None and not new_computed_blocks and total <= len(blocks) * self.block_size
+                and (mamba is None or not mamba.num_new_blocks(request_id, total, 0))):
             self._register_full_blocks(request_id, blocks, block_hashes, total)  # decode in held blocks
+            if mamba is not None:
+                mamba.cache(request_id, block_hashes, total, num_prompt_tokens, shared_prefix_boundary)
             return []
         if new_computed_blocks:  # checked before anything changes
             if self._blocks.get(request_id):
@@ -117,6 +164,14 @@ class KVCacheManager:
             return None
         if self._host_from is not None:  # state blocks included: they are read every step too
             self._count_host(request_id, new_computed_blocks, new_blocks)
+        if mamba is not None:  # the groups' blocks first, as vLLM's coordinator allocates them
+            if request_id not in self._blocks:
+                hit_states = mamba.hit_states(self.pool.block_hash(new_computed_blocks[-1])) if new_computed_blocks \
+                    else []  # type: ignore[arg-type]
+                mamba.take_hits(request_id, hit_states, len(new_computed_blocks))
+            num_states = mamba.num_new_blocks(request_id, total, 0)
+            mamba.allocate(request_id, total, new_blocks[:num_states])
+            new_blocks = new_blocks[num_states:]
         blocks = self._blocks.get(request_id)
         if blocks is None:
             blocks = self._blocks[request_id] = []
@@ -129,6 +184,8 @@ class KVCacheManager:
             self._num_registered[request_id] = len(new_computed_blocks)
         blocks.extend(new_blocks)
         self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens)
+        if mamba is not None:
+            mamba.cache(request_id, block_hashes, total, num_prompt_tokens, shared_prefix_boundary)
         return new_blocks
 
     def _count_host(self, request_id: str, *block_lists: Sequence[int]) -> None:
@@ -138,15 +195,20 @@ class KVCacheManager:
             self._num_host[request_id] = self._num_host.get(request_id, 0) + n
             self.num_host_blocks_held += n
 
-    def append_slot(self, request_id: str, num_tokens: int, block_hashes: Sequence[int]) -> bool:
+    def append_slot(self, request_id: str, num_tokens: int, block_hashes: Sequence[int], *,
+                    num_prompt_tokens: int = 0, shared_prefix_boundary: int = 0) -> bool:
         """Decode fast path: True when the request's held blocks already have room for ``num_tokens`` tokens
         (registering a block that this step fills, exactly as ``allocate_slots`` would); False changes nothing
         and the caller takes ``allocate_slots``."""
         blocks = self._blocks.get(request_id)
+        if self.mamba is not None:
+            self.mamba.remove_skipped(request_id, num_tokens - 1)
         if blocks is None or num_tokens > len(blocks) * self.block_size:
             return False
         if num_tokens // self.block_size > self._num_registered.get(request_id, 0):
             self._register_full_blocks(request_id, blocks, block_hashes, num_tokens)
+            if self.mamba is not None:
+                self.mamba.cache(request_id, block_hashes, num_tokens, num_prompt_tokens, shared_prefix_boundary)
         return True
 
     def _check_hits(self, hits: Sequence[int], block_hashes: Sequence[int]) -> None:
@@ -170,6 +232,8 @@ class KVCacheManager:
         blocks = self._blocks.pop(request_id, None)
         self._num_registered.pop(request_id, None)
         self.num_host_blocks_held -= self._num_host.pop(request_id, 0)
+        if self.mamba is not None:  # vLLM's coordinator frees the linear-attention groups first
+            self.mamba.free(request_id)
         if blocks:
             self.pool.free(reversed(blocks))
         state_blocks = self._state_blocks.pop(request_id, None)
@@ -177,7 +241,10 @@ class KVCacheManager:
             self.pool.free(state_blocks)
 
     def get_state_blocks(self, request_id: str) -> list[int]:
-        """Blocks holding the request's fixed-size (linear-attention) state; [] for pure-attention models."""
+        """Blocks holding the request's fixed-size (linear-attention) state, each group's newest with mamba
+        states; [] for pure-attention models."""
+        if self.mamba is not None:
+            return self.mamba.current(request_id)
         return self._state_blocks.get(request_id, [])
 
     def get_blocks(self, request_id: str) -> list[int]:
@@ -206,7 +273,8 @@ class KVCacheManager:
                 num_host = sum(1 for b in held if b >= self._host_from)
                 assert self._num_host.get(request_id, 0) == num_host, f"request {request_id!r}: host count is off"
         assert self.num_host_blocks_held == sum(self._num_host.values()), "host block total is off"
-        for blocks in [*self._blocks.values(), *self._state_blocks.values()]:
+        mamba = [self.mamba.blocks(rid) for rid in self._blocks] if self.mamba is not None else []
+        for blocks in [*self._blocks.values(), *self._state_blocks.values(), *mamba]:
             for block_id in blocks:
                 holders[block_id] = holders.get(block_id, 0) + 1
         for block_id, count in holders.items():

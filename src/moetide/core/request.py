@@ -28,6 +28,7 @@ class Request:
         "request_id", "session_id", "arrival_s", "num_prompt_tokens", "max_output_tokens", "token_ids",
         "block_hashes", "block_size", "salt", "eos_token_ids", "status", "num_computed_tokens", "num_output_tokens",
         "num_cached_prompt_tokens", "max_computed_tokens", "num_preemptions", "num_recomputed_tokens", "stopped",
+        "shared_prefix_boundary",
     )
 
     def __init__(
@@ -66,6 +67,8 @@ class Request:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.stopped = False
+        # a hybrid model's attention hit past its last kept state, set at each prefix lookup (core.mamba_states)
+        self.shared_prefix_boundary = 0
 
     @classmethod
     def from_tokens(cls, request_id: str, token_ids: Sequence[int], max_output_tokens: int, block_size: int,

@@ -46,6 +46,8 @@ def prefill_run(sched: Scheduler) -> PrefillRun | None:
     if len(running) < 2 or config.long_prefill_token_threshold or not getattr(sched.policy, "evicts_when_it_can",
                                                                                False):
         return None
+    if sched.kv.mamba is not None:  # chunks cut at state boundaries, states freed as they go: step normally
+        return None
     prefiller, decoders = running[-1], running[:-1]
     chunk = config.max_num_batched_tokens - len(decoders)
     remaining = prefiller.num_tokens - prefiller.num_computed_tokens

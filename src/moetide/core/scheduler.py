@@ -38,6 +38,7 @@ from typing import Protocol
 
 from moetide.core.host_admission import HostAdmission
 from moetide.core.kv_manager import KVCacheManager
+from moetide.core.mamba_states import aligned_chunk
 from moetide.core.pressure import EvictPrefix, OffloadExperts, Preempt, PressurePolicy, PressureView
 from moetide.core.request import Request, RequestStatus
 
@@ -167,6 +168,7 @@ class Scheduler:
         if now_s is not None:
             self.now_s = now_s
         out = SchedulerOutput()
+        self.kv.new_step()
         threshold = self.config.long_prefill_token_threshold
         self._threshold = threshold if len(self.running) + len(self.waiting) > 1 else 0
         maybe_reclaim = getattr(self.policy, "maybe_reclaim", None)
@@ -181,7 +183,17 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> int:
         n = min(request.num_tokens_to_compute, budget)
         threshold = self._threshold
-        return min(n, threshold) if threshold else n
+        if threshold:
+            n = min(n, threshold)
+        if self.kv.mamba is not None:  # a hybrid model's chunk ends where a state can be kept
+            config = self.config
+            n = aligned_chunk(start=request.num_computed_tokens, num_new_tokens=n,
+                              num_prompt_tokens=request.num_prompt_tokens, num_tokens=request.num_tokens,
+                              block_size=self.kv.block_size,
+                              max_prefill_tokens=min(config.max_num_batched_tokens,
+                                                     config.long_prefill_token_threshold or config.max_num_batched_tokens),
+                              shared_prefix_boundary=request.shared_prefix_boundary)
+        return n
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -190,7 +202,9 @@ class Scheduler:
             request = self.running[i]
             computed = request.num_computed_tokens
             if (computed + 1 == request.num_prompt_tokens + request.num_output_tokens  # decode: one token, room
-                    and append_slot(request.request_id, computed + 1, request.block_hashes)):
+                    and append_slot(request.request_id, computed + 1, request.block_hashes,
+                                    num_prompt_tokens=request.num_prompt_tokens,
+                                    shared_prefix_boundary=request.shared_prefix_boundary)):
                 out.scheduled.append((request, 1))
                 out.num_computed_before.append(computed)
                 budget -= 1
@@ -221,6 +235,8 @@ class Scheduler:
             num_computed = 0
             if caching:
                 hits, num_computed = self.kv.get_computed_blocks(request.block_hashes, request.num_tokens)
+                request.shared_prefix_boundary = self.kv.shared_prefix_boundary(request.block_hashes,
+                                                                                 request.num_tokens, hits)
             if bound is not None and self.host_admission is not None:
                 evicted = out.num_evicted_blocks
                 kept = self.host_admission.admit(request, hits, self.running, bound, out)
@@ -235,6 +251,9 @@ class Scheduler:
             if self._admitting is not None:
                 self._admitting(request, hits, self.kv.pool, self.now_s, self.expert_line)
             n = self._chunk(request, budget)
+            if n == 0 or not self.kv.hits_ready(hits):  # (hybrid) no aligned chunk fits, or its state is unwritten
+                request.num_computed_tokens = 0
+                break
             if not (self._full_sequence_fits(request, hits, out)
                     and self._allocate(request, n, hits, False, len(self.running), out)):
                 request.num_computed_tokens = 0
@@ -264,9 +283,10 @@ class Scheduler:
         while True:
             computed = request.num_computed_tokens
             short = kv.num_blocks_short(request.request_id, request.num_tokens - computed, computed, len(hits))
-            if short == 0 or short <= pool.num_cached_free_blocks - pool.num_free_among(hits):
+            protected = kv.protected(hits)
+            if short == 0 or short <= pool.num_cached_free_blocks - pool.num_free_among(protected):
                 return True
-            view = PressureView(short, request, False, [], pool, frozenset(hits), self.now_s, self.expert_line,
+            view = PressureView(short, request, False, [], pool, protected, self.now_s, self.expert_line,
                                 self.running)
             actions = self.policy.relieve(view)
             if not actions or not self._apply(actions, hits, out, request, []):
@@ -281,14 +301,15 @@ class Scheduler:
             new = kv.allocate_slots(
                 request.request_id, n, request.block_hashes,
                 num_computed_tokens=request.num_computed_tokens, new_computed_blocks=hits,
+                num_prompt_tokens=request.num_prompt_tokens, shared_prefix_boundary=request.shared_prefix_boundary,
             )
             if new is not None:
                 return True
             shortfall = kv.num_blocks_short(request.request_id, n, request.num_computed_tokens, len(hits))
             # only running requests not yet scheduled in this step, and only for a running requester (FCFS)
             preemptible = self.running[index + 1 :] if is_running else []
-            view = PressureView(shortfall, request, is_running, preemptible, kv.pool, frozenset(hits), self.now_s,
-                                self.expert_line, self.running)
+            view = PressureView(shortfall, request, is_running, preemptible, kv.pool, kv.protected(hits),
+                                self.now_s, self.expert_line, self.running)
             actions = self.policy.relieve(view)
             if not actions or not self._apply(actions, hits, out, request, preemptible):
                 return False
@@ -302,7 +323,7 @@ class Scheduler:
         preempted_any = False
         for action in actions:
             if isinstance(action, EvictPrefix):
-                evicted = self.kv.pool.evict(action.num_blocks, protect=frozenset(hits))
+                evicted = self.kv.pool.evict(action.num_blocks, protect=self.kv.protected(hits))
                 out.num_evicted_blocks += len(evicted)
                 self.num_evicted_blocks += len(evicted)
             elif isinstance(action, Preempt):
@@ -355,11 +376,13 @@ class Scheduler:
                     or blocked[1] != self.kv.pool.free_version
                     or self.config.max_num_batched_tokens - len(running) < blocked[2]):
                 return 0  # the head might be admitted: step normally
-        block_size = self.kv.block_size
+        block_size, mamba = self.kv.block_size, self.kv.mamba
         k = None
         for request in running:
             if request.num_computed_tokens + 1 != request.num_tokens:
                 return 0  # still prefilling
+            if mamba is not None and mamba.num_stale(request.request_id, request.num_computed_tokens):
+                return 0  # the next step releases an old state block: step normally
             room = self.kv.num_held_blocks(request.request_id) * block_size - request.num_computed_tokens
             left = request.max_output_tokens - request.num_output_tokens - 1  # the finishing step runs normally
             limit = room if room < left else left
@@ -375,7 +398,9 @@ class Scheduler:
             request.append_outputs(num_steps)
             request.computed_to(request.num_computed_tokens, request.num_computed_tokens + num_steps)
             kv.allocate_slots(request.request_id, 0, request.block_hashes,
-                              num_computed_tokens=request.num_computed_tokens)
+                              num_computed_tokens=request.num_computed_tokens,
+                              num_prompt_tokens=request.num_prompt_tokens,
+                              shared_prefix_boundary=request.shared_prefix_boundary)
 
     # ---- consume a step's result --------------------------------------------------------------------------
     def update(

@@ -73,3 +73,44 @@ def test_exit_code_two_without_traceback_from_a_real_process(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moetide.cli", "replay", str(trace), "--format", "mooncake"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and f"{trace}:1" in proc.stderr
+
+
+def session_lines(n=4):
+    """Mooncake lines whose prompts extend each other: turns of one conversation (5 shared 512-token blocks)."""
+    return [{"timestamp": 20000 * i, "input_length": 2600 + 512 * i, "output_length": 5,
+             "hash_ids": list(range(1, 6 + i))} for i in range(n)]
+
+
+def test_hybrid_prefix_caching_follows_vllms_mamba_cache_modes(tmp_path, capsys):
+    """Qwen3-Next: align (the default with prefix caching) caches states and hits; none needs prefix caching
+    off; the deprecated --state-checkpoints warns once and means every state kept."""
+    trace = write_trace(tmp_path / "t.jsonl", session_lines())
+    base = ["replay", str(trace), "--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2"]
+    results = {}
+    for name, extra in (("align", []), ("dense", ["--prefix-cache-retention-interval", "none"]),
+                        ("off", ["--no-prefix-caching"]), ("old", ["--state-checkpoints"])):
+        out = tmp_path / f"{name}.json"
+        assert main([*base, *extra, "--json", str(out)]) == 0
+        results[name] = json.loads(out.read_text())["metrics"]["prefix_hit_rate"]
+        printed = capsys.readouterr()
+        assert ("mamba_cache_mode none" in printed.out) == (name == "off")
+        assert ("deprecated" in printed.err) == (name == "old")
+    assert results["align"] > 0.5 and results["off"] == 0 and results["old"] == results["dense"]
+    assert main([*base, "--mamba-cache-mode", "none"]) == 2
+    assert "--no-prefix-caching" in capsys.readouterr().err
+    assert main([*base, "--block-size", "16"]) == 2
+    assert "544" in capsys.readouterr().err
+
+
+def test_vllm_015_defaults(tmp_path, capsys):
+    """--vllm-version 0.15: first-chunk admission, and no prefix caching for hybrid models unless asked for."""
+    trace = write_trace(tmp_path / "t.jsonl", session_lines())
+    base = ["replay", str(trace), "--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2", "--vllm-version", "0.15"]
+    for extra, hits in (([], False), (["--enable-prefix-caching"], True)):
+        out = tmp_path / "out.json"
+        assert main([*base, *extra, "--json", str(out)]) == 0
+        result = json.loads(out.read_text())
+        assert (result["metrics"]["prefix_hit_rate"] > 0.5) == hits
+        assert result["config"]["scheduler_reserve_full_isl"] is False
+        assert result["config"]["prefix_cache_retention_interval"] is None
+        assert "vLLM 0.15's v1 rules (admission on the first chunk" in capsys.readouterr().out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from moetide.core.splits import SPLIT_POLICIES
@@ -15,7 +16,7 @@ from moetide.perf.staging import COLD_EXPERT_MODES, STAGING_MODES
 from moetide.errors import UserError
 from moetide.report.progress import ProgressBar
 from moetide.report.tables import format_table
-from moetide.sim.setup import DEVICE_PREFIXES, ReplayConfig, run_replay
+from moetide.sim.setup import DEVICE_PREFIXES, MAMBA_CACHE_MODES, VLLM_VERSIONS, ReplayConfig, run_replay
 from moetide.workloads import generate_agent_sessions, load_workload
 from moetide.workloads.base import Workload
 
@@ -48,14 +49,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
                         help="token budget of a step (default: vLLM 0.32's server default for the GPU: 8192 on "
                         "H100/H200-class GPUs, 16384 from 160 GiB, 2048 on A100, V100 and smaller)")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    parser.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction,
-                        default=defaults.scheduler_reserve_full_isl,
+    parser.add_argument("--vllm-version", choices=VLLM_VERSIONS, default=defaults.vllm_version,
+                        help="the vLLM whose scheduler defaults the baseline takes: 0.32 (default), or 0.15 (0.15.1, "
+                        "the VAMP paper's base: first-chunk admission, the long-prefill threshold on every chunk, "
+                        "no prefix caching for hybrid models unless --enable-prefix-caching)")
+    caching = parser.add_mutually_exclusive_group()
+    caching.add_argument("--enable-prefix-caching", dest="prefix_caching", action="store_true", default=None,
+                         help="prefix caching on (the default, except for hybrid models under --vllm-version 0.15)")
+    caching.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                         help="prefix caching off")
+    parser.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=None,
                         help="admit a waiting request only if its whole known sequence fits in the KV cache, as "
-                        "vLLM 0.32 does (default); --no-scheduler-reserve-full-isl admits it on its first chunk, as "
-                        "vLLM before PR #37307 (e.g. 0.15) did")
-    parser.add_argument("--state-checkpoints", action="store_true",
-                        help="hybrid models: charge a linear-attention state checkpoint per cached block")
+                        "vLLM 0.32 does (its default); --no-scheduler-reserve-full-isl admits it on its first chunk, "
+                        "as vLLM before PR #37307 (e.g. 0.15) did")
+    parser.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, default=None,
+                        help="hybrid models (Qwen3-Next): align caches linear-attention states as blocks of their "
+                        "own, as vLLM 0.32 does with prefix caching; none keeps one per request and needs "
+                        "--no-prefix-caching (default: align with prefix caching, none without)")
+    parser.add_argument("--prefix-cache-retention-interval", type=_retention, default=0, metavar="{0,none}",
+                        help="hybrid models: which states align mode keeps: 0 (vLLM's default) the prompt's last "
+                        "block boundary and shared-prefix junctions; none every block's")
+    parser.add_argument("--state-checkpoints", action="store_true", help=argparse.SUPPRESS)  # deprecated
     if with_offload_ratio:
         parser.add_argument("--max-offload-ratio", type=float, default=defaults.max_offload_ratio,
                             help="cap on the offloaded share of routed-expert bytes (default %(default)s)")
@@ -141,13 +155,37 @@ def load(args: argparse.Namespace) -> Workload:
                          sessions=args.sessions)
 
 
+def _retention(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"0 or none, got {text!r}") from None
+
+
+_WARNED: list[bool] = []  # the deprecation warning, once per process
+
+
+def _retention_of(args: argparse.Namespace) -> int | None:
+    """--state-checkpoints (deprecated) charged a state per cached block: every block's state kept."""
+    if args.state_checkpoints:
+        if not _WARNED:
+            _WARNED.append(True)
+            print("moetide: warning: --state-checkpoints is deprecated: hybrid states are now cached blocks, kept as "
+                  "vLLM keeps them; it means --prefix-cache-retention-interval none", file=sys.stderr)
+        return None
+    return args.prefix_cache_retention_interval
+
+
 def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
     return ReplayConfig(
         model=args.model, gpu=args.gpu, tp=args.tp, policy=policy, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_budget_gib=args.kv_budget_gib,
-        enable_prefix_caching=not args.no_prefix_caching,
-        scheduler_reserve_full_isl=args.scheduler_reserve_full_isl, state_checkpoints=args.state_checkpoints, seed=args.seed,
+        vllm_version=args.vllm_version, enable_prefix_caching=args.prefix_caching,
+        scheduler_reserve_full_isl=args.scheduler_reserve_full_isl, seed=args.seed,
+        mamba_cache_mode=args.mamba_cache_mode, prefix_cache_retention_interval=_retention_of(args),
         max_offload_ratio=getattr(args, "max_offload_ratio", 0.0), staging_mode=args.staging,
         routing_zipf_s=args.routing_zipf_s, routing_profile=args.routing_profile,
         host_link_shared_by=args.host_link_shared_by,
@@ -176,8 +214,13 @@ def print_summary(result: dict) -> None:
           f"{config['tp']} x {config['gpu']} | policy {config['policy']} | "
           f"{config['memory']['num_blocks']:,} KV blocks of {config['block_size']} tokens per GPU")
     admission = "whole sequence" if config.get("scheduler_reserve_full_isl", True) else "first chunk"
-    print(f"scheduler: vLLM 0.32's v1 rules (admission on the {admission}, max_num_seqs {config['max_num_seqs']}, "
-          f"max_num_batched_tokens {config['max_num_batched_tokens']}; docs/replay.md)")
+    hybrid = ""
+    if config["memory"].get("state_blocks_per_request"):
+        caching = config["enable_prefix_caching"] and config.get("mamba_cache_mode") != "none"
+        kept = "every block" if config.get("prefix_cache_retention_interval") is None else "boundaries and junctions"
+        hybrid = f", mamba_cache_mode align, states kept at {kept}" if caching else ", mamba_cache_mode none"
+    print(f"scheduler: vLLM {config.get('vllm_version', '0.32')}'s v1 rules (admission on the {admission}, max_num_seqs {config['max_num_seqs']}, "
+          f"max_num_batched_tokens {config['max_num_batched_tokens']}{hybrid}; docs/replay.md)")
     print("times are MODELED by the roofline step-time model, not measured\n")
     print(format_table(["latency (ms)", "mean", "p50", "p90", "p99"], summary_rows(metrics), align="<>>>>"))
     print()

@@ -19,7 +19,7 @@ preempt, offload experts — carries it out and retries. Rules inherited from vL
   (``scheduler_reserve_full_isl``, vLLM 0.32's default, PR #37307); without it, as in older vLLM (0.15), a
   long prompt is admitted on its first chunk and later chunks preempt the requests behind it;
 * ``long_prefill_token_threshold`` caps chunks only while more than one request is running or waiting: a lone
-  request has nobody to starve.
+  request has nobody to starve (``threshold_caps_lone_request`` restores vLLM 0.15's cap on every chunk).
 With a host KV tier (a two-tier pool), ``max_host_blocks_held`` bounds admission by the host KV that running
 requests attend each step: a waiting request that would take it past the bound waits, as one short of memory
 does, once evicting cached device prefixes and moving its own host hits onto the device cannot make room
@@ -53,6 +53,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # admit a waiting request only if its whole known sequence fits (vLLM 0.32's default); False: its first chunk
     scheduler_reserve_full_isl: bool = True
+    # the threshold caps a lone request's chunks too (vLLM 0.15); False: only while others run or wait (0.32)
+    threshold_caps_lone_request: bool = False
     # Two-tier pool (host KV): admit a waiting request only if the host blocks that running requests hold, plus
     # what it would add, stay within this bound (None: no bound). See ``core.host_admission``.
     max_host_blocks_held: int | None = None
@@ -170,7 +172,8 @@ class Scheduler:
         out = SchedulerOutput()
         self.kv.new_step()
         threshold = self.config.long_prefill_token_threshold
-        self._threshold = threshold if len(self.running) + len(self.waiting) > 1 else 0
+        alone = len(self.running) + len(self.waiting) <= 1 and not self.config.threshold_caps_lone_request
+        self._threshold = 0 if alone else threshold
         maybe_reclaim = getattr(self.policy, "maybe_reclaim", None)
         if maybe_reclaim is not None and self.expert_line is not None:
             out.reclaimed = maybe_reclaim(self.expert_line, self.kv.pool, self.now_s)

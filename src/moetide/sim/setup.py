@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 
 from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import DEVICE_PREFIXES, KVCacheManager
+from moetide.core.mamba_states import MambaStates
 from moetide.core.expert_line import ExpertLine
 from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy
@@ -26,7 +27,7 @@ from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv
 from moetide.sim.host_kv import ring_blocks  # noqa: F401 (API: tests import it from here)
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
-from moetide.specs import HardwareSpec, get_gpu, get_host, get_model
+from moetide.specs import HardwareSpec, ModelSpec, get_gpu, get_host, get_model
 from moetide.workloads.base import Workload
 
 
@@ -41,10 +42,18 @@ class ReplayConfig:
     max_num_seqs: int | None = None  # (vllm_serving_defaults)
     gpu_memory_utilization: float = 0.9
     kv_budget_gib: float | None = None  # per GPU; None: utilization × HBM − weights − activation reserve
-    enable_prefix_caching: bool = True
-    # admit a waiting request only if its whole known sequence fits (vLLM 0.32); False: on its first chunk (0.15)
-    scheduler_reserve_full_isl: bool = True
-    state_checkpoints: bool = False  # hybrid models: charge a state checkpoint per cached block (vLLM's option)
+    # the vLLM whose scheduler rules and defaults the replay follows (VLLM_VERSIONS; docs/vllm_baseline.md)
+    vllm_version: str = "0.32"
+    enable_prefix_caching: bool | None = None  # None: on, except for hybrid models under vLLM 0.15 (off there)
+    # admit a waiting request only if its whole known sequence fits; False: on its first chunk; None: the vLLM's
+    scheduler_reserve_full_isl: bool | None = None
+    # hybrid models: vLLM's mamba_cache_mode ("align": states cached as blocks of their own, core.mamba_states;
+    # "none": one state per running request and no prefix caching, as vLLM forces it); None: "align" with prefix
+    # caching, "none" without (vLLM 0.32's resolution)
+    mamba_cache_mode: str | None = None
+    # vLLM's prefix_cache_retention_interval for those states: 0 (its default) keeps the prompt's replay boundary
+    # and shared-prefix junctions; None keeps every block's state
+    prefix_cache_retention_interval: int | None = 0  # (vLLM 0.15 keeps every state: None is used there)
     max_offload_ratio: float = 0.15  # cap on the offloaded share of routed-expert bytes (vamp, static-offload)
     # "auto": prefetch the likeliest offloaded experts behind the previous layer's compute, fetch the rest on
     # demand; "touched": on demand only; "segment": the whole offloaded segment every step (perf/staging.py)
@@ -99,6 +108,14 @@ class ReplayConfig:
             raise UserError(f"--cpu-matmul-tflops must be positive, got {self.cpu_matmul_tflops}")
         if not self.vamp_horizon_s > 0:
             raise UserError("--vamp-horizon-s must be positive")
+        if self.mamba_cache_mode not in (None, *MAMBA_CACHE_MODES):
+            raise UserError(f"--mamba-cache-mode must be one of {', '.join(MAMBA_CACHE_MODES)}, got "
+                            f"{self.mamba_cache_mode!r}")
+        if self.vllm_version not in VLLM_VERSIONS:
+            raise UserError(f"--vllm-version must be one of {', '.join(VLLM_VERSIONS)}, got {self.vllm_version!r}")
+        if self.prefix_cache_retention_interval not in (None, 0):
+            raise UserError(f"--prefix-cache-retention-interval: 0 or none are modeled, got "
+                            f"{self.prefix_cache_retention_interval}")
         self._check_host_kv()
 
     def _check_host_kv(self) -> None:
@@ -132,6 +149,46 @@ class ReplayConfig:
                             "is not modeled yet (docs/writescope.md, Replay); use vllm or static-offload")
 
 
+MAMBA_CACHE_MODES = ("align", "none")
+VLLM_VERSIONS = ("0.32", "0.15")
+
+
+def _vllm_defaults(config: ReplayConfig, model: ModelSpec) -> ReplayConfig:
+    """The options a user left unset, as the chosen vLLM sets them. 0.32: full-sequence admission and prefix
+    caching on. 0.15 (vLLM 0.15.1, the VAMP paper's base): first-chunk admission, the threshold on every chunk,
+    prefix caching off for hybrid models (``ModelConfig``: ``if attn_type == "hybrid": return False``) and, when
+    asked for, every state kept."""
+    old = config.vllm_version == "0.15"
+    hybrid = model.linear_attention is not None
+    caching = config.enable_prefix_caching if config.enable_prefix_caching is not None else not (old and hybrid)
+    if hybrid and caching and config.mamba_cache_mode == "none":
+        raise UserError("--mamba-cache-mode none keeps no state to hit: vLLM turns it into align with prefix "
+                        "caching; give --no-prefix-caching with it")
+    full_isl = config.scheduler_reserve_full_isl if config.scheduler_reserve_full_isl is not None else not old
+    retention = None if old else config.prefix_cache_retention_interval
+    return replace(config, enable_prefix_caching=caching, scheduler_reserve_full_isl=full_isl,
+                   prefix_cache_retention_interval=retention)
+
+
+def _mamba_states(model: ModelSpec, config: ReplayConfig, pool: BlockPool, budget: MemoryBudget,
+                  host_kv: HostKV | None) -> MambaStates | None:
+    """A hybrid model's states as vLLM 0.32 caches them with prefix caching ("align"), one pool block per
+    linear-attention group per state; None for other models and for "none"."""
+    if not budget.state_blocks_per_request or not config.enable_prefix_caching:
+        return None
+    if config.mamba_cache_mode == "none":
+        return None
+    if config.block_size != default_block_size(model, tp=config.tp):
+        raise UserError(f"--block-size {config.block_size}: in mamba_cache_mode align a state fills one block, which "
+                        f"vLLM's block size for {model.name} ({default_block_size(model, tp=config.tp)}) ensures; "
+                        "leave --block-size out, or give --no-prefix-caching")
+    if host_kv is not None:
+        raise UserError("a host KV tier beside a hybrid model's cached states is not modeled: give "
+                        "--no-prefix-caching with --kv-host-gib")
+    return MambaStates(pool, config.block_size, budget.state_blocks_per_request,
+                       retention_interval=config.prefix_cache_retention_interval)
+
+
 def vllm_serving_defaults(gpu: HardwareSpec) -> tuple[int, int]:
     """``(max_num_batched_tokens, max_num_seqs)`` that vLLM 0.32's OpenAI server picks on this GPU
     (``EngineArgs.get_batch_defaults``, vllm/engine/arg_utils.py): 16,384 and 1,024 from 160 GiB of memory;
@@ -160,6 +217,7 @@ def build_replay(
     model, gpu = get_model(config.model), get_gpu(config.gpu)
     if config.block_size is None:  # the result's config records the size used
         config = replace(config, block_size=default_block_size(model, tp=config.tp))
+    config = _vllm_defaults(config, model)
     batched, seqs = vllm_serving_defaults(gpu)
     config = replace(config, max_num_batched_tokens=batched if config.max_num_batched_tokens is None
                      else config.max_num_batched_tokens, max_num_seqs=seqs if config.max_num_seqs is None
@@ -167,14 +225,14 @@ def build_replay(
     budget = memory_budget(
         model, gpu, tp=config.tp, block_size=config.block_size, gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_budget_gib=config.kv_budget_gib,
-        state_checkpoints=config.state_checkpoints,
     )
     host_kv = build_host_kv(model, gpu, config, budget)
     try:
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             enable_prefix_caching=config.enable_prefix_caching,
-            scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
+            scheduler_reserve_full_isl=bool(config.scheduler_reserve_full_isl),
+            threshold_caps_lone_request=config.vllm_version == "0.15",
             max_host_blocks_held=active_host_blocks(config, budget) if host_kv is not None else None,
         )
     except ValueError as exc:
@@ -184,8 +242,10 @@ def build_replay(
     else:  # device ids first (the ring's share of the budget left out), then the host tier's (sim.host_kv)
         pool = BlockPool([*range(host_kv.num_device_blocks), *host_kv.host_block_ids],
                          enable_caching=config.enable_prefix_caching, preferred_below=host_kv.first_host_id)
-    kv = KVCacheManager(pool, config.block_size, num_state_blocks_per_request=budget.state_blocks_per_request,
-                        evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict")
+    mamba = _mamba_states(model, config, pool, budget, host_kv)
+    kv = KVCacheManager(pool, config.block_size,
+                        num_state_blocks_per_request=0 if mamba else budget.state_blocks_per_request,
+                        evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict", mamba=mamba)
     step_model = StepTimeModel(model, gpu, tp=config.tp)
     line = _expert_line(model, config, pool, budget)
     staging = StagingModel(model, gpu, tp=config.tp, config=_staging_config(config, model))

@@ -12,9 +12,11 @@ the ``Scheduler`` is built directly, so no engine core or worker processes.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
+import shutil
 import tempfile
 import functools
 from dataclasses import dataclass
@@ -117,6 +119,7 @@ def _tiny_model_dir(max_model_len: int) -> str:
     ``kv_cache_config.has_mamba_layers`` and ``cache_config.mamba_cache_mode``),
     so a plain llama config serves the hybrid case too."""
     d = tempfile.mkdtemp(prefix="vllm_driver_cfg_")
+    atexit.register(shutil.rmtree, d, True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
            "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
            "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 32000,

@@ -167,7 +167,8 @@ def test_weighted_summary_equals_the_expanded_summary_exactly(pairs):
 
 def test_batch_limits_default_to_vllm_serving_defaults_per_gpu():
     """vLLM 0.32's EngineArgs.get_batch_defaults for its OpenAI server: larger batches from 70 GiB, but not on A100."""
-    from moetide.sim.setup import build_replay, vllm_serving_defaults
+    from moetide.sim.setup import build_replay
+    from moetide.sim.vllm_defaults import vllm_serving_defaults
     from moetide.specs import get_gpu
 
     assert vllm_serving_defaults(get_gpu("h100")) == (8192, 1024)

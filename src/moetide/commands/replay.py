@@ -16,7 +16,8 @@ from moetide.perf.staging import COLD_EXPERT_MODES, STAGING_MODES
 from moetide.errors import UserError
 from moetide.report.progress import ProgressBar
 from moetide.report.tables import format_table
-from moetide.sim.setup import DEVICE_PREFIXES, MAMBA_CACHE_MODES, VLLM_VERSIONS, ReplayConfig, run_replay
+from moetide.sim.setup import DEVICE_PREFIXES, ReplayConfig, run_replay
+from moetide.sim.vllm_defaults import MAMBA_CACHE_MODES, VLLM_VERSIONS
 from moetide.workloads import generate_agent_sessions, load_workload
 from moetide.workloads.base import Workload
 

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, replace
 
 from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import DEVICE_PREFIXES, KVCacheManager
-from moetide.core.mamba_states import MambaStates
 from moetide.core.expert_line import ExpertLine
 from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy
@@ -27,7 +26,9 @@ from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv
 from moetide.sim.host_kv import ring_blocks  # noqa: F401 (API: tests import it from here)
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
-from moetide.specs import HardwareSpec, ModelSpec, get_gpu, get_host, get_model
+from moetide.sim.vllm_defaults import (MAMBA_CACHE_MODES, VLLM_VERSIONS, mamba_states, vllm_defaults,
+                                       vllm_serving_defaults)
+from moetide.specs import get_gpu, get_host, get_model
 from moetide.workloads.base import Workload
 
 
@@ -149,58 +150,6 @@ class ReplayConfig:
                             "is not modeled yet (docs/writescope.md, Replay); use vllm or static-offload")
 
 
-MAMBA_CACHE_MODES = ("align", "none")
-VLLM_VERSIONS = ("0.32", "0.15")
-
-
-def _vllm_defaults(config: ReplayConfig, model: ModelSpec) -> ReplayConfig:
-    """The options a user left unset, as the chosen vLLM sets them. 0.32: full-sequence admission and prefix
-    caching on. 0.15 (vLLM 0.15.1, the VAMP paper's base): first-chunk admission, the threshold on every chunk,
-    prefix caching off for hybrid models (``ModelConfig``: ``if attn_type == "hybrid": return False``) and, when
-    asked for, every state kept."""
-    old = config.vllm_version == "0.15"
-    hybrid = model.linear_attention is not None
-    caching = config.enable_prefix_caching if config.enable_prefix_caching is not None else not (old and hybrid)
-    if hybrid and caching and config.mamba_cache_mode == "none":
-        raise UserError("--mamba-cache-mode none keeps no state to hit: vLLM turns it into align with prefix "
-                        "caching; give --no-prefix-caching with it")
-    full_isl = config.scheduler_reserve_full_isl if config.scheduler_reserve_full_isl is not None else not old
-    retention = None if old else config.prefix_cache_retention_interval
-    return replace(config, enable_prefix_caching=caching, scheduler_reserve_full_isl=full_isl,
-                   prefix_cache_retention_interval=retention)
-
-
-def _mamba_states(model: ModelSpec, config: ReplayConfig, pool: BlockPool, budget: MemoryBudget,
-                  host_kv: HostKV | None) -> MambaStates | None:
-    """A hybrid model's states as vLLM 0.32 caches them with prefix caching ("align"), one pool block per
-    linear-attention group per state; None for other models and for "none"."""
-    if not budget.state_blocks_per_request or not config.enable_prefix_caching:
-        return None
-    if config.mamba_cache_mode == "none":
-        return None
-    if config.block_size != default_block_size(model, tp=config.tp):
-        raise UserError(f"--block-size {config.block_size}: in mamba_cache_mode align a state fills one block, which "
-                        f"vLLM's block size for {model.name} ({default_block_size(model, tp=config.tp)}) ensures; "
-                        "leave --block-size out, or give --no-prefix-caching")
-    if host_kv is not None:
-        raise UserError("a host KV tier beside a hybrid model's cached states is not modeled: give "
-                        "--no-prefix-caching with --kv-host-gib")
-    return MambaStates(pool, config.block_size, budget.state_blocks_per_request,
-                       retention_interval=config.prefix_cache_retention_interval)
-
-
-def vllm_serving_defaults(gpu: HardwareSpec) -> tuple[int, int]:
-    """``(max_num_batched_tokens, max_num_seqs)`` that vLLM 0.32's OpenAI server picks on this GPU
-    (``EngineArgs.get_batch_defaults``, vllm/engine/arg_utils.py): 16,384 and 1,024 from 160 GiB of memory;
-    8,192 and 1,024 from 70 GiB unless it is an A100 (PR #17885: a larger batch lowered A100 throughput); else
-    2,048 and 256."""
-    if gpu.hbm_bytes >= 160 * 2**30:
-        return 16384, 1024
-    if gpu.hbm_bytes >= 70 * 2**30 and "a100" not in gpu.name.lower():
-        return 8192, 1024
-    return 2048, 256
-
-
 @dataclass
 class BuiltReplay:
     replay: Replay
@@ -217,7 +166,7 @@ def build_replay(
     model, gpu = get_model(config.model), get_gpu(config.gpu)
     if config.block_size is None:  # the result's config records the size used
         config = replace(config, block_size=default_block_size(model, tp=config.tp))
-    config = _vllm_defaults(config, model)
+    config = vllm_defaults(config, model)
     batched, seqs = vllm_serving_defaults(gpu)
     config = replace(config, max_num_batched_tokens=batched if config.max_num_batched_tokens is None
                      else config.max_num_batched_tokens, max_num_seqs=seqs if config.max_num_seqs is None
@@ -242,7 +191,7 @@ def build_replay(
     else:  # device ids first (the ring's share of the budget left out), then the host tier's (sim.host_kv)
         pool = BlockPool([*range(host_kv.num_device_blocks), *host_kv.host_block_ids],
                          enable_caching=config.enable_prefix_caching, preferred_below=host_kv.first_host_id)
-    mamba = _mamba_states(model, config, pool, budget, host_kv)
+    mamba = mamba_states(model, config, pool, budget, host_kv)
     kv = KVCacheManager(pool, config.block_size,
                         num_state_blocks_per_request=0 if mamba else budget.state_blocks_per_request,
                         evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict", mamba=mamba)

@@ -105,7 +105,8 @@ def test_hybrid_prefix_caching_follows_vllms_mamba_cache_modes(tmp_path, capsys)
 def test_vllm_015_defaults(tmp_path, capsys):
     """--vllm-version 0.15: first-chunk admission, and no prefix caching for hybrid models unless asked for."""
     trace = write_trace(tmp_path / "t.jsonl", session_lines())
-    base = ["replay", str(trace), "--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2", "--vllm-version", "0.15"]
+    base = ["replay", str(trace), "--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2",
+            "--vllm-version", "0.15"]
     for extra, hits in (([], False), (["--enable-prefix-caching"], True)):
         out = tmp_path / "out.json"
         assert main([*base, *extra, "--json", str(out)]) == 0

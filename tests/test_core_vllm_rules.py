@@ -111,7 +111,8 @@ def test_the_long_prefill_threshold_applies_only_when_more_than_one_request_is_e
 
 def test_vllm_015_caps_a_lone_requests_chunks_too():
     pool = BlockPool(range(1, 33))
-    config = SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=4, threshold_caps_lone_request=True)
+    config = SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=4,
+                             threshold_caps_lone_request=True)
     sched = Scheduler(config, KVCacheManager(pool, BS), get_policy("vllm"))
     sched.add_request(req("a", list(range(20)), out=1))
     assert step(sched) == ([("a", 4)], [])

@@ -55,7 +55,7 @@ def test_pool_allocates_device_blocks_first_then_host():
     pool.free([0, 2, 3])
     assert pool.evict(1) == [0]
     pool.check_invariants()
-    assert pool.allocate(3) == [0, 2, 3], "device blocks enter the queue's head: an evicted one, then a free call's in its order"
+    assert pool.allocate(3) == [0, 2, 3], "device blocks enter the queue's head: the evicted one, then the freed ones"
     pool.add_blocks([4])  # an expert region converted to KV: new device blocks also go first
     assert pool.allocate(2) == [4, 102]
     pool.check_invariants()

@@ -220,8 +220,9 @@ def print_summary(result: dict) -> None:
         caching = config["enable_prefix_caching"] and config.get("mamba_cache_mode") != "none"
         kept = "every block" if config.get("prefix_cache_retention_interval") is None else "boundaries and junctions"
         hybrid = f", mamba_cache_mode align, states kept at {kept}" if caching else ", mamba_cache_mode none"
-    print(f"scheduler: vLLM {config.get('vllm_version', '0.32')}'s v1 rules (admission on the {admission}, max_num_seqs {config['max_num_seqs']}, "
-          f"max_num_batched_tokens {config['max_num_batched_tokens']}{hybrid}; docs/replay.md)")
+    print(f"scheduler: vLLM {config.get('vllm_version', '0.32')}'s v1 rules (admission on the {admission}, "
+          f"max_num_seqs {config['max_num_seqs']}, max_num_batched_tokens {config['max_num_batched_tokens']}"
+          f"{hybrid}; docs/replay.md)")
     print("times are MODELED by the roofline step-time model, not measured\n")
     print(format_table(["latency (ms)", "mean", "p50", "p90", "p99"], summary_rows(metrics), align="<>>>>"))
     print()

@@ -190,11 +190,11 @@ class Scheduler:
             n = min(n, threshold)
         if self.kv.mamba is not None:  # a hybrid model's chunk ends where a state can be kept
             config = self.config
+            budget_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
             n = aligned_chunk(start=request.num_computed_tokens, num_new_tokens=n,
                               num_prompt_tokens=request.num_prompt_tokens, num_tokens=request.num_tokens,
                               block_size=self.kv.block_size,
-                              max_prefill_tokens=min(config.max_num_batched_tokens,
-                                                     config.long_prefill_token_threshold or config.max_num_batched_tokens),
+                              max_prefill_tokens=min(config.max_num_batched_tokens, budget_cap),
                               shared_prefix_boundary=request.shared_prefix_boundary)
         return n
 

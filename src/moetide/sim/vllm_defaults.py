@@ -39,7 +39,7 @@ def vllm_defaults(config: ReplayConfig, model: ModelSpec) -> ReplayConfig:
 
 
 def mamba_states(model: ModelSpec, config: ReplayConfig, pool: BlockPool, budget: MemoryBudget,
-                  host_kv: HostKV | None) -> MambaStates | None:
+                 host_kv: HostKV | None) -> MambaStates | None:
     """A hybrid model's states as vLLM 0.32 caches them with prefix caching ("align"), one pool block per
     linear-attention group per state; None for other models and for "none"."""
     if not budget.state_blocks_per_request or not config.enable_prefix_caching:

@@ -387,3 +387,38 @@ def test_a_growth_that_makes_each_asked_token_dearer_is_taken_back(busy_after):
         assert policy.num_growths_undone == 1 and plan == [EvictPrefix(1)]  # no room for another offload
     else:
         assert policy.num_growths_undone == 0 and plan == [OffloadExperts(((1, 0),))]
+
+
+@pytest.mark.parametrize("staging,grows", [(1e-7, True), (10.0, False)])
+def test_the_recompute_a_preemption_causes_is_priced_against_staging(staging, grows):
+    """Nothing to evict and a running requester: vLLM preempts. The victim's re-prefill (400 computed tokens,
+    none kept by a cache) is what one more window of blocks would have saved; at the next review the line
+    moves when staging costs less than half of it (the margin), and stays when it costs more."""
+    pool = BlockPool(range(8))  # nothing cached: every block of the victim is recomputed on its return
+    line = make_line(pool)
+    policy = get_policy("vamp", params=params(staging))
+    policy.params.steps.busy = 0.0
+    victim, requester = request("victim", computed=400), request("old", computed=40)
+    assert relieve(policy, view(pool, line, 1, requester, running=True, preemptible=[victim])) == [Preempt("victim")]
+    policy.params.steps.busy = 11.0  # busy all along: staging costs its full share
+    later = relieve(policy, view(pool, line, 1, requester, running=True, preemptible=[request("v2", 4)],
+                                 now=1011.0))
+    assert later == ([OffloadExperts(((0, 0),))] if grows else [Preempt("v2")])
+
+
+def test_a_preempted_requests_cached_prefix_is_not_priced_as_lost():
+    """A victim whose computed blocks are all registered loses nothing yet (its return hits them, unless they are
+    evicted first, which the ghost list prices): no growth from that preemption."""
+    pool = BlockPool(range(8))
+    kv = KVCacheManager(pool, BS)
+    hashes = hash_token_blocks([3] * 16, BS)
+    kv.allocate_slots("victim", 16, hashes)  # the victim's 16 tokens, registered and held: nothing to evict
+    kv.allocate_slots("other", 16, hash_token_blocks([4] * 16, BS))
+    line = make_line(pool)
+    policy = get_policy("vamp", params=params(1e-7))
+    victim = request("victim", computed=16, hashes=hashes)
+    assert relieve(policy, view(pool, line, 1, request("old", 40), running=True,
+                                preemptible=[victim])) == [Preempt("victim")]
+    policy.params.steps.busy = 11.0
+    assert relieve(policy, view(pool, line, 1, request("old", 40), running=True, preemptible=[request("v2", 4)],
+                                now=1011.0)) == [Preempt("v2")]

@@ -12,7 +12,10 @@ of one HBM, with the KV side measured by shadow tags as UCP does:
   re-prefill at its position x (``prefill_s_per_token + prefill_s_per_token_per_context · x`` per token:
   attention grows with the context) is what vLLM actually pays for having evicted it. Summed per second (decayed
   over ``horizon_s``) by depth, this is p(reuse) × re-prefill of what eviction invalidates, measured rather than
-  guessed; the value of W more blocks is the rate of ghost hits at depth < W.
+  guessed; the value of W more blocks is the rate of ghost hits at depth < W. A preemption that a window would
+  have avoided (nothing evictable, a shortfall within W) adds the re-prefill of the victim's computed tokens
+  that no cache keeps for its return: where preemptions, not evictions, destroy the reuse (vLLM 0.15's
+  first-chunk admission, a hybrid model without prefix caching), that is what the line buys back.
 * **what offloading costs — modeled with the replay's own staging model.** The experts that would give W blocks
   add exposed staging to every step: busy share × Δ(staging seconds per step-second), where the staging share is
   the step timer's (``StepStats``: the very model the replay charges, over the recent mix of prefill chunks and
@@ -137,6 +140,7 @@ class VampPolicy:
                 # vLLM's way: the newest running request (possibly the requester) steps back, its blocks become
                 # evictable and the scheduler asks again
                 victim = view.preemptible[-1] if view.preemptible else view.requester
+                self._count_preemption(view, victim, need)
                 return [Preempt(victim.request_id)]
             if view.running or line is None:
                 return []  # a waiting requester waits for running requests to free memory
@@ -292,6 +296,20 @@ class VampPolicy:
                 saved += p.block_prefill_s(j)
         if saved:
             self._next.add(now_s, saved)
+
+    def _count_preemption(self, view: PressureView, victim, need: int) -> None:
+        """A preemption W more blocks would have avoided (a shortfall within a window) costs the re-prefill of
+        the victim's computed tokens that no cache keeps for its return: priced like a ghost hit, as what the
+        next window of capacity saves. Its registered prefix is left to the ghost list (it is lost only if it is
+        evicted before the victim returns, and then the miss is counted there)."""
+        if need > self._window():
+            return
+        bs = self.params.block_size
+        num_blocks = -(-victim.num_computed_tokens // bs)
+        kept = len(view.pool.lookup_chain(victim.block_hashes[:num_blocks]))
+        seconds = sum(self.params.block_prefill_s(j) for j in range(kept, num_blocks))
+        if seconds:
+            self._next.add(view.now_s, seconds)
 
     def _count_tail_hits(self, hits: Sequence[int], pool, now_s: float) -> None:
         """A waiting request's prefix hits blocks among the W next victims (the LRU head of the cached-free

@@ -422,3 +422,23 @@ def test_a_preempted_requests_cached_prefix_is_not_priced_as_lost():
     policy.params.steps.busy = 11.0
     assert relieve(policy, view(pool, line, 1, request("old", 40), running=True, preemptible=[request("v2", 4)],
                                 now=1011.0)) == [Preempt("v2")]
+
+
+@pytest.mark.parametrize("pool_full", [False, True])
+def test_a_window_whose_blocks_are_in_use_is_not_given_back(pool_full):
+    """A preemption grows the allowance; once its value has decayed, a review gives the window back only if the
+    pool has that many blocks free: when running requests hold them all, giving it back would preempt again
+    (with no prefix cache there are no tail hits to say what the window is worth)."""
+    pool = BlockPool(range(8))
+    line = make_line(pool)
+    policy = get_policy("vamp", params=params(1e-3))
+    if pool_full:
+        KVCacheManager(pool, BS).allocate_slots("holder", 8 * BS, [])
+    requester = request("old", computed=40)
+    plans = []
+    for t in (1000.0, 1011.0, 1022.0, 1033.0, 1044.0):
+        policy.params.steps.busy = t - 1000.0
+        victim = request(f"v{t:g}", computed=400 if t == 1000.0 else 4)
+        plans.append(relieve(policy, view(pool, line, 1, requester, running=True, preemptible=[victim], now=t)))
+    assert plans[0] == [Preempt("v1000")] and plans[1:4] == [[OffloadExperts(((0, 0),))]] * 3
+    assert plans[4] == ([OffloadExperts(((0, 0),))] if pool_full else [Preempt("v1044")])

@@ -109,6 +109,7 @@ class VampPolicy:
         self._roomy_since: float | None = None  # since when the pool has had room to spare (vamp-reclaim)
         self._draining: list[int] | None = None  # blocks of the region being given back (give_back)
         self._line = None  # the expert line of the last plan (read by reads_every_step)
+        self._pool = None  # and its pool (a window whose blocks are all in use is not given back)
         self.num_given_back = 0
 
     @property
@@ -124,6 +125,7 @@ class VampPolicy:
     def relieve(self, view: PressureView) -> list[Action]:
         self._observe(view.now_s)
         line = self._line = view.expert_line
+        self._pool = view.pool
         if line is not None:
             self._size_ghost_list(line)
             self._review(line, view.now_s)
@@ -245,7 +247,8 @@ class VampPolicy:
             back = min(step, allowed)
             kept = self._tail.rate(now_s) or 0.0  # what the last window saves (hits in the LRU tail)
             staging = self._staging_s_per_s(now_s, allowed - back, allowed)
-            if staging > margin * kept * back / step and staging >= p.give_back_min_share:
+            in_use = self._pool is not None and self._pool.num_free_blocks < self._window()
+            if staging > margin * kept * back / step and staging >= p.give_back_min_share and not in_use:
                 self._allowed = allowed - back
 
     # ---- measurements -----------------------------------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""`vamp` against an oracle of fixed expert-offload ratios, over a load scan, in the VAMP paper's regime (MODELED).
+
+For each arrival seed and session rate, replays the same WEKA sessions under `vllm` (ratio 0), `static-offload`
+at each fixed ratio up to the cap, and `vamp`, and prints one JSON line per run, then one summary line per load:
+the best fixed ratio's TTFT p90 and whether `vamp` is within 10% of it and no more than 5% worse than `vllm` in
+TTFT p90 and request throughput (the checks of issue 17). The setup is the paper's: Qwen3-Next-80B-A3B on
+2 x H100 NVL at TP 2, 8.02 GiB of KV per GPU, cap 0.15, vLLM 0.15's defaults (docs/vamp.md).
+
+    .venv/bin/python benchmarks/vamp_oracle.py [--sessions 40] [--rates 0.005,0.01,0.02,0.05] [--seeds 1,2]
+
+Every time is the roofline's, not a measurement. About 5 s a replay on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from moetide.sim.setup import ReplayConfig, run_replay  # noqa: E402
+from moetide.workloads import load_workload  # noqa: E402
+
+TRACE = ROOT.parent / "shared" / "traces" / "weka_claude_code" / "weka_cc_traces_compact.jsonl.gz"
+PAPER = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_budget_gib=8.02, max_offload_ratio=0.15,
+                     vllm_version="0.15")
+
+
+def figures(result: dict) -> dict:
+    m = result["metrics"]
+    return {"ttft_p90_s": m["ttft_s"]["p90"], "tpot_p50_s": m["tpot_s"]["p50"],
+            "request_throughput_per_s": m["request_throughput_per_s"],
+            "requests_per_busy_s": m["completed"] / m["busy_s"] if m["busy_s"] else None,
+            "preemptions": m["preemptions"], "prefix_hit_rate": m["prefix_hit_rate"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=40)
+    parser.add_argument("--rates", default="0.005,0.01,0.02,0.05", help="session arrival rates per second")
+    parser.add_argument("--seeds", default="1,2")
+    parser.add_argument("--ratios", default="0.0375,0.075,0.1125,0.15", help="static-offload ratios (the oracle)")
+    args = parser.parse_args()
+    if not TRACE.exists():
+        sys.exit(f"vamp_oracle: {TRACE} is absent (../shared/traces beside the checkout)")
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for rate in (float(r) for r in args.rates.split(",")):
+            workload = load_workload(TRACE, seed=seed, session_rate_per_s=rate, sessions=args.sessions)
+            runs = {"vllm": ("vllm", PAPER), "vamp": ("vamp", PAPER)}
+            for ratio in (float(r) for r in args.ratios.split(",")):
+                runs[f"static-{ratio:g}"] = ("static-offload", replace(PAPER, max_offload_ratio=ratio))
+            out = {}
+            for name, (policy, config) in runs.items():
+                result, _ = run_replay(workload, replace(config, policy=policy, seed=seed))
+                out[name] = figures(result)
+                print(json.dumps({"seed": seed, "session_rate": rate, "run": name, **out[name]}), flush=True)
+            fixed = {k: v for k, v in out.items() if k == "vllm" or k.startswith("static-")}
+            best = min(fixed, key=lambda k: fixed[k]["ttft_p90_s"])
+            vamp, vllm = out["vamp"], out["vllm"]
+            print(json.dumps({
+                "seed": seed, "session_rate": rate, "best_fixed": best,
+                "best_fixed_ttft_p90_s": fixed[best]["ttft_p90_s"], "vamp_ttft_p90_s": vamp["ttft_p90_s"],
+                "vllm_ttft_p90_s": vllm["ttft_p90_s"],
+                "vamp_over_best": vamp["ttft_p90_s"] / fixed[best]["ttft_p90_s"],
+                "within_10pct_of_best": vamp["ttft_p90_s"] <= 1.10 * fixed[best]["ttft_p90_s"],
+                "not_5pct_worse_than_vllm": (vamp["ttft_p90_s"] <= 1.05 * vllm["ttft_p90_s"]
+                                             and vamp["request_throughput_per_s"]
+                                             >= 0.95 * vllm["request_throughput_per_s"]),
+            }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -442,3 +442,29 @@ def test_a_window_whose_blocks_are_in_use_is_not_given_back(pool_full):
         plans.append(relieve(policy, view(pool, line, 1, requester, running=True, preemptible=[victim], now=t)))
     assert plans[0] == [Preempt("v1000")] and plans[1:4] == [[OffloadExperts(((0, 0),))]] * 3
     assert plans[4] == ([OffloadExperts(((0, 0),))] if pool_full else [Preempt("v1044")])
+
+
+def test_a_growth_bought_back_from_preemptions_is_not_judged_by_busy_seconds_per_token():
+    """The same threefold rise in busy seconds per asked token as above, after a growth that preemption recompute
+    (not ghost hits) paid for: the line is kept, since it trades recompute for staging where preemption costs
+    latency, not the accelerator's time."""
+    pool = BlockPool(range(8))
+    line = make_line(pool)
+    policy = get_policy("vamp", params=params(1e-7))
+    steps = policy.params.steps
+
+    def ten_seconds(start, busy_share):
+        for t in range(start, start + 10):
+            steps.busy += busy_share
+            policy.admitting(request(f"ask-{t}", 0, hashes=[10_000 + t, 20_000 + t]), [], pool, float(t), line)
+
+    requester = request("old", computed=40)
+    assert relieve(policy, view(pool, line, 1, requester, running=True,
+                                preemptible=[request("victim", 400)])) == [Preempt("victim")]
+    ten_seconds(1001, 0.2)
+    assert relieve(policy, view(pool, line, 1, requester, running=True, preemptible=[request("v2", 4)],
+                                now=1011.0)) == [OffloadExperts(((0, 0),))]
+    line.offload(((0, 0),))
+    ten_seconds(1012, 0.6)
+    relieve(policy, view(pool, line, 1, requester, running=True, preemptible=[request("v3", 4)], now=1022.0))
+    assert policy.num_growths_undone == 0

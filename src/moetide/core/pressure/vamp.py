@@ -41,7 +41,10 @@ queueing a move causes, which neither first-order estimate sees). If one review 
 more than ``growth_tolerance`` (10%) above what it was when the line grew, the window is taken back from the
 allowance and the line may not grow for ``growth_hold_reviews`` (4) reviews: a cache past its cliff, where the
 saved re-prefill turns into little shorter queueing while the staging slows every step, no longer drives the line
-to the cap.
+to the cap. A growth that preemption recompute rather than ghost hits paid for is not
+checked so: it trades recompute for staging where preemption costs latency, not accelerator time. Nor is a
+window given back while, at some step since the last review, fewer blocks than it were free: with no prefix
+cache there are no tail hits to say what it is worth, and giving it back would preempt again.
 
 A shortfall is covered by offloading the next cold experts (spread over layers, only as many as the shortfall
 needs, never past the allowance or the cap) and eviction covers the rest; past the allowance it is covered as
@@ -97,6 +100,7 @@ class VampPolicy:
         self._num_evicted = 0  # blocks evicted so far (the ghost list's clock)
         self._ghost_capacity = 0  # G: set from the expert line (blocks the cap can add)
         self._next = DecayedRate(params.horizon_s)  # re-prefill s/s W more blocks would have saved (ghost hits)
+        self._preempted = DecayedRate(params.horizon_s)  # ... and the recompute of preemptions W more would avoid
         self._tail = DecayedRate(params.horizon_s)  # re-prefill s/s the last W blocks of the pool save
         self._admitted: str | None = None  # the waiting request whose ghost hits were counted last
         self._allowed = 0  # experts the line may have offloaded now (moved by _review)
@@ -109,7 +113,8 @@ class VampPolicy:
         self._roomy_since: float | None = None  # since when the pool has had room to spare (vamp-reclaim)
         self._draining: list[int] | None = None  # blocks of the region being given back (give_back)
         self._line = None  # the expert line of the last plan (read by reads_every_step)
-        self._pool = None  # and its pool (a window whose blocks are all in use is not given back)
+        self._pool = None  # and its pool
+        self._min_free = math.inf  # fewest free blocks seen before a step since the last review
         self.num_given_back = 0
 
     @property
@@ -202,7 +207,7 @@ class VampPolicy:
 
     def _value_s_per_s(self, now_s: float) -> float:
         """Re-prefill seconds per second that ``W`` more blocks of KV would have saved (ghost hits at depth < W)."""
-        return self._next.rate(now_s) or 0.0
+        return (self._next.rate(now_s) or 0.0) + (self._preempted.rate(now_s) or 0.0)
 
     def _staging_s_per_s(self, now_s: float, start: int, end: int) -> float:
         """Exposed staging seconds per second that offloading ``end`` rather than ``start`` experts adds, at the
@@ -223,6 +228,10 @@ class VampPolicy:
         if now_s < self._next_review_s:
             return
         self._next_review_s = now_s + self.params.horizon_s
+        # the last window was in use if, at some step since the last review, fewer blocks than it were free
+        in_use = min(self._min_free, self._pool.num_free_blocks if self._pool is not None else math.inf) < \
+            self._window()
+        self._min_free = math.inf
         step = self._experts_for(line, self._window())
         p = self.params
         cost = self._busy_per_demand(now_s)
@@ -242,12 +251,14 @@ class VampPolicy:
         if (allowed < cap and now_s >= self._no_growth_until
                 and value > margin * (self._staging_s_per_s(now_s, allowed, grow) + remap_s_per_s)):
             self._allowed = grow
-            self._grew_at = cost
+            # a growth bought back from preemptions is not judged by busy seconds per token: it trades the
+            # recompute for staging at a load where latency, not the accelerator's time, is what preemption costs
+            preempted = self._preempted.rate(now_s) or 0.0
+            self._grew_at = None if preempted > (self._next.rate(now_s) or 0.0) else cost
         elif allowed > 0:
             back = min(step, allowed)
             kept = self._tail.rate(now_s) or 0.0  # what the last window saves (hits in the LRU tail)
             staging = self._staging_s_per_s(now_s, allowed - back, allowed)
-            in_use = self._pool is not None and self._pool.num_free_blocks < self._window()
             if staging > margin * kept * back / step and staging >= p.give_back_min_share and not in_use:
                 self._allowed = allowed - back
 
@@ -312,7 +323,7 @@ class VampPolicy:
         kept = len(view.pool.lookup_chain(victim.block_hashes[:num_blocks]))
         seconds = sum(self.params.block_prefill_s(j) for j in range(kept, num_blocks))
         if seconds:
-            self._next.add(view.now_s, seconds)
+            self._preempted.add(view.now_s, seconds)
 
     def _count_tail_hits(self, hits: Sequence[int], pool, now_s: float) -> None:
         """A waiting request's prefix hits blocks among the W next victims (the LRU head of the cached-free
@@ -336,7 +347,7 @@ class VampPolicy:
         busy = self.params.steps.busy_s()
         self._busy.add(now_s, busy - self._last_busy_s)
         self._last_busy_s = busy
-        for rate in (self._next, self._tail):
+        for rate in (self._next, self._preempted, self._tail):
             rate.add(now_s, 0.0)  # the clocks run from the start, not from the first hit
 
     # ---- giving regions back -------------------------------------------------------------------------------
@@ -346,6 +357,7 @@ class VampPolicy:
         ``reclaim_check_s`` review the line and lower it by the last region once the pool has had room to spare
         for ``reclaim_hold_s``. Returns whether a region went back."""
         p = self.params
+        self._min_free = min(self._min_free, pool.num_free_blocks)
         if p.reclaim and now_s >= self._next_reclaim_check_s:
             self._next_reclaim_check_s = now_s + p.reclaim_check_s
             self._observe(now_s)

@@ -78,13 +78,10 @@ class CoreSide:
                                                **options),
                                self.kv, get_policy("vllm"))
         self.block_size = block_size
-        self.requests: dict[str, Request] = {}
         self._running_before: set[str] = set()  # running after the last step: who is newly scheduled now
 
     def add_request(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
-        request = Request.from_tokens(request_id, prompt, max_tokens, self.block_size)
-        self.requests[request_id] = request
-        self.sched.add_request(request)
+        self.sched.add_request(Request.from_tokens(request_id, prompt, max_tokens, self.block_size))
 
     @property
     def has_work(self) -> bool:

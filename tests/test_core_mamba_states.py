@@ -33,23 +33,21 @@ def step(sched):
     return [(r.request_id, n, start) for (r, n), start in zip(out.scheduled, out.num_computed_before)]
 
 
+def chunk(start, num_new_tokens, num_prompt_tokens, num_tokens=None, junction=0):
+    return aligned_chunk(start=start, num_new_tokens=num_new_tokens, num_prompt_tokens=num_prompt_tokens,
+                         num_tokens=num_tokens or num_prompt_tokens, block_size=BS, max_prefill_tokens=64,
+                         shared_prefix_boundary=junction)
+
+
 def test_chunks_end_where_a_state_can_be_kept():
     # a 10-token prompt in one 64-token budget stops at its last block boundary before the last token (8)
-    assert aligned_chunk(start=0, num_new_tokens=10, num_prompt_tokens=10, num_tokens=10, block_size=BS,
-                         max_prefill_tokens=64, shared_prefix_boundary=0) == 8
-    assert aligned_chunk(start=8, num_new_tokens=2, num_prompt_tokens=10, num_tokens=10, block_size=BS,
-                         max_prefill_tokens=64, shared_prefix_boundary=0) == 2
+    assert chunk(0, 10, 10) == 8 and chunk(8, 2, 10) == 2
     # a chunk cut by the budget ends on a block boundary; one starting mid-block stops at the next boundary
-    assert aligned_chunk(start=0, num_new_tokens=7, num_prompt_tokens=40, num_tokens=40, block_size=BS,
-                         max_prefill_tokens=64, shared_prefix_boundary=0) == 4
-    assert aligned_chunk(start=6, num_new_tokens=20, num_prompt_tokens=40, num_tokens=40, block_size=BS,
-                         max_prefill_tokens=64, shared_prefix_boundary=0) == 2
+    assert chunk(0, 7, 40) == 4 and chunk(6, 20, 40) == 2
     # a junction (an attention hit past the last kept state) stops the chunk, block-floored
-    assert aligned_chunk(start=8, num_new_tokens=30, num_prompt_tokens=40, num_tokens=40, block_size=BS,
-                         max_prefill_tokens=64, shared_prefix_boundary=20) == 12
+    assert chunk(8, 30, 40, junction=20) == 12
     # decode is never cut
-    assert aligned_chunk(start=40, num_new_tokens=1, num_prompt_tokens=40, num_tokens=41, block_size=BS,
-                         max_prefill_tokens=64, shared_prefix_boundary=0) == 1
+    assert chunk(40, 1, 40, num_tokens=41) == 1
 
 
 def test_a_state_is_kept_at_the_replay_boundary_and_hit_from_the_step_after():

@@ -35,7 +35,7 @@ from moetide.specs import get_gpu, get_host, get_model
 
 MiB = 2**20
 POLICIES = ("writescope", *BASELINES)
-GEOMEAN_MIN_CONTEXT = 8 * 1024  # the ">= 8K context"
+GEOMEAN_MIN_CONTEXT = 8 * 1024  # the WriteScope paper states its geometric-mean speedups over contexts >= 8K
 DEFAULT_CONTEXTS = "8k,16k,32k,64k,128k,256k,512k,1M"
 _SUFFIX = {"": 1, "k": 1024, "m": 1024**2}
 _TOKENS_RE = re.compile(r"^(\d+)([kKmM]?)$")

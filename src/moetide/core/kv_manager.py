@@ -23,16 +23,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from moetide.core.blocks import BlockPool
-from moetide.core.mamba_states import MambaStates
+from moetide.core.mamba_states import MambaStates, cdiv
 
 
 # with a host tier, when no uncached device block is free: keep cached device prefixes and spill new KV, or evict
 # the least recently used of them first (``KVCacheManager(evict_device_prefixes=)``); the CLI's --device-prefixes
 DEVICE_PREFIXES = ("keep", "evict")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -71,22 +67,23 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading blocks of a request already offered to the cache
 
     def get_computed_blocks(self, block_hashes: Sequence[int], num_tokens: int) -> tuple[list[int], int]:
-        """Cached prefix of a request with ``num_tokens`` known tokens: (block ids, computed tokens). No refs.
-        With mamba states, the attention hit is cut back to the last block whose state is kept."""
+        """Cached prefix of a request with ``num_tokens`` known tokens: (block ids, computed tokens). No refs."""
+        hits, num_computed, _ = self.find_prefix(block_hashes, num_tokens)
+        return hits, num_computed
+
+    def find_prefix(self, block_hashes: Sequence[int], num_tokens: int) -> tuple[list[int], int, int]:
+        """``get_computed_blocks`` plus the shared-prefix boundary. With mamba states the attention hit is cut
+        back to the last block whose state is kept, and when it was longer its length is the boundary (a junction
+        whose state the request should keep, vLLM's ``shared_prefix_boundary``); 0 otherwise."""
         max_hit_blocks = max(num_tokens - 1, 0) // self.block_size
         hits = self.pool.lookup_chain(block_hashes[:max_hit_blocks])
+        junction = 0
         if self.mamba is not None and hits:
-            del hits[self.mamba.hit_blocks(block_hashes, len(hits)):]
-        return hits, len(hits) * self.block_size
-
-    def shared_prefix_boundary(self, block_hashes: Sequence[int], num_tokens: int, hits: Sequence[int]) -> int:
-        """Tokens of the attention hit when it is longer than ``hits`` (its state was not kept: a junction whose
-        state the request should keep, vLLM's ``shared_prefix_boundary``); 0 otherwise, and without mamba."""
-        if self.mamba is None:
-            return 0
-        max_hit_blocks = max(num_tokens - 1, 0) // self.block_size
-        longest = len(self.pool.lookup_chain(block_hashes[:max_hit_blocks]))
-        return longest * self.block_size if longest > len(hits) else 0
+            kept = self.mamba.hit_blocks(block_hashes, len(hits))
+            if kept < len(hits):
+                junction = len(hits) * self.block_size
+                del hits[kept:]
+        return hits, len(hits) * self.block_size, junction
 
     def protected(self, hits: Sequence[int]) -> frozenset[int]:
         """Blocks an admission must not lose before it takes them: its hits, and with mamba their states."""

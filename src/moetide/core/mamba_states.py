@@ -129,38 +129,37 @@ class MambaStates:
 
     # ---- the allocation, in vLLM's order ------------------------------------------------------------------
     def remove_skipped(self, request_id: str, num_computed_tokens: int) -> None:
-        """Release the states the request no longer needs (``remove_skipped_blocks``), group by group."""
-        tables = self._tables.get(request_id)
-        if tables is None:
-            return
-        bs = self.block_size
-        for t in tables:
-            skipped = num_computed_tokens - 1
-            if skipped > 0:
-                last = min(skipped // bs, t.length)
-                first = t.num_retired
-                if first < last:
-                    freed = [t.real.pop(i) for i in range(last - 1, first - 1, -1) if i in t.real]
-                    if freed:
-                        self.pool.free(freed)
-                    t.num_retired = last
-            if (t.last_state is not None and t.last_state < cdiv(num_computed_tokens, bs) - 1
-                    and t.last_state in t.real):
-                self.pool.free([t.real.pop(t.last_state)])
+        """Release the states the request no longer needs (``remove_skipped_blocks``), group by group: the slots
+        before the one holding token ``num_computed_tokens - 1`` (tail first), then the previous state."""
+        for t in self._tables.get(request_id, ()):
+            older, previous, t.num_retired = self._stale(t, num_computed_tokens)
+            if older:
+                self.pool.free([t.real.pop(i) for i in older])
+            if previous is not None:
+                self.pool.free([t.real.pop(previous)])
 
     def num_stale(self, request_id: str, num_computed_tokens: int) -> int:
         """How many blocks ``remove_skipped`` with these tokens would release (0: nothing is due)."""
-        tables = self._tables.get(request_id)
-        if tables is None:
-            return 0
-        bs, n = self.block_size, 0
-        for t in tables:
-            last = min(max(num_computed_tokens - 1, 0) // bs, t.length)
-            stale = {i for i in t.real if t.num_retired <= i < last}
-            if t.last_state is not None and t.last_state < cdiv(num_computed_tokens, bs) - 1 and t.last_state in t.real:
-                stale.add(t.last_state)
-            n += len(stale)
+        n = 0
+        for t in self._tables.get(request_id, ()):
+            older, previous, _ = self._stale(t, num_computed_tokens)
+            n += len(older) + (previous is not None)
         return n
+
+    def _stale(self, t: _Table, num_computed_tokens: int) -> tuple[list[int], int | None, int]:
+        """What ``remove_skipped`` releases of one table: (older real slots, tail first; the previous state's
+        slot or None; the table's retired count after)."""
+        bs = self.block_size
+        last = min(max(num_computed_tokens - 1, 0) // bs, t.length)
+        older, retired = [], t.num_retired
+        if retired < last:
+            older = [i for i in range(last - 1, retired - 1, -1) if i in t.real]
+            retired = last
+        previous = t.last_state
+        if previous is None or previous in older or previous not in t.real \
+                or previous >= cdiv(num_computed_tokens, bs) - 1:
+            previous = None
+        return older, previous, retired
 
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
         """Blocks the groups take to hold ``num_tokens`` tokens (at most one each); ``num_hit_blocks``: the

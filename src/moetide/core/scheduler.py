@@ -237,9 +237,8 @@ class Scheduler:
             hits: list[int] = []
             num_computed = 0
             if caching:
-                hits, num_computed = self.kv.get_computed_blocks(request.block_hashes, request.num_tokens)
-                request.shared_prefix_boundary = self.kv.shared_prefix_boundary(request.block_hashes,
-                                                                                 request.num_tokens, hits)
+                hits, num_computed, request.shared_prefix_boundary = self.kv.find_prefix(request.block_hashes,
+                                                                                         request.num_tokens)
             if bound is not None and self.host_admission is not None:
                 evicted = out.num_evicted_blocks
                 kept = self.host_admission.admit(request, hits, self.running, bound, out)

@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=40)
     parser.add_argument("--rates", default="0.005,0.01,0.02,0.05", help="session arrival rates per second")
     parser.add_argument("--seeds", default="1,2")
+    parser.add_argument("--vamp-horizon-s", type=float, default=PAPER.vamp_horizon_s)
     parser.add_argument("--ratios", default="0.0375,0.075,0.1125,0.15", help="static-offload ratios (the oracle)")
     args = parser.parse_args()
     if not TRACE.exists():
@@ -50,7 +51,7 @@ def main() -> None:
     for seed in (int(s) for s in args.seeds.split(",")):
         for rate in (float(r) for r in args.rates.split(",")):
             workload = load_workload(TRACE, seed=seed, session_rate_per_s=rate, sessions=args.sessions)
-            runs = {"vllm": ("vllm", PAPER), "vamp": ("vamp", PAPER)}
+            runs = {"vllm": ("vllm", PAPER), "vamp": ("vamp", replace(PAPER, vamp_horizon_s=args.vamp_horizon_s))}
             for ratio in (float(r) for r in args.ratios.split(",")):
                 runs[f"static-{ratio:g}"] = ("static-offload", replace(PAPER, max_offload_ratio=ratio))
             out = {}

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from moetide.core.pressure import OffloadExperts  # noqa: E402
+from moetide.core.pressure import OffloadExperts, PressurePolicy  # noqa: E402
 from moetide.core.pressure.vllm import VllmPolicy  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.errors import UserError  # noqa: E402
@@ -30,7 +30,7 @@ from engine_parity import (  # noqa: E402
 )
 
 
-class OffloadOnPressure:
+class OffloadOnPressure(PressurePolicy):
     """A stand-in for a VAMP-like policy: on pressure, offload the residency's next cold expert (one per call,
     ``max_offloads`` times), then behave like ``vllm``. ``residency`` is set once the engine exists."""
 

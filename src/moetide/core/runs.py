@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetide.core.request import Request
-from moetide.core.scheduler import Scheduler, SchedulerOutput
+from moetide.core.scheduler import Scheduler
 
 
 @dataclass
@@ -43,8 +43,7 @@ class PrefillRun:
 def prefill_run(sched: Scheduler) -> PrefillRun | None:
     """The prefill run that starts now (module docstring), or None when the next steps are not certain."""
     running, config = sched.running, sched.config
-    if len(running) < 2 or config.long_prefill_token_threshold or not getattr(sched.policy, "evicts_when_it_can",
-                                                                               False):
+    if len(running) < 2 or config.long_prefill_token_threshold or not sched.policy.evicts_when_it_can:
         return None
     if sched.kv.mamba is not None:  # chunks cut at state boundaries, states freed as they go: step normally
         return None
@@ -72,9 +71,7 @@ def step(sched: Scheduler, run: PrefillRun) -> bool:
     kv, request = sched.kv, run.prefiller
     if kv.num_blocks_short(request.request_id, run.chunk, request.num_computed_tokens) > kv.pool.num_cached_free_blocks:
         return False
-    out = SchedulerOutput()  # _allocate's per-step record, discarded: sched.num_evicted_blocks counts the evictions
-    # P is the last running request, so nothing is offered for preemption
-    if not sched._allocate(request, run.chunk, [], True, len(sched.running) - 1, out):
+    if not sched.allocate_last_running(request, run.chunk):
         raise RuntimeError(f"prefill run: allocation for {request.request_id!r} failed after eviction")
     request.computed_to(request.num_computed_tokens, request.num_computed_tokens + run.chunk)
     return True

@@ -93,12 +93,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
-class SessionState:
-    num_in_flight: int = 0
-    num_finished: int = 0
-
-
 class ExpertLineBackend(Protocol):
     """What carries out ``OffloadExperts`` (``core.expert_line`` in replay, the engine's arena-backed line in the
     engine); absent when the line never moves."""
@@ -117,12 +111,9 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.policy = policy
-        # optional hook: every waiting request's prefix lookup, before allocation (vamp measures reuse there)
-        self._admitting = getattr(policy, "admitting", None)
         self.expert_line = expert_line
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.sessions: dict[str, SessionState] = {}
         self.now_s = 0.0
         self.num_preemptions = 0
         self.num_evicted_blocks = 0
@@ -152,14 +143,6 @@ class Scheduler:
             self.now_s = now_s
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
-        if request.session_id is not None:
-            state = self.sessions.get(request.session_id)
-            if state is None:
-                state = self.sessions[request.session_id] = SessionState()
-            state.num_in_flight += 1
-
-    def close_session(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
 
     @property
     def has_work(self) -> bool:
@@ -174,9 +157,8 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         alone = len(self.running) + len(self.waiting) <= 1 and not self.config.threshold_caps_lone_request
         self._threshold = 0 if alone else threshold
-        maybe_reclaim = getattr(self.policy, "maybe_reclaim", None)
-        if maybe_reclaim is not None and self.expert_line is not None:
-            out.reclaimed = maybe_reclaim(self.expert_line, self.kv.pool, self.now_s)
+        if self.expert_line is not None:
+            out.reclaimed = self.policy.maybe_reclaim(self.expert_line, self.kv.pool, self.now_s)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -250,8 +232,7 @@ class Scheduler:
                 if kept is not hits:  # host hits moved to device blocks, or dropped to be recomputed
                     hits, num_computed = kept, len(kept) * self.kv.block_size
             request.num_computed_tokens = num_computed
-            if self._admitting is not None:
-                self._admitting(request, hits, self.kv.pool, self.now_s, self.expert_line)
+            self.policy.admitting(request, hits, self.kv.pool, self.now_s, self.expert_line)
             n = self._chunk(request, budget)
             if n == 0 or not self.kv.hits_ready(hits):  # (hybrid) no aligned chunk fits, or its state is unwritten
                 request.num_computed_tokens = 0
@@ -293,6 +274,12 @@ class Scheduler:
             actions = self.policy.relieve(view)
             if not actions or not self._apply(actions, hits, out, request, []):
                 return False
+
+    def allocate_last_running(self, request: Request, n: int) -> bool:
+        """Allocate ``n`` new tokens for the last running request, asking the policy as a step would but
+        offering no request for preemption (``core.runs``' prefill runs); evictions count in
+        ``num_evicted_blocks``, the step record is discarded."""
+        return self._allocate(request, n, [], True, len(self.running) - 1, SchedulerOutput())
 
     def _allocate(
         self, request: Request, n: int, hits: list[int], is_running: bool, index: int, out: SchedulerOutput
@@ -370,7 +357,7 @@ class Scheduler:
         running = self.running
         if not running or len(running) > self.config.max_num_batched_tokens:
             return 0
-        if getattr(self.policy, "reads_every_step", False):
+        if self.policy.reads_every_step:
             return 0  # the policy keeps per-step state (vamp-reclaim's clock): step normally
         if self.waiting and len(running) < self.config.max_num_seqs:
             blocked = self._blocked
@@ -432,11 +419,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self.running.remove(request)
         self.kv.free(request.request_id)
-        if request.session_id is not None:
-            state = self.sessions.get(request.session_id)
-            if state is not None:
-                state.num_in_flight -= 1
-                state.num_finished += 1
 
     def _fail(self, request: Request, out: SchedulerOutput) -> None:
         """Drop the head waiting request: with nothing running and every cached block evictable, it still did
@@ -445,5 +427,3 @@ class Scheduler:
         self.kv.free(request.request_id)
         request.status = RequestStatus.FINISHED
         out.failed.append(request)
-        if request.session_id is not None and request.session_id in self.sessions:
-            self.sessions[request.session_id].num_in_flight -= 1

@@ -33,7 +33,7 @@ from moetide.core.arena import Arena
 from moetide.core.blocks import BlockPool
 from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.kv_manager import KVCacheManager
-from moetide.core.pressure import NEEDS_VAMP_PARAMS, PressurePolicy, get_policy
+from moetide.core.pressure import NEEDS_VAMP_PARAMS, PressurePolicy, get_policy, start_offload
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.engine.attention import PagedAttentionBackend
@@ -59,7 +59,7 @@ from moetide.engine.storage import (
     dtype_bytes,
     pack_experts,
 )
-from moetide.engine.vamp import engine_vamp_params
+from moetide.engine.vamp import EngineStepStats, engine_vamp_params
 from moetide.errors import UserError
 from moetide.perf.staging import COLD_EXPERT_MODES
 
@@ -148,6 +148,7 @@ class EngineParts:
     scheduler: Scheduler
     eos_token_ids: frozenset[int]
     host_kv: HostKVStorage | None = None
+    step_stats: EngineStepStats | None = None  # what vamp reads of the steps, when the engine built its params
 
 
 def _device(name: str) -> torch.device:
@@ -170,9 +171,13 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
 
 
 def _policy(policy: str | PressurePolicy, params: dict[str, object], config: EngineConfig, model: MoECausalLM,
-            provider: StagedExpertProvider, residency: ExpertResidency) -> PressurePolicy:
+            provider: StagedExpertProvider, residency: ExpertResidency
+            ) -> tuple[PressurePolicy, EngineStepStats | None]:
+    """The named policy, with vamp's parameters priced from this engine's measurements unless given, and the
+    step record those parameters read (the runner feeds it after each step)."""
     if not isinstance(policy, str):
-        return policy
+        return policy, None
+    steps = None
     if policy.lower() in NEEDS_VAMP_PARAMS and "params" not in params:
         if residency.max_num_offloaded == 0:
             raise UserError(f"--policy {policy} moves experts out of HBM: give it room with --max-offload-ratio "
@@ -180,10 +185,11 @@ def _policy(policy: str | PressurePolicy, params: dict[str, object], config: Eng
         layout = provider.layout
         active = sum(p.numel() for p in model.parameters()) + len(layout.moe_layer_ids) * layout.numel * getattr(
             model.config, "num_experts_per_tok", 1)  # the routed experts were moved out of the model
-        params = {**params, "params": engine_vamp_params(provider, residency, block_size=config.block_size,
-                                                         active_params=active, horizon_s=config.vamp_horizon_s)}
+        vamp_params = engine_vamp_params(provider, residency, block_size=config.block_size,
+                                         active_params=active, horizon_s=config.vamp_horizon_s)
+        params, steps = {**params, "params": vamp_params}, vamp_params.steps
     try:
-        return get_policy(policy, **params)
+        return get_policy(policy, **params), steps
     except (ValueError, TypeError) as exc:
         raise UserError(f"--policy {policy}: {exc}") from None
 
@@ -274,18 +280,17 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
     provider = StagedExpertProvider(storage, residency, host, host_max_rows=config.cold_expert_max_rows
                                     if config.cold_experts == "cpu" else 0)
     line = ArenaExpertLine(arena, residency, provider)
+    chosen, step_stats = _policy(policy, policy_params, config, model, provider, residency)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                           max_num_seqs=config.max_num_seqs,
                                           enable_prefix_caching=pool.enable_caching,
                                           max_host_blocks_held=_active_host_blocks(config, kv_layout, host_kv)),
-                          kv, _policy(policy, policy_params, config, model, provider, residency), expert_line=line)
-    if config.static_offload:
-        region = residency.next_offload_region(max_experts=residency.max_num_offloaded)
-        if region:
-            line.offload(tuple(region))
+                          kv, chosen, expert_line=line)
+    start_offload(scheduler.policy, line, always=config.static_offload)
     if pool.num_blocks == 0:
         raise UserError(f"the KV budget of {config.kv_budget_bytes} bytes holds no KV block of "
                         f"{kv_layout.block_bytes} bytes, even after static offload")
     return EngineParts(model, storage, _attention(storage, host_kv, config, model_dir, split_costs),
                        BlockLinearStateStore(storage, state_layout, host_kv) if shapes else None, provider, line,
-                       residency, scheduler, frozenset() if config.ignore_eos else eos_token_ids(model_dir), host_kv)
+                       residency, scheduler, frozenset() if config.ignore_eos else eos_token_ids(model_dir), host_kv,
+                       step_stats)

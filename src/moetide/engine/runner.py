@@ -11,7 +11,8 @@ Built once per ``Engine``: the arena (``core.arena``: every routed expert in its
 the budget) and its storage tensor (``engine.storage``), a ``BlockPool`` over exactly the arena's KV block ids,
 the ``KVCacheManager`` (with per-request state blocks for hybrid models, ``engine.state``), the
 ``ExpertResidency`` and the ``Scheduler`` with the named pressure policy and the engine's ``ArenaExpertLine``.
-Static offload (``static_offload=True``) offloads ``max_offload_ratio`` of the routed-expert bytes at start
+Static offload (``static_offload=True``, or a policy whose ``offload_at_start`` says so, as ``static-offload``'s
+does) offloads ``max_offload_ratio`` of the routed-expert bytes at start (``core.pressure.start_offload``)
 through the same expert line a policy's ``OffloadExperts`` action uses.
 
 Hybrid models (Qwen3-Next): prefix caching is off and a preempted request recomputes from token 0, because a
@@ -39,7 +40,6 @@ from moetide.engine.build import EngineConfig, EngineParts, build_engine
 from moetide.engine.models import StepBatch, StepContext
 from moetide.engine.split_backend import SplitAttentionBackend
 from moetide.engine.split_plan import SplitCostSource, SplitCounters
-from moetide.engine.vamp import EngineStepStats
 from moetide.errors import UserError
 
 
@@ -141,10 +141,7 @@ class Engine:
         self._next_request = 0
         t0 = time.perf_counter()  # the scheduler's clock: engine seconds since it was built, unless given
         self._clock = clock or (lambda: time.perf_counter() - t0)
-        params = getattr(self.parts.scheduler.policy, "params", None)
-        self._step_stats: EngineStepStats | None = getattr(params, "steps", None)
-        if not isinstance(self._step_stats, EngineStepStats):
-            self._step_stats = None
+        self._step_stats = self.parts.step_stats
 
     # convenient names for the core objects
     @property

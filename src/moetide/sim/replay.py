@@ -236,7 +236,6 @@ class Replay:
         ctx.next_turn += 1
         if ctx.next_turn >= len(ctx.session.turns):
             del self._contexts[request.session_id]
-            self.scheduler.close_session(request.session_id)
             return
         turn = ctx.session.turns[ctx.next_turn]
         if turn.arrival_s is not None:  # open loop: recorded send time, however the previous turn went

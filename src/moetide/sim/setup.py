@@ -15,7 +15,7 @@ from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import DEVICE_PREFIXES, KVCacheManager
 from moetide.core.expert_line import ExpertLine
 from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
-from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy
+from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy, start_offload
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
@@ -203,8 +203,7 @@ def build_replay(
                                     reference_step=_reference_decode(config, step_model),
                                     track_mix=config.policy.lower() in NEEDS_VAMP_PARAMS)
     policy = _policy(config, step_model, step_time)
-    if getattr(policy, "offload_at_start", False):
-        line.offload(line.residency.next_offload_region(max_experts=line.residency.max_num_offloaded))
+    start_offload(policy, line)
     scheduler = Scheduler(scheduler_config, kv, policy, expert_line=line)
     replay = Replay(workload, scheduler, step_time, progress=progress,
                     offloaded_ratio=lambda: line.residency.offloaded_ratio, host_kv=host_kv)

@@ -12,6 +12,7 @@ from moetide.core.pressure.base import (
     Preempt,
     PressurePolicy,
     PressureView,
+    start_offload,
 )
 from moetide.core.pressure.vamp import StepStats, VampParams, VampPolicy
 from moetide.core.pressure.vllm import StaticOffloadPolicy, VllmPolicy
@@ -43,5 +44,5 @@ def get_policy(name: str, **params: object) -> PressurePolicy:
 
 __all__ = [
     "Action", "EvictPrefix", "NEEDS_VAMP_PARAMS", "OffloadExperts", "POLICIES", "Preempt", "PressurePolicy",
-    "PressureView", "StepStats", "VampParams", "VampPolicy", "get_policy",
+    "PressureView", "StepStats", "VampParams", "VampPolicy", "get_policy", "start_offload",
 ]

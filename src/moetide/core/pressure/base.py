@@ -64,12 +64,49 @@ class PressureView:
 
 
 class PressurePolicy(Protocol):
+    """Every hook a driver calls, each with a safe default: a policy subclasses this and overrides what it
+    needs. The scheduler and both drivers call these and nothing else of a policy."""
+
     name: str
 
     def relieve(self, view: PressureView) -> list[Action]:
         """Return actions that together free at least ``view.shortfall_blocks`` blocks, or [] if none can."""
         ...
 
-    # Optional, called by the scheduler when a policy has them: ``admitting(request, hits, pool, now_s,
-    # expert_line)`` at every waiting request's prefix lookup, before allocation; ``maybe_reclaim(line, pool,
-    # now_s)`` before each step.
+    def admitting(self, request: Request, hits: Sequence[int], pool: BlockPool, now_s: float,
+                  line: ExpertLine | None = None) -> None:
+        """Called at every waiting request's prefix lookup, before allocation (``hits``: its cached blocks)."""
+
+    def maybe_reclaim(self, line: ExpertLine, pool: BlockPool, now_s: float) -> bool:
+        """Called before each step with an expert line; True when it moved the line back towards the experts."""
+        return False
+
+    @property
+    def reads_every_step(self) -> bool:
+        """Whether the scheduler must run every step in full (no decode fast path) because the policy reads
+        something at each step. True unless a policy says otherwise: one that keeps per-step state is stepped."""
+        return True
+
+    @property
+    def evicts_when_it_can(self) -> bool:
+        """True only for a policy that, for a running requester with no prefix hits, evicts exactly the
+        shortfall whenever cached-free blocks cover it and reads nothing else of the view (``core.runs`` then
+        takes prefill runs without asking it)."""
+        return False
+
+    @property
+    def offload_at_start(self) -> bool:
+        """Whether the whole offload cap goes out before the first request (``start_offload``)."""
+        return False
+
+
+def start_offload(policy: PressurePolicy, line: ExpertLine | None, *, always: bool = False) -> int:
+    """Offload the cap's coldest experts before the first request when the policy asks for it (or ``always``:
+    the engine's ``static_offload``, whatever the policy); both drivers call this once, after building the
+    line. Returns how many experts went out."""
+    if line is None or not (always or policy.offload_at_start):
+        return 0
+    region = line.residency.next_offload_region(max_experts=line.residency.max_num_offloaded)
+    if region:
+        line.offload(tuple(region))
+    return len(region)

@@ -81,7 +81,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from moetide.core.pressure.base import Action, EvictPrefix, OffloadExperts, Preempt, PressureView
+from moetide.core.pressure.base import Action, EvictPrefix, OffloadExperts, Preempt, PressurePolicy, PressureView
 from moetide.core.pressure.vamp_params import DecayedRate, StepStats, VampParams
 
 __all__ = ["DecayedRate", "StepStats", "VampParams", "VampPolicy"]
@@ -89,7 +89,7 @@ __all__ = ["DecayedRate", "StepStats", "VampParams", "VampPolicy"]
 WINDOWS_PER_CAP = 4  # W = G / 4: the line moves by a quarter of what the cap can add at a time
 
 
-class VampPolicy:
+class VampPolicy(PressurePolicy):
     name = "vamp"
 
     def __init__(self, params: VampParams) -> None:

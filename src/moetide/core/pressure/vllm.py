@@ -14,11 +14,12 @@ here only when even every evictable block would not hold its whole sequence, so 
 
 from __future__ import annotations
 
-from moetide.core.pressure.base import Action, EvictPrefix, Preempt, PressureView
+from moetide.core.pressure.base import Action, EvictPrefix, Preempt, PressurePolicy, PressureView
 
 
-class VllmPolicy:
+class VllmPolicy(PressurePolicy):
     name = "vllm"
+    reads_every_step = False
     # For a running requester with no prefix hits: evicts exactly the shortfall whenever cached-free blocks cover
     # it, and reads nothing else of the view; core.runs relies on this to take prefill runs without asking.
     evicts_when_it_can = True

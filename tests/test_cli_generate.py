@@ -114,6 +114,26 @@ def test_vamp_runs_from_the_cli_under_a_tight_budget(tiny_checkpoint, tmp_path, 
     stats = report["stats"]
     assert {"experts_offloaded", "expert_reclaims", "offloaded_ratio"} <= set(stats)
     assert stats["offloaded_ratio"] <= 0.15
+    # the report's cost record, given back, repeats every decision (counters that are not wall times)
+    record = tmp_path / "first.json"
+    record.write_text(json.dumps(report))
+    rc = generate(tiny_checkpoint("mixtral"), "--prompts-file", str(prompts), "--max-tokens", "24", "--ignore-eos",
+                  "--kv-budget-mib", str(32 / 1024), "--block-size", "4", "--policy", "vamp-reclaim",
+                  "--vamp-horizon-s", "0.01", "--max-num-batched-tokens", "32", "--json", "-",
+                  "--vamp-costs", str(record))
+    assert rc == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["vamp_costs"] == report["vamp_costs"] and again["outputs"] == report["outputs"]
+    decisions = ("experts_offloaded", "expert_reclaims", "preemptions", "prefix_evictions", "steps")
+    assert {k: again["stats"][k] for k in decisions} == {k: stats[k] for k in decisions}
+
+
+def test_a_cost_record_that_means_nothing_is_one_clear_error(tiny_checkpoint, tmp_path, capsys):
+    bad = tmp_path / "costs.json"
+    bad.write_text(json.dumps({"vamp_costs": {"prefill_s_per_token": -1, "copy_s_per_expert": 0}}))
+    rc = generate(tiny_checkpoint("mixtral"), "--prompt", "x", "--max-tokens", "2", "--policy", "vamp",
+                  "--vamp-costs", str(bad))
+    assert rc == 2 and "costs: EngineCosts.prefill_s_per_token" in capsys.readouterr().err
 
 
 def test_routing_out_counts_every_token_top_k_times_per_layer(tiny_checkpoint, tmp_path, capsys):

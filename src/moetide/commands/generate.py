@@ -20,9 +20,10 @@ admits a request only while the host KV that running requests attend stays withi
 ``--routing-out FILE`` writes the measured routing (tokens per expert per MoE layer, ``perf.routing_profile``),
 which ``moetide replay|compare|sweep --routing-profile FILE`` uses to price expert staging.
 
-``--policy vamp`` (or ``vamp-reclaim``) runs the core's VAMP policy on the engine's own measurements (step
-times, prefill seconds per token, one expert copy, per-expert touch rates: ``engine.vamp``), reviewing the line
-once per ``--vamp-horizon-s``; ``--max-offload-ratio`` caps it.
+``--policy vamp`` (or ``vamp-reclaim``) runs the core's VAMP policy on a cost record the engine measures once at
+start (one expert copy, one expert call; ``engine.vamp``) and the touch rates it counts, reviewing the line once
+per ``--vamp-horizon-s`` of modeled engine seconds; ``--max-offload-ratio`` caps it. The report's ``vamp_costs``
+is that record: ``--vamp-costs REPORT`` reruns with it, making the same decisions.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--vamp-horizon-s", type=float, default=60.0, metavar="S",
         help="vamp: how often (engine seconds) it reviews the line, and the time constant of its rates "
              "(default %(default)s)")
+    add("--vamp-costs", metavar="FILE",
+        help="vamp: price with this cost record (an earlier --json report's \"vamp_costs\") instead of "
+             "measuring one at start; the same input then makes the same decisions")
     add("--static-offload", action="store_true",
         help="offload --max-offload-ratio of the expert bytes at start (coldest first), whatever the policy")
     add("--cold-experts", choices=COLD_EXPERT_MODES, default="fetch",
@@ -133,6 +137,20 @@ def load_tokenizer(model_dir: str):
         raise UserError(f"--model {model_dir}: cannot load a tokenizer from it ({first})") from None
 
 
+def read_costs(path: str) -> dict:
+    """A cost record: a --json report (its ``vamp_costs``) or the bare record."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"--vamp-costs {path}: cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UserError(f"--vamp-costs {path}: not JSON ({exc})") from None
+    record = doc.get("vamp_costs", doc) if isinstance(doc, dict) else None
+    if not isinstance(record, dict):
+        raise UserError(f"--vamp-costs {path}: expected an object with the cost fields or a \"vamp_costs\" one")
+    return record
+
+
 def build_engine(args: argparse.Namespace, **overrides: object):
     """The engine the shared options describe (torch imported here)."""
     import torch
@@ -153,7 +171,8 @@ def build_engine(args: argparse.Namespace, **overrides: object):
                    device=args.device, kv_host_mib=args.kv_host_mib, kv_host_active_mib=args.kv_host_active_mib,
                    evict_device_prefixes=args.device_prefixes == "evict", split_policy=args.split_policy,
                    split_fixed_ratio=args.split_fixed_ratio, split_gpu=args.split_gpu, split_host=args.split_host,
-                   vamp_horizon_s=args.vamp_horizon_s, cold_experts=args.cold_experts)
+                   vamp_horizon_s=args.vamp_horizon_s, cold_experts=args.cold_experts,
+                   costs=read_costs(args.vamp_costs) if args.vamp_costs else None)
     options.update(overrides)
     return Engine(args.model, **options)
 
@@ -175,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
                     text=tokenizer.decode(out.token_ids, skip_special_tokens=True), finish_reason=out.finish_reason)
                for text, out in zip(texts, result.outputs)]
     report = dict(outputs=outputs, stats=dataclasses.asdict(result.stats))
+    if engine.costs is not None:
+        report["vamp_costs"] = engine.costs.as_dict()
     _emit(args.json, report)
     if args.routing_out:  # after the outputs: a bad path loses nothing already computed
         write_profile(args.routing_out, engine.parts.experts.totals.tolist(),

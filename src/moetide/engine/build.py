@@ -59,7 +59,7 @@ from moetide.engine.storage import (
     dtype_bytes,
     pack_experts,
 )
-from moetide.engine.vamp import EngineStepStats, engine_vamp_params
+from moetide.engine.vamp import EngineCosts, EngineStepStats, engine_vamp_params, measure_costs
 from moetide.errors import UserError
 from moetide.perf.staging import COLD_EXPERT_MODES
 
@@ -171,10 +171,10 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
 
 
 def _policy(policy: str | PressurePolicy, params: dict[str, object], config: EngineConfig, model: MoECausalLM,
-            provider: StagedExpertProvider, residency: ExpertResidency
+            provider: StagedExpertProvider, residency: ExpertResidency, costs: EngineCosts | None
             ) -> tuple[PressurePolicy, EngineStepStats | None]:
-    """The named policy, with vamp's parameters priced from this engine's measurements unless given, and the
-    step record those parameters read (the runner feeds it after each step)."""
+    """The named policy, with vamp's parameters priced from ``costs`` (measured now when not given) unless the
+    parameters are given, and the step record they read (the runner feeds it after each step)."""
     if not isinstance(policy, str):
         return policy, None
     steps = None
@@ -185,9 +185,11 @@ def _policy(policy: str | PressurePolicy, params: dict[str, object], config: Eng
         layout = provider.layout
         active = sum(p.numel() for p in model.parameters()) + len(layout.moe_layer_ids) * layout.numel * getattr(
             model.config, "num_experts_per_tok", 1)  # the routed experts were moved out of the model
-        vamp_params = engine_vamp_params(provider, residency, block_size=config.block_size,
-                                         active_params=active, horizon_s=config.vamp_horizon_s)
-        params, steps = {**params, "params": vamp_params}, vamp_params.steps
+        steps = EngineStepStats(provider, residency, costs or measure_costs(provider, active),
+                                experts_per_token=getattr(model.config, "num_experts_per_tok", 1))
+        params = {**params, "params": engine_vamp_params(steps, block_size=config.block_size,
+                                                         chunk_tokens=config.max_num_batched_tokens,
+                                                         horizon_s=config.vamp_horizon_s)}
     try:
         return get_policy(policy, **params), steps
     except (ValueError, TypeError) as exc:
@@ -251,7 +253,8 @@ def _active_host_blocks(config: EngineConfig, kv: KVLayout, host_kv: HostKVStora
 
 
 def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePolicy,
-                 policy_params: dict[str, object], split_costs: SplitCostSource | None = None) -> EngineParts:
+                 policy_params: dict[str, object], split_costs: SplitCostSource | None = None,
+                 costs: EngineCosts | None = None) -> EngineParts:
     device = _device(config.device)
     model = load_model(model_dir, dtype=config.dtype, device="cpu")
     kv_layout, expert_layout = KVLayout.of(model, config.block_size), ExpertLayout.of(model)
@@ -280,7 +283,7 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
     provider = StagedExpertProvider(storage, residency, host, host_max_rows=config.cold_expert_max_rows
                                     if config.cold_experts == "cpu" else 0)
     line = ArenaExpertLine(arena, residency, provider)
-    chosen, step_stats = _policy(policy, policy_params, config, model, provider, residency)
+    chosen, step_stats = _policy(policy, policy_params, config, model, provider, residency, costs)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                           max_num_seqs=config.max_num_seqs,
                                           enable_prefix_caching=pool.enable_caching,

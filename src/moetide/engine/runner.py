@@ -40,6 +40,7 @@ from moetide.engine.build import EngineConfig, EngineParts, build_engine
 from moetide.engine.models import StepBatch, StepContext
 from moetide.engine.split_backend import SplitAttentionBackend
 from moetide.engine.split_plan import SplitCostSource, SplitCounters
+from moetide.engine.vamp import EngineCosts
 from moetide.errors import UserError
 
 
@@ -115,14 +116,17 @@ class Sampler:
 class Engine:
     """An MoE model served under a KV budget; ``generate`` runs prompts to completion. Keyword options are
     ``EngineConfig``'s fields; ``policy`` is a registered policy name or a ``PressurePolicy`` instance; ``clock``
-    (seconds, read once per step) is the scheduler's time — wall time since the engine was built unless given (a
-    test passes a deterministic one)."""
+    (seconds, read once per step) is the scheduler's time — unless given, the modeled seconds of the steps run
+    under ``vamp`` (``engine.vamp``: decisions then follow the input, not the machine's load) and wall time since
+    the engine was built otherwise. ``costs`` is what ``vamp`` prices with (``Engine.costs`` of an earlier run,
+    or a dict of its fields); measured at build when not given."""
 
     def __init__(self, model_dir: str | Path, *, kv_budget_mib: float | None = None,
                  kv_host_mib: float | None = None, kv_host_active_mib: float | None = None,
                  policy: str | PressurePolicy = "vllm",
                  policy_params: Mapping[str, object] | None = None, split_costs: SplitCostSource | None = None,
-                 clock: Callable[[], float] | None = None, **options: object) -> None:
+                 clock: Callable[[], float] | None = None, costs: EngineCosts | Mapping[str, float] | None = None,
+                 **options: object) -> None:
         if kv_budget_mib is not None:
             options["kv_budget_bytes"] = int(kv_budget_mib * 1024 * 1024)
         if kv_host_mib is not None:
@@ -136,12 +140,19 @@ class Engine:
         except (TypeError, ValueError) as exc:
             raise UserError(str(exc)) from None
         self.config = config
+        if costs is not None and not isinstance(costs, EngineCosts):
+            try:
+                costs = EngineCosts(**costs)
+            except (TypeError, ValueError) as exc:
+                raise UserError(f"costs: {exc}") from None
         self.parts: EngineParts = build_engine(Path(model_dir), config, policy, dict(policy_params or {}),
-                                               split_costs)
+                                               split_costs, costs)
         self._next_request = 0
-        t0 = time.perf_counter()  # the scheduler's clock: engine seconds since it was built, unless given
-        self._clock = clock or (lambda: time.perf_counter() - t0)
         self._step_stats = self.parts.step_stats
+        if clock is None and self._step_stats is not None:
+            clock = self._step_stats.busy_s
+        t0 = time.perf_counter()
+        self._clock = clock or (lambda: time.perf_counter() - t0)
 
     # convenient names for the core objects
     @property
@@ -159,6 +170,15 @@ class Engine:
     @property
     def host_kv(self):
         return self.parts.host_kv
+
+    @property
+    def costs(self) -> EngineCosts | None:
+        """The cost record ``vamp`` priced with (None under other policies): give it to a rerun to repeat its
+        decisions."""
+        steps = self._step_stats
+        return None if steps is None else EngineCosts(steps.prefill_s_per_token, steps.copy_s_per_expert,
+                                                      steps.expert_call_s, steps.host_s_per_expert,
+                                                      steps.host_s_per_row)
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float | None = None,
@@ -223,7 +243,7 @@ class Engine:
         seconds = time.perf_counter() - t0
         decode = self._time_step(out, seconds, stats)
         if self._step_stats is not None:
-            self._step_stats.record(seconds, out.total_num_scheduled_tokens, decode)
+            self._step_stats.record(out.total_num_scheduled_tokens)
         return failed
 
     def _copy_promoted(self, pairs: list[tuple[int, int]]) -> None:

@@ -1,32 +1,35 @@
-"""``--policy vamp`` in the engine: the core's policy, priced with what the engine measures.
+"""``--policy vamp`` in the engine: the core's policy, priced from a cost record the engine measures once.
 
 ``core.pressure.vamp`` weighs re-prefill saved by more KV against staging added by offloaded experts; the replay
-feeds it modeled seconds, the engine feeds it its own measurements (``EngineStepStats``, the policy's
+feeds it modeled seconds, the engine feeds it seconds from ``EngineCosts``, measured at build (or given back from
+an earlier run's record, ``Engine(costs=...)``), never a timing taken mid-run, so the same input and the same
+record make the same decisions on a quiet machine or a loaded one (``EngineStepStats``, the policy's
 ``StepStats``):
 
-* **busy seconds**: every step's wall time (``record``), so the policy's busy share is the engine's.
-* **re-prefill per token**: the measured seconds per token of recent steps that carried prefill (an exponentially
-  weighted mean over the last ~``1 / (1 - decay)`` such steps, over whatever contexts they had: the engine does not
-  fit the context term the replay's perf model has, so ``prefill_s_per_token_per_context`` is 0 here). Until a
-  prefill step has run, the spec estimate ``VampParams.prefill_s_per_token`` (2 FLOP per active parameter per
-  token at ``ASSUMED_FLOPS``) stands in; no prefix can have been evicted by then, so it prices nothing.
-* **staging share** of ``n`` offloaded experts: Σ over those experts of their measured touch rate per step
-  (``engine.experts.TouchRates``: the experts offloaded now, coldest first, then those ``ExpertResidency`` would
-  offload next) × the seconds one expert's copy into the staging buffer took (measured at build, best of
-  ``COPY_REPEATS``), over the mean step time less the staging it already contains. On the CPU the copies are
-  synchronous, so this is the exposed time; on CUDA they overlap the previous layer and this is an upper bound.
-  With cold experts computed on the host (``cold_experts="cpu"``), a touch of at most ``host_max_rows`` rows is
-  priced as that computation instead: a + b·rows seconds, both measured at build (one expert's SwiGLU over 1 and
-  over ``host_max_rows`` rows from its host copy, rows there and back, best of ``COPY_REPEATS``). On the CPU
-  this is the same work a resident expert would do, so it overstates the cost; on CUDA it is the host's share.
+* **step seconds**: each step's tokens × ``prefill_s_per_token`` (2 FLOP per active parameter per token at
+  ``ASSUMED_FLOPS``), plus one ``expert_call_s`` per expert each MoE layer runs (what dominates a small model's
+  step), plus the staging it held (its staged experts × the copy time, its host-computed experts at
+  a + b·rows); the busy share and the engine's default clock for the policy's reviews are these seconds.
+* **re-prefill per token**: a full chunk's (``max_num_batched_tokens``) compute seconds per token, as the
+  replay prices it (the engine does not fit the context term the replay's perf model has, so
+  ``prefill_s_per_token_per_context`` is 0 here).
+* **staging share** of ``n`` offloaded experts: Σ over those experts of their touch rate per step
+  (``engine.experts.TouchRates``, counted from routing: the experts offloaded now, coldest first, then those
+  ``ExpertResidency`` would offload next) × the seconds one expert's copy into the staging buffer took (best of
+  ``COPY_REPEATS`` at build), over the mean step time less the staging it already contains. On the CPU the
+  copies are synchronous, so this is the exposed time; on CUDA they overlap the previous layer and this is an
+  upper bound. With cold experts computed on the host (``cold_experts="cpu"``), a touch of at most
+  ``host_max_rows`` rows is priced as that computation instead: a + b·rows seconds, both measured at build (one
+  expert's SwiGLU over 1 and over ``host_max_rows`` rows from its host copy, rows there and back).
 
-The policy reviews its line once per ``vamp_horizon_s`` of engine time (the engine's clock is wall time since it
-was built); the default suits a serving process, tests pass a short one.
+The policy reviews its line once per ``vamp_horizon_s`` of those modeled engine seconds unless the engine is given
+a clock; the default suits a serving process, tests pass a short one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -41,19 +44,51 @@ COPY_REPEATS = 5
 STEP_DECAY = 0.95  # weight of the previous mean in the step-time and prefill-rate means
 
 
-class EngineStepStats:
-    """``core.pressure.vamp_params.StepStats`` from the engine's measurements (module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class EngineCosts:
+    """What vamp's prices read, measured once (``measure_costs``) and recorded: a rerun given this record
+    decides exactly as the run that measured it."""
 
-    def __init__(self, provider: StagedExpertProvider, residency: ExpertResidency, copy_s_per_expert: float,
-                 host_s: tuple[float, float] = (0.0, 0.0)) -> None:
+    prefill_s_per_token: float  # one token's step seconds (2 FLOP per active parameter at ASSUMED_FLOPS)
+    copy_s_per_expert: float  # one expert's host-to-staging copy
+    expert_call_s: float = 0.0  # one resident expert's SwiGLU over one row: what each expert a step runs costs
+    host_s_per_expert: float = 0.0  # a, b of an expert computed from its host copy over r rows: a + b·r
+    host_s_per_row: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"EngineCosts.{f.name} must be a finite number >= 0, got {value!r}")
+        if self.prefill_s_per_token <= 0:
+            raise ValueError(f"EngineCosts.prefill_s_per_token must be > 0, got {self.prefill_s_per_token!r}")
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def measure_costs(provider: StagedExpertProvider, active_params: int) -> EngineCosts:
+    host_a, host_b = measure_host_expert_s(provider) if provider.host_max_rows else (0.0, 0.0)
+    return EngineCosts(prefill_s_per_token=2.0 * active_params / ASSUMED_FLOPS,
+                       copy_s_per_expert=measure_copy_s(provider), expert_call_s=measure_expert_call_s(provider),
+                       host_s_per_expert=host_a, host_s_per_row=host_b)
+
+
+class EngineStepStats:
+    """``core.pressure.vamp_params.StepStats`` from the engine's step counts and its cost record (module
+    docstring); the copy and host times may be changed to price what-ifs."""
+
+    def __init__(self, provider: StagedExpertProvider, residency: ExpertResidency, costs: EngineCosts,
+                 experts_per_token: int) -> None:
         self.provider, self.residency = provider, residency
-        self.copy_s_per_expert = copy_s_per_expert
-        self.host_s_per_expert, self.host_s_per_row = host_s  # a, b of a host-computed expert (cold_experts="cpu")
+        self.experts_per_token = experts_per_token
+        self.prefill_s_per_token = costs.prefill_s_per_token
+        self.expert_call_s = costs.expert_call_s
+        self.copy_s_per_expert = costs.copy_s_per_expert
+        self.host_s_per_expert, self.host_s_per_row = costs.host_s_per_expert, costs.host_s_per_row
         self.busy = 0.0
         self._step_s: float | None = None
-        self._exposed_per_step: float = 0.0  # staging and host compute a step holds (estimated from its counts)
-        self._prefill_s = 0.0
-        self._prefill_tokens = 0.0
+        self._exposed_per_step: float = 0.0  # staging and host compute a step holds
         self._last = self._offload_counts()
         if provider.touches is None:
             provider.touches = TouchRates(residency.config.num_layers, residency.config.num_experts,
@@ -63,25 +98,27 @@ class EngineStepStats:
         p = self.provider
         return p.stager.num_staged, p.num_host_computed, p.num_host_rows
 
-    def record(self, seconds: float, num_tokens: int, is_decode: bool) -> None:
-        """One step's wall time and token count (``is_decode``: every request brought one token)."""
-        self.busy += seconds
+    def record(self, num_tokens: int) -> float:
+        """One step of ``num_tokens`` tokens ran; returns its modeled seconds (tokens' compute plus the staging
+        and host compute its counts show)."""
         counts = self._offload_counts()
         staged, host, rows = (now - before for now, before in zip(counts, self._last))
         self._last = counts
         exposed = staged * self.copy_s_per_expert + host * self.host_s_per_expert + rows * self.host_s_per_row
+        seconds = self.compute_s(num_tokens) + exposed
+        self.busy += seconds
         if self._step_s is None:
             self._step_s, self._exposed_per_step = seconds, exposed
         else:
             self._step_s = STEP_DECAY * self._step_s + (1 - STEP_DECAY) * seconds
             self._exposed_per_step = STEP_DECAY * self._exposed_per_step + (1 - STEP_DECAY) * exposed
-        if not is_decode:
-            self._prefill_s = STEP_DECAY * self._prefill_s + seconds
-            self._prefill_tokens = STEP_DECAY * self._prefill_tokens + num_tokens
+        return seconds
 
-    def prefill_s_per_token(self) -> float | None:
-        """Measured seconds per token of recent prefill-carrying steps; None before the first."""
-        return self._prefill_s / self._prefill_tokens if self._prefill_tokens else None
+    def compute_s(self, num_tokens: int) -> float:
+        """A step's seconds without staging: the tokens' FLOPs plus one call per expert each MoE layer runs."""
+        config = self.residency.config
+        calls = config.num_layers * min(config.num_experts, num_tokens * self.experts_per_token)
+        return num_tokens * self.prefill_s_per_token + calls * self.expert_call_s
 
     # ---- StepStats ------------------------------------------------------------------------------------------
     def busy_s(self) -> float:
@@ -107,16 +144,6 @@ class EngineStepStats:
         return exposed / base_s
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineVampParams(VampParams):
-    """``VampParams`` whose re-prefill price is the engine's measured one once a prefill step has run."""
-
-    def block_prefill_s(self, block_index: int) -> float:
-        measured = self.steps.prefill_s_per_token()  # type: ignore[attr-defined]
-        per_token = self.prefill_s_per_token if measured is None else measured
-        return self.block_size * per_token
-
-
 def _best_s(run, device: torch.device) -> float:
     """Seconds ``run()`` takes, best of ``COPY_REPEATS`` after a warm-up (waiting for a CUDA device each time)."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -128,6 +155,15 @@ def measure_copy_s(provider: StagedExpertProvider) -> float:
     host = provider.stager.host
     buffer = torch.empty_like(host[0, 0], device=provider.storage.device)
     return _best_s(lambda: buffer.copy_(host[0, 0], non_blocking=buffer.device.type == "cuda"), buffer.device)
+
+
+def measure_expert_call_s(provider: StagedExpertProvider) -> float:
+    """Seconds one resident expert's SwiGLU takes over one row, on the engine's device (best of
+    ``COPY_REPEATS``): the per-expert cost of a step, which dominates a small model's steps."""
+    device = provider.storage.device
+    weights = provider.layout.weights(provider.stager.host[0, 0].to(device))
+    x = torch.randn(1, weights.down.shape[0], dtype=weights.down.dtype, device=device)
+    return _best_s(lambda: expert_mlp(x, weights), device)
 
 
 def measure_host_expert_s(provider: StagedExpertProvider) -> tuple[float, float]:
@@ -146,12 +182,11 @@ def measure_host_expert_s(provider: StagedExpertProvider) -> tuple[float, float]
     return max(one - per_row, 0.0), per_row
 
 
-def engine_vamp_params(provider: StagedExpertProvider, residency: ExpertResidency, *, block_size: int,
-                       active_params: int, horizon_s: float) -> EngineVampParams:
-    host_s = measure_host_expert_s(provider) if provider.host_max_rows else (0.0, 0.0)
-    steps = EngineStepStats(provider, residency, measure_copy_s(provider), host_s)
-    return EngineVampParams(prefill_s_per_token=2.0 * active_params / ASSUMED_FLOPS, steps=steps,
-                            block_size=block_size, horizon_s=horizon_s,
-                            reclaim_check_s=min(horizon_s, VampParams.reclaim_check_s),
-                            reclaim_hold_s=min(horizon_s, VampParams.reclaim_hold_s),
-                            remap_s_per_expert=0.0)  # conversion relabels pages in Python, inside the step time
+def engine_vamp_params(steps: EngineStepStats, *, block_size: int, chunk_tokens: int, horizon_s: float
+                       ) -> VampParams:
+    """Re-prefill is priced as the replay prices it: a full chunk's step seconds per token."""
+    return VampParams(prefill_s_per_token=steps.compute_s(chunk_tokens) / chunk_tokens, steps=steps,
+                      block_size=block_size,
+                      horizon_s=horizon_s, reclaim_check_s=min(horizon_s, VampParams.reclaim_check_s),
+                      reclaim_hold_s=min(horizon_s, VampParams.reclaim_hold_s),
+                      remap_s_per_expert=0.0)  # conversion relabels pages in Python, inside the step time

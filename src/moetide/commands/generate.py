@@ -37,7 +37,7 @@ from moetide.core.kv_manager import DEVICE_PREFIXES
 from moetide.core.pressure import POLICIES
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.engine.split_plan import DEFAULT_SPLIT_GPU, DEFAULT_SPLIT_HOST
-from moetide.errors import UserError
+from moetide.errors import UserError, read_json
 from moetide.perf.staging import COLD_EXPERT_MODES
 from moetide.perf.routing_profile import write_profile
 
@@ -139,12 +139,7 @@ def load_tokenizer(model_dir: str):
 
 def read_costs(path: str) -> dict:
     """A cost record: a --json report (its ``vamp_costs``) or the bare record."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UserError(f"--vamp-costs {path}: cannot read: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise UserError(f"--vamp-costs {path}: not JSON ({exc})") from None
+    doc = read_json(path, f"--vamp-costs {path}")
     record = doc.get("vamp_costs", doc) if isinstance(doc, dict) else None
     if not isinstance(record, dict):
         raise UserError(f"--vamp-costs {path}: expected an object with the cost fields or a \"vamp_costs\" one")

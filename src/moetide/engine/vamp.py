@@ -41,7 +41,7 @@ from moetide.perf.measure import time_calls
 
 ASSUMED_FLOPS = 1e11  # FLOP/s of one CPU core's fp32 GEMM (`moetide calibrate` measured 9.6e10 on this project's VM)
 COPY_REPEATS = 5
-STEP_DECAY = 0.95  # weight of the previous mean in the step-time and prefill-rate means
+STEP_DECAY = 0.95  # weight of the previous mean in the step-time and staging means
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from moetide.errors import UserError
+from moetide.errors import UserError, read_json
 
 FORMAT = "moetide-routing-profile/1"
 
@@ -38,12 +38,7 @@ def read_rank_shares(path: str | Path, num_experts: int, top_k: int | None = Non
     """The file's rank-wise routing shares (hottest first, summing to 1), checked against the replayed model's
     ``num_experts`` and (when given) ``top_k``: a profile's shares are per routing slot of its own top-k."""
     where = f"--routing-profile {path}"
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UserError(f"{where}: cannot read: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise UserError(f"{where}: not JSON ({exc})") from None
+    data = read_json(path, where)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UserError(f"{where}: field 'format' must be {FORMAT!r} (a file written by moetide generate "
                         f"--routing-out)")

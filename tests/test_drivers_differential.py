@@ -16,8 +16,8 @@ one finished, as the replay sends them).
 
 Same inputs on both sides where the public API allows: the engine's ``clock`` replays the replay's clock, step for
 step; ``vamp``'s coefficients are one fixed ``VampParams`` (a ``FixedSteps`` step record counted from the log, not
-measured) given to the engine through ``policy_params`` and to the replay by replacing ``sim.setup.vamp_params``
-(``build_replay`` takes no policy parameters). Nothing asserted here depends on timing.
+measured) given to the engine through ``policy_params`` and to the replay through
+``build_replay(vamp_coefficients=...)``. Nothing asserted here depends on timing.
 
 The decision log: at start, the experts offloaded and the pool's size; per ``schedule()`` call, the tokens each
 request is scheduled (with where its chunk starts, the blocks it holds, and how many of them are host KV blocks),
@@ -47,7 +47,6 @@ from moetide.core.pressure import NEEDS_VAMP_PARAMS, POLICIES, VampParams  # noq
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.engine.testmodel import TinyModelArgs, make_test_model  # noqa: E402
 from moetide.perf.attention import HostKVLayout  # noqa: E402
-from moetide.sim import setup as sim_setup  # noqa: E402
 from moetide.sim.setup import ReplayConfig, build_replay  # noqa: E402
 from moetide.workloads.base import BlockKeys, Session, Turn, Workload  # noqa: E402
 
@@ -197,9 +196,8 @@ def record(scheduler, residency, name_of, steps: FixedSteps | None = None) -> De
 
 
 # ---- the drivers --------------------------------------------------------------------------------------------
-def run_replay(checkpoint, policy: str, monkeypatch, host_kv: bool = False) -> tuple[DecisionLog, object]:
+def run_replay(checkpoint, policy: str, host_kv: bool = False) -> tuple[DecisionLog, object]:
     steps = FixedSteps()
-    monkeypatch.setattr(sim_setup, "vamp_params", lambda config, step_model, step_time: fixed_vamp_params(steps))
     # the replay's host tier takes its staging ring out of the KV budget (the engine's ring lies outside it)
     ring = -(-HostKVLayout().ring_bytes // BLOCK_BYTES) if host_kv else 0
     config = ReplayConfig(model=str(checkpoint / "config.json"), policy=policy, block_size=BLOCK_SIZE,
@@ -207,7 +205,7 @@ def run_replay(checkpoint, policy: str, monkeypatch, host_kv: bool = False) -> t
                           kv_budget_gib=(KV_BLOCKS + ring) * BLOCK_BYTES / 2**30,
                           max_offload_ratio=MAX_OFFLOAD_RATIO,
                           kv_host_gib=HOST_BLOCKS * BLOCK_BYTES / 2**30 if host_kv else 0.0)
-    built = build_replay(replay_workload(), config)
+    built = build_replay(replay_workload(), config, vamp_coefficients=fixed_vamp_params(steps))
     device_blocks = built.host_kv.num_device_blocks if host_kv else built.budget.num_blocks
     assert device_blocks == KV_BLOCKS, "the replay's budget is not the engine's: fix the test's arithmetic"
     built.replay.fast_forward = False  # decode and prefill runs skip schedule(); they are exact (test_sim_replay)
@@ -322,8 +320,8 @@ def checkpoint(tmp_path_factory, torch_one_thread):
 
 
 @pytest.mark.parametrize("policy", POLICY_CASES)
-def test_decision_logs_match(checkpoint, policy, monkeypatch):
-    replay, _ = run_replay(checkpoint, policy, monkeypatch)
+def test_decision_logs_match(checkpoint, policy):
+    replay, _ = run_replay(checkpoint, policy)
     totals = _totals(replay)
     assert all(totals[m] > 0 for m in EXERCISED.get(policy, ("evicted",))), (
         f"the input no longer makes {policy} use {EXERCISED.get(policy)} in replay: {totals}")
@@ -333,22 +331,21 @@ def test_decision_logs_match(checkpoint, policy, monkeypatch):
 # The replay models a host KV tier beside a fixed line only (vllm, static-offload): ReplayConfig refuses vamp there.
 @pytest.mark.parametrize("policy", [
     "vllm", pytest.param("static-offload", marks=_ledger_xfail("static-offload (host KV)"))])
-def test_decision_logs_match_with_host_kv(checkpoint, policy, monkeypatch):
-    replay, built = run_replay(checkpoint, policy, monkeypatch, host_kv=True)
+def test_decision_logs_match_with_host_kv(checkpoint, policy):
+    replay, built = run_replay(checkpoint, policy, host_kv=True)
     totals = _totals(replay)
     assert totals["host_blocks"] > 0 and totals["evicted"] > 0, f"no KV spilled to the host tier in replay: {totals}"
     assert_same_decisions(replay, run_engine(checkpoint, policy, replay.times, host_kv=True))
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_start_offload_matches(checkpoint, policy, monkeypatch):
+def test_start_offload_matches(checkpoint, policy):
     """The experts offloaded before the first request: the same (layer, expert) keys on both sides. (The engine
     once offloaded none for ``static-offload``: only ``sim/setup.py`` read ``offload_at_start``.)"""
-    monkeypatch.setattr(sim_setup, "vamp_params", lambda config, step_model, step_time: fixed_vamp_params(FixedSteps()))
     config = ReplayConfig(model=str(checkpoint / "config.json"), policy=policy, block_size=BLOCK_SIZE,
                           max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
                           kv_budget_gib=KV_BLOCKS * BLOCK_BYTES / 2**30, max_offload_ratio=MAX_OFFLOAD_RATIO)
-    built = build_replay(replay_workload(), config)
+    built = build_replay(replay_workload(), config, vamp_coefficients=fixed_vamp_params(FixedSteps()))
     engine = build_engine(checkpoint, policy)
     replay_start = start_entry(built.replay.scheduler, built.expert_line.residency)
     engine_start = start_entry(engine.scheduler, engine.residency)
@@ -358,9 +355,8 @@ def test_start_offload_matches(checkpoint, policy, monkeypatch):
 
 
 @pytest.mark.xfail(strict=True, reason=LEDGER_REASON)
-def test_expert_ledgers_agree(checkpoint, monkeypatch):
+def test_expert_ledgers_agree(checkpoint):
     """Both expert lines, before any offload: the KV blocks that offloading n experts adds, for n up to the cap."""
-    monkeypatch.setattr(sim_setup, "vamp_params", lambda config, step_model, step_time: fixed_vamp_params(FixedSteps()))
     config = ReplayConfig(model=str(checkpoint / "config.json"), policy="vllm", block_size=BLOCK_SIZE,
                           max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
                           kv_budget_gib=KV_BLOCKS * BLOCK_BYTES / 2**30, max_offload_ratio=MAX_OFFLOAD_RATIO)

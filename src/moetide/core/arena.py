@@ -272,9 +272,6 @@ class Arena:
             self._check_key(key)
         return self._block_ids_of_groups(self._complete_groups(self._pages_of_keys(keys)))
 
-    def is_kv_block(self, block_id: int) -> bool:
-        return block_id in self._kv_block_ids
-
     def kv_block_ids(self) -> list[int]:
         return sorted(self._kv_block_ids)
 

@@ -87,10 +87,6 @@ class Request:
     def num_tokens_to_compute(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def computed_to(self, start: int, end: int) -> None:
         """Tokens ``start..end`` were just computed (``start`` = ``num_computed_tokens`` before the step); what
         lies below the high-water mark counts as recomputed."""

@@ -93,6 +93,22 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(frozen=True, slots=True)
+class BlockedAdmission:
+    """The last failed admission: until blocks are freed, the same head with no smaller budget (a chunk at least
+    as large) fails again, so it is not retried (it would cost O(context) per step). Exact for `vllm`; for a
+    policy whose answer also moves with time (vamp's allowance, moved at reviews) the head is asked again only
+    after the next free — a known approximation."""
+
+    request: Request
+    free_version: int  # the pool's free_version then
+    budget: int  # the token budget it had
+
+    def holds(self, head: Request, free_version: int, budget: int) -> bool:
+        """Whether admitting ``head`` with ``budget`` tokens left would fail as this one did."""
+        return head is self.request and free_version == self.free_version and budget >= self.budget
+
+
 class ExpertLineBackend(Protocol):
     """What carries out ``OffloadExperts`` (``core.expert_line`` in replay, the engine's arena-backed line in the
     engine); absent when the line never moves."""
@@ -120,11 +136,7 @@ class Scheduler:
         self.num_host_bound_waits = 0  # admissions deferred by max_host_blocks_held
         # two-tier pool: the rule of config.max_host_blocks_held (read each admission, so the bound may change)
         self.host_admission = HostAdmission(kv) if kv.pool.preferred_below is not None else None
-        # (request, pool free_version, token budget) of the last failed admission: until blocks are freed, the
-        # same head with no smaller budget fails again, so it is not retried (it would cost O(context) per step).
-        # Exact for `vllm`; for a policy whose answer also moves with time (vamp's allowance, moved at reviews)
-        # the head is asked again only after the next free — a known approximation.
-        self._blocked: tuple[Request, int, int] | None = None
+        self._blocked: BlockedAdmission | None = None
         self._threshold = config.long_prefill_token_threshold  # this step's (schedule() drops it for a lone request)
 
     @property
@@ -213,8 +225,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             blocked = self._blocked
-            if (blocked is not None and blocked[0] is request and blocked[1] == self.kv.pool.free_version
-                    and budget >= blocked[2] and self.running):
+            if blocked is not None and self.running and blocked.holds(request, self.kv.pool.free_version, budget):
                 break
             hits: list[int] = []
             num_computed = 0
@@ -226,7 +237,7 @@ class Scheduler:
                 kept = self.host_admission.admit(request, hits, self.running, bound, out)
                 self.num_evicted_blocks += out.num_evicted_blocks - evicted
                 if kept is None:
-                    self._blocked = (request, self.kv.pool.free_version, budget)
+                    self._blocked = BlockedAdmission(request, self.kv.pool.free_version, budget)
                     self.num_host_bound_waits += 1
                     break  # FCFS: wait for running requests to release host KV
                 if kept is not hits:  # host hits moved to device blocks, or dropped to be recomputed
@@ -241,7 +252,7 @@ class Scheduler:
                     and self._allocate(request, n, hits, False, len(self.running), out)):
                 request.num_computed_tokens = 0
                 if self.running:
-                    self._blocked = (request, self.kv.pool.free_version, budget)
+                    self._blocked = BlockedAdmission(request, self.kv.pool.free_version, budget)
                     break  # FCFS: wait for running requests to release memory
                 self._fail(request, out)  # nothing holds memory and it still does not fit: it never will
                 continue
@@ -361,9 +372,8 @@ class Scheduler:
             return 0  # the policy keeps per-step state (vamp-reclaim's clock): step normally
         if self.waiting and len(running) < self.config.max_num_seqs:
             blocked = self._blocked
-            if (blocked is None or blocked[0] is not self.waiting[0]
-                    or blocked[1] != self.kv.pool.free_version
-                    or self.config.max_num_batched_tokens - len(running) < blocked[2]):
+            budget = self.config.max_num_batched_tokens - len(running)
+            if blocked is None or not blocked.holds(self.waiting[0], self.kv.pool.free_version, budget):
                 return 0  # the head might be admitted: step normally
         block_size, mamba = self.kv.block_size, self.kv.mamba
         k = None

@@ -164,12 +164,6 @@ class StagingModel:
             self._p_sum.append(self._p_sum[-1] + p)
         self._moved: dict[tuple[int, int], float] = {}
 
-    def touched_share(self, num_tokens: int) -> float:
-        """Expected share of any one expert's being routed by at least one of the step's tokens (uniform)."""
-        if self.config.mode == SEGMENT:
-            return 1.0
-        return 1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens
-
     def expected_touched(self, num_tokens: int, num_offloaded: int) -> float:
         """Σ q_e over a layer's ``num_offloaded`` coldest experts: how many of them a step of T tokens touches."""
         key = (num_tokens, num_offloaded)

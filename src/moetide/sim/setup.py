@@ -161,8 +161,11 @@ class BuiltReplay:
 
 
 def build_replay(
-    workload: Workload, config: ReplayConfig, progress: Callable[[int, int], None] | None = None
+    workload: Workload, config: ReplayConfig, progress: Callable[[int, int], None] | None = None, *,
+    vamp_coefficients: VampParams | None = None,
 ) -> BuiltReplay:
+    """The replay's parts. ``vamp_coefficients`` replaces the perf model's ``vamp_params`` (a differential test
+    gives both drivers the same ones)."""
     model, gpu = get_model(config.model), get_gpu(config.gpu)
     if config.block_size is None:  # the result's config records the size used
         config = replace(config, block_size=default_block_size(model, tp=config.tp))
@@ -202,7 +205,7 @@ def build_replay(
                                     mix_tau_s=config.vamp_horizon_s * STAGING_MIX_HORIZONS,
                                     reference_step=_reference_decode(config, step_model),
                                     track_mix=config.policy.lower() in NEEDS_VAMP_PARAMS)
-    policy = _policy(config, step_model, step_time)
+    policy = _policy(config, lambda: vamp_coefficients or vamp_params(config, step_model, step_time))
     start_offload(policy, line)
     scheduler = Scheduler(scheduler_config, kv, policy, expert_line=line)
     replay = Replay(workload, scheduler, step_time, progress=progress,
@@ -333,13 +336,13 @@ def _expert_line(model, config: ReplayConfig, pool: BlockPool, budget: MemoryBud
                       staging_buffer_layers=STAGING_BUFFER_LAYERS)
 
 
-def _policy(config: ReplayConfig, step_model: StepTimeModel, step_time: StepTimeWithStaging):
+def _policy(config: ReplayConfig, coefficients: Callable[[], VampParams]):
     if config.policy.lower() not in NEEDS_VAMP_PARAMS:
         try:
             return get_policy(config.policy)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-    return get_policy(config.policy, params=vamp_params(config, step_model, step_time))
+    return get_policy(config.policy, params=coefficients())
 
 
 REFERENCE_CONTEXT_TOKENS = 16384  # context of the reference decode step (priced until steps have run)

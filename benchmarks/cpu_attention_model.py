@@ -7,7 +7,7 @@
 Model: ``AttentionCostModel(model, gpu, host, kv_dtype_bytes, offload=the file's [offload_efficiency])``; one
 call's time is ``cpu_attention_s(num_seqs x kv_tokens x layer KV bytes per token, num_queries) + cpu_sync_s`` (one
 layer, one hand-off). Measured: for each shape, the kernel the engine runs for it, timed as ``moetide calibrate``
-times it (``perf.measure.time_attention``, a cache flush before each call), median of ``--repeats``: the native
+times it (``engine.measure.time_attention``, a cache flush before each call), median of ``--repeats``: the native
 paged decode kernel (``engine.native.paged_decode_attention`` over scattered host blocks, with the log-sum-exp) for
 one fp32 query per sequence where the engine takes it, else torch's CPU flash attention
 (aten::_scaled_dot_product_flash_attention_for_cpu, GQA as one problem per KV head). ``MOETIDE_NATIVE=0`` times
@@ -46,7 +46,7 @@ from moetide.perf.calibrate import (
     offload_efficiency_for_host,
     seqs_for_threads,
 )
-from moetide.perf.measure import time_attention
+from moetide.engine.measure import time_attention
 from moetide.specs import get_gpu, get_host, get_model
 from moetide.specs.loader import get_host_calibration
 

@@ -391,7 +391,7 @@ def test_fp32_decode_is_timed_with_the_native_kernel_over_scattered_host_blocks(
     import torch
 
     from moetide.perf.calibrate import NATIVE_LAYOUT_LAYERS
-    from moetide.perf.measure import engine_block_size, time_attention
+    from moetide.engine.measure import engine_block_size, time_attention
 
     native, calls = native_calls
     needs_native(native)
@@ -414,7 +414,7 @@ def test_fp32_decode_is_timed_with_the_native_kernel_over_scattered_host_blocks(
 
 
 def test_with_moetide_native_0_the_same_shape_is_timed_with_flash(native_calls, monkeypatch):
-    from moetide.perf.measure import kernel_for, time_attention
+    from moetide.engine.measure import kernel_for, time_attention
 
     native, calls = native_calls
     monkeypatch.setenv("MOETIDE_NATIVE", "0")
@@ -427,7 +427,7 @@ def test_with_moetide_native_0_the_same_shape_is_timed_with_flash(native_calls, 
 @pytest.mark.parametrize("shape", [AttentionShape(8, 2, 32, 4, 200, "fp32"), AttentionShape(8, 2, 32, 1, 200, "bf16")],
                          ids=["prefill-fp32", "decode-bf16"])
 def test_other_shapes_are_timed_with_flash(native_calls, shape):
-    from moetide.perf.measure import time_attention
+    from moetide.engine.measure import time_attention
 
     _, calls = native_calls
     assert time_attention(shape, 1, 4096).kernel == "flash" and calls == []
@@ -439,7 +439,7 @@ def test_native_only_where_the_engine_would_take_it_on_this_many_threads(native_
     """The kernel is single-threaded: with several torch threads the engine keeps large decodes on torch's."""
     import torch
 
-    from moetide.perf.measure import kernel_for
+    from moetide.engine.measure import kernel_for
 
     native, _ = native_calls
     needs_native(native)

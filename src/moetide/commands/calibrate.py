@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from moetide.engine.measure import calibrate
 from moetide.errors import UserError
 from moetide.perf.calibrate import (
     CALIBRATION_KV_TOKENS,
@@ -27,7 +28,6 @@ from moetide.perf.calibrate import (
     MiB,
     Calibration,
     attention_summary,
-    calibrate,
     errors_by_kernel,
     kernels_used,
     model_cpu_s,

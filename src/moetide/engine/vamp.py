@@ -37,7 +37,7 @@ from moetide.core.experts import ExpertResidency
 from moetide.core.pressure import VampParams
 from moetide.engine.experts import StagedExpertProvider, TouchRates
 from moetide.engine.models.moe import expert_mlp
-from moetide.perf.measure import time_calls
+from moetide.engine.measure import time_calls
 
 ASSUMED_FLOPS = 1e11  # FLOP/s of one CPU core's fp32 GEMM (`moetide calibrate` measured 9.6e10 on this project's VM)
 COPY_REPEATS = 5

@@ -41,15 +41,14 @@ softmax's exponentials) does not fit it exactly, and the fit's own error says by
 over the samples of both kernels, as ``perf.attention`` has one set of factors; ``errors_by_kernel`` says how well it
 describes each. Judge the model on shapes it was not fitted to (``benchmarks/cpu_attention_model.py``).
 
-The measuring functions are in ``perf.measure``; torch is imported inside them only: the fit and
-``offload_efficiency_for_host`` are stdlib, so a core install can read and check a calibrated host file
+The measuring functions, and ``calibrate`` that runs them, are in ``engine.measure`` (torch imported inside
+them only); the fit and ``offload_efficiency_for_host`` are stdlib, so a core install can read and check a calibrated host file
 (``moetide.commands.calibrate`` renders and writes it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
 import os
 import platform
@@ -297,44 +296,6 @@ class Calibration:
                    fit_by_kernel=errors_by_kernel(self.attention, self.dram.triad_bytes_per_s,
                                                   self.gemm_flops_per_s, self.fit.efficiency()))
         return doc
-
-
-def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall") -> Calibration:
-    """Run every measurement (module docstring) on ``num_threads`` torch threads (default: torch's) and fit,
-    timing on ``clock`` (``CLOCKS``; host-to-device copies are always timed on the wall clock)."""
-    try:
-        import torch
-    except ImportError:
-        raise UserError("calibrate measures with torch, which is not installed: pip install 'moetide[engine]'") \
-            from None
-    from moetide.perf.measure import (
-        check_clock,
-        measure_dram,
-        measure_gemm,
-        measure_host_to_device,
-        time_attention,
-    )
-
-    previous = torch.get_num_threads()
-    threads = num_threads or previous
-    check_clock(clock, threads)
-    torch.set_num_threads(threads)
-    try:
-        llc = llc_bytes()
-        repeats = 3 if quick else 7
-        dram = measure_dram((4 if quick else 8) * llc, repeats, clock)
-        gemm_n = 1024 if quick else 2048
-        gemm = measure_gemm(gemm_n, repeats, clock)
-        samples = tuple(time_attention(s, repeats, 2 * llc, clock=clock) for s in calibration_shapes(quick, threads))
-        h2d = measure_host_to_device(repeats)
-    finally:
-        torch.set_num_threads(previous)
-    return Calibration(
-        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), quick=quick,
-        clock=clock, torch_version=torch.__version__, num_threads=threads, logical_cpus=os.cpu_count() or threads,
-        cpu_model=cpu_model_name(), dram_bytes=installed_memory_bytes(), llc_bytes=llc, dram=dram, gemm_n=gemm_n,
-        gemm_flops_per_s=gemm, attention=samples, fit=fit_cpu_efficiency(samples, dram.triad_bytes_per_s, gemm),
-        host_to_device=h2d)
 
 
 # ---- summaries, and reading a calibrated host file ---------------------------------------------------------

@@ -1,12 +1,15 @@
-"""Measurements behind ``moetide calibrate`` (``perf.calibrate``), on the machine that runs them: STREAM-like DRAM
-bandwidth, the fp32 GEMM rate, CPU attention with the kernel the engine runs for each shape, and pinned
-host-to-device copies. MEASURED; torch is imported inside the functions only, so ``perf.calibrate``'s fit and
-host-file reading stay stdlib (``perf.calibrate``'s docstring says what each measurement is and how it is used).
+"""Measurements behind ``moetide calibrate``, on the machine that runs them: STREAM-like DRAM bandwidth, the fp32
+GEMM rate, CPU attention with the kernel the engine runs for each shape, and pinned host-to-device copies; and
+``calibrate``, which runs them all and fits. MEASURED. They live with the engine because they run its kernels;
+``perf.calibrate`` keeps the fit and the host-file reading, stdlib only (its docstring says what each
+measurement is and how it is used). torch is imported inside the functions only.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +23,14 @@ from moetide.perf.calibrate import (
     NATIVE_LAYOUT_LAYERS,
     AttentionSample,
     AttentionShape,
+    Calibration,
     DramResult,
     MiB,
+    calibration_shapes,
+    cpu_model_name,
+    fit_cpu_efficiency,
+    installed_memory_bytes,
+    llc_bytes,
 )
 
 
@@ -194,3 +203,33 @@ def measure_host_to_device(repeats: int, num_bytes: int = 256 * MiB) -> dict[str
     small, _ = time_calls(lambda: copy(small_src, small_dst), max(repeats, 20))
     return {"bytes_per_s": num_bytes / big, "latency_s": small, "device": torch.cuda.get_device_name(0),
             "copy_bytes": num_bytes}
+
+
+def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall") -> Calibration:
+    """Run every measurement (module docstring) on ``num_threads`` torch threads (default: torch's) and fit,
+    timing on ``clock`` (``CLOCKS``; host-to-device copies are always timed on the wall clock)."""
+    try:
+        import torch
+    except ImportError:
+        raise UserError("calibrate measures with torch, which is not installed: pip install 'moetide[engine]'") \
+            from None
+    previous = torch.get_num_threads()
+    threads = num_threads or previous
+    check_clock(clock, threads)
+    torch.set_num_threads(threads)
+    try:
+        llc = llc_bytes()
+        repeats = 3 if quick else 7
+        dram = measure_dram((4 if quick else 8) * llc, repeats, clock)
+        gemm_n = 1024 if quick else 2048
+        gemm = measure_gemm(gemm_n, repeats, clock)
+        samples = tuple(time_attention(s, repeats, 2 * llc, clock=clock) for s in calibration_shapes(quick, threads))
+        h2d = measure_host_to_device(repeats)
+    finally:
+        torch.set_num_threads(previous)
+    return Calibration(
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), quick=quick,
+        clock=clock, torch_version=torch.__version__, num_threads=threads, logical_cpus=os.cpu_count() or threads,
+        cpu_model=cpu_model_name(), dram_bytes=installed_memory_bytes(), llc_bytes=llc, dram=dram, gemm_n=gemm_n,
+        gemm_flops_per_s=gemm, attention=samples, fit=fit_cpu_efficiency(samples, dram.triad_bytes_per_s, gemm),
+        host_to_device=h2d)

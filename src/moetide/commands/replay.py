@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -179,7 +180,24 @@ def _retention_of(args: argparse.Namespace) -> int | None:
     return args.prefix_cache_retention_interval
 
 
+# ReplayConfig fields whose flag is not the field's name in dashes
+FLAG_OF_FIELD = {"staging_mode": "--staging", "split_fixed_ratio": "--fixed-ratio"}
+
+
+def flag_message(message: str) -> str:
+    """A config error in the CLI's words: each ``ReplayConfig.field`` named as its flag."""
+    return re.sub(r"ReplayConfig\.(\w+)",
+                  lambda m: FLAG_OF_FIELD.get(m.group(1), "--" + m.group(1).replace("_", "-")), message)
+
+
 def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
+    try:
+        return _config_from(args, policy)
+    except ValueError as exc:
+        raise UserError(flag_message(str(exc))) from None
+
+
+def _config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
     return ReplayConfig(
         model=args.model, gpu=args.gpu, tp=args.tp, policy=policy, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

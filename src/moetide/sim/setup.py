@@ -82,72 +82,80 @@ class ReplayConfig:
 
     def __post_init__(self) -> None:
         if self.tp <= 0:
-            raise UserError(f"--tp must be a positive integer, got {self.tp}")
+            raise ValueError(f"ReplayConfig.tp must be a positive integer, got {self.tp}")
         if self.block_size is not None and self.block_size <= 0:
-            raise UserError(f"--block-size must be positive, got {self.block_size}")
+            raise ValueError(f"ReplayConfig.block_size must be positive, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError("ReplayConfig.gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.kv_budget_gib is not None and self.kv_budget_gib <= 0:
-            raise UserError(f"--kv-budget-gib must be positive, got {self.kv_budget_gib}")
+            raise ValueError(f"ReplayConfig.kv_budget_gib must be positive, got {self.kv_budget_gib}")
         if not 0 <= self.max_offload_ratio <= 1:
-            raise UserError(f"--max-offload-ratio must be in [0, 1], got {self.max_offload_ratio}")
+            raise ValueError(f"ReplayConfig.max_offload_ratio must be in [0, 1], got {self.max_offload_ratio}")
         if self.routing_zipf_s < 0:
-            raise UserError(f"--routing-zipf-s must be >= 0, got {self.routing_zipf_s}")
+            raise ValueError(f"ReplayConfig.routing_zipf_s must be >= 0, got {self.routing_zipf_s}")
         if self.host_link_shared_by < 1:
-            raise UserError(f"--host-link-shared-by must be >= 1, got {self.host_link_shared_by}")
+            raise ValueError(f"ReplayConfig.host_link_shared_by must be >= 1, got {self.host_link_shared_by}")
         if self.routing_profile is not None and self.routing_zipf_s:
-            raise UserError("give --routing-profile or --routing-zipf-s, not both")
+            raise ValueError("give ReplayConfig.routing_profile or ReplayConfig.routing_zipf_s, not both")
         if self.staging_mode not in STAGING_MODES:
-            raise UserError(f"--staging must be one of {', '.join(STAGING_MODES)}, got {self.staging_mode!r}")
+            raise ValueError(f"ReplayConfig.staging_mode must be one of {', '.join(STAGING_MODES)}, got "
+                             f"{self.staging_mode!r}")
         if self.cold_experts not in COLD_EXPERT_MODES:
-            raise UserError(f"--cold-experts must be one of {', '.join(COLD_EXPERT_MODES)}, got {self.cold_experts!r}")
+            raise ValueError(f"ReplayConfig.cold_experts must be one of {', '.join(COLD_EXPERT_MODES)}, got "
+                             f"{self.cold_experts!r}")
         if self.cold_experts == CPU and self.staging_mode != "auto":
-            raise UserError("--cold-experts cpu serves what --staging auto does not prefetch: use --staging auto")
+            raise ValueError("ReplayConfig.cold_experts cpu serves what ReplayConfig.staging_mode auto does not "
+                             "prefetch: use ReplayConfig.staging_mode auto")
         if self.gpus_per_socket < 1:
-            raise UserError(f"--gpus-per-socket must be >= 1, got {self.gpus_per_socket}")
+            raise ValueError(f"ReplayConfig.gpus_per_socket must be >= 1, got {self.gpus_per_socket}")
         if self.cpu_matmul_tflops is not None and not self.cpu_matmul_tflops > 0:
-            raise UserError(f"--cpu-matmul-tflops must be positive, got {self.cpu_matmul_tflops}")
+            raise ValueError(f"ReplayConfig.cpu_matmul_tflops must be positive, got {self.cpu_matmul_tflops}")
         if not self.vamp_horizon_s > 0:
-            raise UserError("--vamp-horizon-s must be positive")
+            raise ValueError("ReplayConfig.vamp_horizon_s must be positive")
         if self.mamba_cache_mode not in (None, *MAMBA_CACHE_MODES):
-            raise UserError(f"--mamba-cache-mode must be one of {', '.join(MAMBA_CACHE_MODES)}, got "
-                            f"{self.mamba_cache_mode!r}")
+            raise ValueError(f"ReplayConfig.mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, got "
+                             f"{self.mamba_cache_mode!r}")
         if self.vllm_version not in VLLM_VERSIONS:
-            raise UserError(f"--vllm-version must be one of {', '.join(VLLM_VERSIONS)}, got {self.vllm_version!r}")
+            raise ValueError(f"ReplayConfig.vllm_version must be one of {', '.join(VLLM_VERSIONS)}, got "
+                             f"{self.vllm_version!r}")
         if self.prefix_cache_retention_interval not in (None, 0):
-            raise UserError(f"--prefix-cache-retention-interval: 0 or none are modeled, got "
-                            f"{self.prefix_cache_retention_interval}")
+            raise ValueError(f"ReplayConfig.prefix_cache_retention_interval: 0 or none are modeled, got "
+                             f"{self.prefix_cache_retention_interval}")
         self._check_host_kv()
 
     def _check_host_kv(self) -> None:
         if not (math.isfinite(self.kv_host_gib) and self.kv_host_gib >= 0):
-            raise UserError(f"--kv-host-gib must be a finite number >= 0, got {self.kv_host_gib}")
+            raise ValueError(f"ReplayConfig.kv_host_gib must be a finite number >= 0, got {self.kv_host_gib}")
         if self.split_policy not in SPLIT_POLICIES:
-            raise UserError(f"--split-policy must be one of {', '.join(SPLIT_POLICIES)}, got {self.split_policy!r}")
+            raise ValueError(f"ReplayConfig.split_policy must be one of {', '.join(SPLIT_POLICIES)}, got "
+                             f"{self.split_policy!r}")
         if not 0 <= self.split_fixed_ratio <= 1:
-            raise UserError(f"--fixed-ratio must be in [0, 1], got {self.split_fixed_ratio}")
+            raise ValueError(f"ReplayConfig.split_fixed_ratio must be in [0, 1], got {self.split_fixed_ratio}")
         if not (math.isfinite(self.cpu_slowdown) and self.cpu_slowdown > 0):
-            raise UserError(f"--cpu-slowdown must be a positive number, got {self.cpu_slowdown}")
+            raise ValueError(f"ReplayConfig.cpu_slowdown must be a positive number, got {self.cpu_slowdown}")
         if self.device_prefixes not in DEVICE_PREFIXES:
-            raise UserError(f"--device-prefixes must be one of {', '.join(DEVICE_PREFIXES)}, got "
-                            f"{self.device_prefixes!r}")
+            raise ValueError(f"ReplayConfig.device_prefixes must be one of {', '.join(DEVICE_PREFIXES)}, got "
+                             f"{self.device_prefixes!r}")
         active = self.kv_host_active_gib
         if active is not None:
             if not self.kv_host_gib:
-                raise UserError("--kv-host-active-gib bounds a host KV tier: give --kv-host-gib too")
+                raise ValueError("ReplayConfig.kv_host_active_gib bounds a host KV tier: give "
+                                 "ReplayConfig.kv_host_gib too")
             if not (math.isfinite(active) and 0 < active <= self.kv_host_gib):
-                raise UserError(f"--kv-host-active-gib must be in (0, --kv-host-gib = {self.kv_host_gib:g}], got "
-                                f"{active:g}")
+                raise ValueError(f"ReplayConfig.kv_host_active_gib must be in (0, ReplayConfig.kv_host_gib = "
+                                 f"{self.kv_host_gib:g}], got {active:g}")
         if not self.kv_host_gib:
             return
         if self.tp != 1:
-            raise UserError("--kv-host-gib models one GPU beside one host socket: use --tp 1")
+            raise ValueError("ReplayConfig.kv_host_gib models one GPU beside one host socket: use ReplayConfig.tp 1")
         if self.cold_experts == CPU:
-            raise UserError("--kv-host-gib with --cold-experts cpu: one socket attending KV and computing experts "
-                            "is not modeled; use --cold-experts fetch")
+            raise ValueError("ReplayConfig.kv_host_gib with ReplayConfig.cold_experts cpu: one socket attending KV "
+                             "and computing experts is not modeled; use ReplayConfig.cold_experts fetch")
         if self.policy.lower() in NEEDS_VAMP_PARAMS:
-            raise UserError(f"--kv-host-gib with --policy {self.policy}: a moving expert line beside a host KV tier "
-                            "is not modeled yet (docs/writescope.md, Replay); use vllm or static-offload")
+            raise ValueError(f"ReplayConfig.kv_host_gib with ReplayConfig.policy {self.policy}: a moving expert line "
+                             "beside a host KV tier is not modeled yet (docs/writescope.md, Replay); use vllm or "
+                             "static-offload")
 
 
 @dataclass

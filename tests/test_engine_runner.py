@@ -190,7 +190,7 @@ def test_a_request_that_can_never_fit_fails_alone(tiny_checkpoint):
     (dict(), "needs a KV budget"),
     (dict(kv_budget_mib=1, policy="no-such-policy"), "unknown policy"),
     (dict(kv_budget_mib=1, block_size=0), "block_size must be a positive integer"),
-    (dict(kv_budget_mib=1, static_offload=True), "static_offload needs max_offload_ratio"),
+    (dict(kv_budget_mib=1, static_offload=True, max_offload_ratio=0.0), "static_offload needs max_offload_ratio"),
     (dict(kv_budget_mib=1, device="tpu"), "device must be one of"),
 ])
 def test_bad_options_are_user_errors(tiny_checkpoint, options, message):

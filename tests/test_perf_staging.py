@@ -152,7 +152,7 @@ def test_replay_with_cold_experts_on_the_cpu_stages_less(tmp_path):
     assert computed["config"]["cold_experts"] == "cpu" and computed["config"]["cpu"] == "ddr5-4800-8ch"
     assert computed["metrics"]["staged_bytes"] < fetched["metrics"]["staged_bytes"]
     assert computed["metrics"]["tpot_s"]["mean"] < fetched["metrics"]["tpot_s"]["mean"]
-    with pytest.raises(UserError, match="--staging auto"):
+    with pytest.raises(ValueError, match="ReplayConfig.staging_mode auto"):
         ReplayConfig(cold_experts="cpu", staging_mode="touched")
     assert main(["replay", "--cold-experts", "cpu", "--cpu", "no-such-host", "--policy", "static-offload"]) == 2
 

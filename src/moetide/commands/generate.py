@@ -33,6 +33,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO
 from moetide.core.kv_manager import DEVICE_PREFIXES
 from moetide.core.pressure import POLICIES
 from moetide.core.splits import SPLIT_POLICIES
@@ -55,7 +56,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory-pressure policy: vllm (evict, then preempt), vamp / vamp-reclaim (also move the expert/KV "
              "line, priced with the engine's measured step, prefill and copy times), static-offload "
              "(default %(default)s)")
-    add("--max-offload-ratio", type=float, default=0.15, metavar="R",
+    add("--max-offload-ratio", type=float, default=DEFAULT_MAX_OFFLOAD_RATIO, metavar="R",
         help="cap on offloaded / all routed-expert bytes under vamp, vamp-reclaim, static-offload and "
              "--static-offload (default %(default)s)")
     add("--vamp-horizon-s", type=float, default=60.0, metavar="S",

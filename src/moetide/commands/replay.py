@@ -205,7 +205,7 @@ def _config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         vllm_version=args.vllm_version, enable_prefix_caching=args.prefix_caching,
         scheduler_reserve_full_isl=args.scheduler_reserve_full_isl, seed=args.seed,
         mamba_cache_mode=args.mamba_cache_mode, prefix_cache_retention_interval=_retention_of(args),
-        max_offload_ratio=getattr(args, "max_offload_ratio", 0.0), staging_mode=args.staging,
+        max_offload_ratio=args.max_offload_ratio, staging_mode=args.staging,
         routing_zipf_s=args.routing_zipf_s, routing_profile=args.routing_profile,
         host_link_shared_by=args.host_link_shared_by,
         cold_experts=args.cold_experts, cpu=args.cpu, gpus_per_socket=args.gpus_per_socket,

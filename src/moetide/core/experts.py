@@ -51,6 +51,9 @@ def check_expert_key(key: object, num_layers: int, num_experts: int) -> None:
         )
 
 
+DEFAULT_MAX_OFFLOAD_RATIO = 0.15  # the VAMP paper's cap: the default of every driver and verb
+
+
 @dataclass(frozen=True)
 class ExpertResidencyConfig:
     """Shape of the routed experts and the policy knobs for offloading them."""
@@ -58,7 +61,7 @@ class ExpertResidencyConfig:
     num_layers: int  # MoE layers (dense layers have no routed experts)
     num_experts: int  # routed experts per MoE layer
     expert_bytes: int  # weights of one routed expert of one layer
-    max_offload_ratio: float = 0.15  # cap on offloaded / all routed-expert bytes
+    max_offload_ratio: float = DEFAULT_MAX_OFFLOAD_RATIO  # cap on offloaded / all routed-expert bytes
     decay: float = 0.9  # per-step multiplier on routing counts; 1.0 = no decay
 
     def __post_init__(self) -> None:

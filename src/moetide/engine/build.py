@@ -10,8 +10,8 @@ Budget: ``kv_budget_bytes`` buys whole KV pages *on top of* the routed experts' 
 weights every engine must hold anyway; offloading them is how the KV share grows). A budget that leaves no room
 for a single KV block, a missing model directory, an unknown policy or device are ``UserError``s.
 
-``vamp`` / ``vamp-reclaim`` by name get ``engine.vamp``'s measured coefficients (step, prefill and copy times,
-per-expert touch rates); they need ``max_offload_ratio`` > 0.
+``vamp`` / ``vamp-reclaim`` by name get ``engine.vamp``'s coefficients (a cost record measured once at build, or
+given; per-expert touch rates); they need ``max_offload_ratio`` > 0 (0.15 by default, as in the replay).
 
 Host KV (``kv_host_bytes`` > 0, WriteScope's engine half): that many bytes of whole KV blocks in host memory
 (``engine.host_kv``; pinned on CUDA), numbered after every arena id and added to the same pool, which allocates
@@ -31,7 +31,7 @@ import torch
 
 from moetide.core.arena import Arena
 from moetide.core.blocks import BlockPool
-from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
+from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, PressurePolicy, get_policy, start_offload
 from moetide.core.scheduler import Scheduler, SchedulerConfig
@@ -83,7 +83,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_offload_ratio: float = 0.0
+    max_offload_ratio: float = DEFAULT_MAX_OFFLOAD_RATIO
     static_offload: bool = False
     enable_prefix_caching: bool | None = None
     page_bytes: int | None = None

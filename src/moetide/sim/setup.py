@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import DEVICE_PREFIXES, KVCacheManager
 from moetide.core.expert_line import ExpertLine
-from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
+from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy, start_offload
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
@@ -55,7 +55,7 @@ class ReplayConfig:
     # vLLM's prefix_cache_retention_interval for those states: 0 (its default) keeps the prompt's replay boundary
     # and shared-prefix junctions; None keeps every block's state
     prefix_cache_retention_interval: int | None = 0  # (vLLM 0.15 keeps every state: None is used there)
-    max_offload_ratio: float = 0.15  # cap on the offloaded share of routed-expert bytes (vamp, static-offload)
+    max_offload_ratio: float = DEFAULT_MAX_OFFLOAD_RATIO  # cap on the offloaded share of routed-expert bytes (vamp, static-offload)
     # "auto": prefetch the likeliest offloaded experts behind the previous layer's compute, fetch the rest on
     # demand; "touched": on demand only; "segment": the whole offloaded segment every step (perf/staging.py)
     staging_mode: str = "auto"

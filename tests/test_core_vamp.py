@@ -3,7 +3,7 @@
 import pytest
 
 from moetide.core.blocks import BlockPool
-from moetide.core.expert_line import ExpertLine
+from moetide.core.expert_line import ExpertLine, staging_room_bytes
 from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.hashing import hash_token_blocks
 from moetide.core.kv_manager import KVCacheManager
@@ -323,18 +323,18 @@ def test_plain_vamp_is_exact_under_the_decode_fast_path():
     assert results[0][0]["offloaded_ratio_max"] > 0  # the line moved: the comparison covers offloads
 
 
-def test_the_staging_buffer_is_not_given_to_the_pool():
-    """Staging needs room for the offloaded experts of the layers in flight; with a one-layer buffer on a
-    two-layer model half of every offloaded expert's bytes stay with the experts."""
+def test_an_offloaded_expert_gives_its_whole_bytes_and_staging_room_is_counted_at_the_cap():
+    """The pool gets every byte of an offloaded expert (the engine's arena gives its whole pages); the staging
+    buffers' room, two layers of the most experts a layer can have offloaded, is kept outside the KV budget."""
     pool = BlockPool([])
-    line = make_line(pool, 0.5, staging_buffer_layers=1)
-    residency = line.residency
-    assert line.kv_bytes_per_expert == EXPERT_BYTES // 2 and line.blocks_gained(2) == 2
-    assert line.offload([(0, 0), (1, 0)]) == [1000, 1001]
+    line = make_line(pool, 0.5)
+    assert line.kv_bytes_per_expert == EXPERT_BYTES and line.blocks_gained(2) == 2 * EXPERT_BYTES // BLOCK_BYTES
+    assert len(line.offload([(0, 0), (1, 0)])) == 2 * EXPERT_BYTES // BLOCK_BYTES
     assert line.reclaim_last() and pool.num_blocks == 0
-    with pytest.raises(ValueError, match="staging_buffer_layers"):
-        ExpertLine(residency, pool, block_bytes=BLOCK_BYTES, first_block_id=0, staging_buffer_layers=2)
     line.check_invariants()
+    cap = line.residency.max_num_offloaded  # 4 of 2 layers x 4 experts: 2 a layer
+    assert staging_room_bytes(line.residency.config, cap) == 2 * 2 * EXPERT_BYTES
+    assert staging_room_bytes(line.residency.config, 3) == 2 * 2 * EXPERT_BYTES  # 3 over 2 layers: 2 in one
 
 
 def test_admissions_without_a_shortfall_are_measured_through_the_schedulers_hook():

@@ -26,11 +26,9 @@ hits promoted, the number of experts offloaded and the pool's size. Requests are
 driver-assigned ids; block ids differ between drivers by construction (the arena numbers KV blocks after the
 experts' pages) and are compared as counts.
 
-Known divergence, marked ``xfail(strict=True, raises=LedgerDivergence)``: the two expert lines convert an offloaded
-expert into different numbers of KV blocks (``test_expert_ledgers_agree``), so once any expert is offloaded the
-pools differ. ``LedgerDivergence`` is raised only when the first difference is exactly that (the same experts
-offloaded, a pool of another size, and whatever that size changed in the same step); any other difference fails
-these tests outright.
+The two expert lines once turned an offloaded expert into different numbers of KV blocks (the replay kept its
+staging room out of each expert's bytes, the engine gave whole pages); ``test_expert_ledgers_agree`` holds them
+to one count.
 """
 
 from __future__ import annotations
@@ -253,19 +251,6 @@ def run_engine(checkpoint, policy: str, times: list[float], host_kv: bool = Fals
 
 
 # ---- comparing ----------------------------------------------------------------------------------------------
-class LedgerDivergence(AssertionError):
-    """The first difference is the pool's size after as many experts were offloaded on both sides: the two expert
-    lines turn an expert into different numbers of KV blocks (``_is_ledger_only``)."""
-
-
-def _is_ledger_only(a: dict, b: dict) -> bool:
-    """Everything before was equal, this entry offloaded as many experts on both sides (as many in all, with the
-    same keys at start), yet the pools differ in size: only the experts-to-blocks conversion can do that. What was
-    scheduled in the same step may differ too (an admission the larger pool allows): it follows from the size."""
-    return (a["num_offloaded"] == b["num_offloaded"] > 0 and a.get("offloaded") == b.get("offloaded")
-            and a["pool_blocks"] != b["pool_blocks"])
-
-
 def _show(entry: dict) -> str:
     return "\n".join(f"      {k}: {v}" for k, v in entry.items())
 
@@ -273,14 +258,14 @@ def _show(entry: dict) -> str:
 def assert_same_decisions(replay: DecisionLog, engine: DecisionLog) -> None:
     if replay.start != engine.start:
         message = f"start of run differs:\n  replay:\n{_show(replay.start)}\n  engine:\n{_show(engine.start)}"
-        raise (LedgerDivergence if _is_ledger_only(replay.start, engine.start) else AssertionError)(message)
+        raise AssertionError(message)
     for i, (a, b) in enumerate(zip(replay.steps, engine.steps)):
         if a != b:
             keys = [k for k in a if a[k] != b.get(k)]
             before = "\n".join(f"    step {j}: {replay.steps[j]['scheduled']}" for j in range(max(i - 2, 0), i))
             message = (f"step {i} of {len(replay.steps)} differs in {keys}\n  steps before (both):\n{before}\n"
                        f"  replay:\n{_show(a)}\n  engine:\n{_show(b)}")
-            raise (LedgerDivergence if _is_ledger_only(a, b) else AssertionError)(message)
+            raise AssertionError(message)
     assert len(replay.steps) == len(engine.steps), (
         f"the replay took {len(replay.steps)} steps and the engine {len(engine.steps)}; the longer one went on with "
         f"{(replay.steps or engine.steps)[min(len(replay.steps), len(engine.steps)):][:3]}")
@@ -297,29 +282,12 @@ def _totals(log: DecisionLog) -> dict[str, int]:
 EXERCISED = {"vllm": ("evicted", "preempted"), "static-offload": ("evicted", "offloaded"),
              "vamp": ("evicted", "offloaded"), "vamp-reclaim": ("evicted", "offloaded")}
 
-LEDGER_REASON = (
-    "one expert, two ledgers: the replay's core.expert_line.ExpertLine yields kv_bytes_per_expert = expert_bytes x "
-    "(1 - STAGING_BUFFER_LAYERS / L) = 6 KiB (3 blocks) per offloaded expert here, the engine's "
-    "engine.experts.ArenaExpertLine yields its whole home pages, pages_per_expert x page_bytes = 12 KiB (6 blocks); "
-    "so the first offload grows the pools differently (test_expert_ledgers_agree)")
-
-
-def _ledger_xfail(policy: str):
-    return pytest.mark.xfail(strict=True, raises=LedgerDivergence, reason=f"{policy}: {LEDGER_REASON}")
-
-
-# every registered policy is held to the engine; one that offloads is held back by the ledger until it is one
-OFFLOADING = ("static-offload", "vamp", "vamp-reclaim")
-POLICY_CASES = [pytest.param(name, marks=_ledger_xfail(name)) if name in OFFLOADING else name
-                for name in sorted(POLICIES)]
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, torch_one_thread):
     return make_test_model(MODEL_ARGS, tmp_path_factory.mktemp("differential-mixtral"))
 
 
-@pytest.mark.parametrize("policy", POLICY_CASES)
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_decision_logs_match(checkpoint, policy):
     replay, _ = run_replay(checkpoint, policy)
     totals = _totals(replay)
@@ -330,7 +298,7 @@ def test_decision_logs_match(checkpoint, policy):
 
 # The replay models a host KV tier beside a fixed line only (vllm, static-offload): ReplayConfig refuses vamp there.
 @pytest.mark.parametrize("policy", [
-    "vllm", pytest.param("static-offload", marks=_ledger_xfail("static-offload (host KV)"))])
+    "vllm", "static-offload"])
 def test_decision_logs_match_with_host_kv(checkpoint, policy):
     replay, built = run_replay(checkpoint, policy, host_kv=True)
     totals = _totals(replay)
@@ -354,7 +322,6 @@ def test_start_offload_matches(checkpoint, policy):
         f"{policy}: experts offloaded at start: engine {engine_start['offloaded']}, replay {replay_start['offloaded']}")
 
 
-@pytest.mark.xfail(strict=True, reason=LEDGER_REASON)
 def test_expert_ledgers_agree(checkpoint):
     """Both expert lines, before any offload: the KV blocks that offloading n experts adds, for n up to the cap."""
     config = ReplayConfig(model=str(checkpoint / "config.json"), policy="vllm", block_size=BLOCK_SIZE,

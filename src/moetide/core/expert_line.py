@@ -10,11 +10,11 @@ the remainder carrying to the next region. That is what vLLM's per-layer KV layo
 layer-blocks per page); the engine keeps exact page books with ``core.arena`` instead. Block ids given out are
 ``first_block_id, first_block_id + 1, …`` in conversion order.
 
-Staging needs device room of its own: ``staging_buffer_layers`` layers' worth of offloaded experts (2: the layer
-computing and the next one filling). Offloads are spread evenly over the ``L`` MoE layers, so that buffer is
-``staging_buffer_layers / L`` of the offloaded bytes, and each offloaded expert yields
-``kv_bytes_per_expert = expert_bytes × (1 − staging_buffer_layers / L)`` to the pool (linear, so the books stay
-monotonic; exact whenever every layer holds the same count).
+An offloaded expert yields its whole bytes to the pool (``kv_bytes_per_expert``), as the engine's arena gives its
+whole pages. Staging needs device room of its own — ``STAGING_BUFFER_LAYERS`` layers' worth of offloaded experts
+(the layer computing and the next one filling) — which both drivers keep outside the KV budget, as they keep
+activations: the engine's staging buffers are tensors of their own, and the replay reserves
+``staging_room_bytes`` at the cap beside the activation reserve (``sim.setup``).
 """
 
 from __future__ import annotations
@@ -22,24 +22,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from moetide.core.blocks import BlockPool
-from moetide.core.experts import ExpertKey, ExpertResidency
+from moetide.core.experts import ExpertKey, ExpertResidency, ExpertResidencyConfig
+
+STAGING_BUFFER_LAYERS = 2  # the layer computing and the next one being filled
+
+
+def staging_room_bytes(config: ExpertResidencyConfig, max_num_offloaded: int) -> int:
+    """Device bytes the staging buffers need at the cap: ``STAGING_BUFFER_LAYERS`` buffers of the most experts
+    one layer can have offloaded (offloads are spread evenly over the layers, so that is the cap's share of a
+    layer, rounded up)."""
+    per_layer = -(-max_num_offloaded // config.num_layers)
+    return STAGING_BUFFER_LAYERS * per_layer * config.expert_bytes
 
 
 class ExpertLine:
     """Residency plus the pool's growth from offloaded experts (LIFO reclaim)."""
 
-    def __init__(self, residency: ExpertResidency, pool: BlockPool, *, block_bytes: int, first_block_id: int,
-                 staging_buffer_layers: int = 0) -> None:
+    def __init__(self, residency: ExpertResidency, pool: BlockPool, *, block_bytes: int, first_block_id: int) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-        num_layers = residency.config.num_layers
-        if not 0 <= staging_buffer_layers < num_layers:
-            raise ValueError(f"staging_buffer_layers must be in [0, {num_layers}), got {staging_buffer_layers}")
         self.residency = residency
         self.pool = pool
         self.block_bytes = block_bytes
-        expert_bytes = residency.config.expert_bytes
-        self.kv_bytes_per_expert = expert_bytes - staging_buffer_layers * expert_bytes // num_layers
+        self.kv_bytes_per_expert = residency.config.expert_bytes
         self.first_block_id = first_block_id
         self._converted_bytes = 0
         self._regions: list[tuple[tuple[ExpertKey, ...], range]] = []  # conversion order, for LIFO reclaim

@@ -13,13 +13,14 @@ from dataclasses import asdict, dataclass, replace
 
 from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import DEVICE_PREFIXES, KVCacheManager
-from moetide.core.expert_line import ExpertLine
+from moetide.core.expert_line import ExpertLine, staging_room_bytes
 from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
-from moetide.core.pressure import NEEDS_VAMP_PARAMS, VampParams, get_policy, start_offload
+from moetide.core.pressure import NEEDS_VAMP_PARAMS, OFFLOADING_POLICIES, VampParams, get_policy, start_offload
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
+from moetide.perf.budget import default_activation_reserve_bytes
 from moetide.perf.routing_profile import read_rank_shares
 from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingConfig, StagingModel
 from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv
@@ -55,7 +56,7 @@ class ReplayConfig:
     # vLLM's prefix_cache_retention_interval for those states: 0 (its default) keeps the prompt's replay boundary
     # and shared-prefix junctions; None keeps every block's state
     prefix_cache_retention_interval: int | None = 0  # (vLLM 0.15 keeps every state: None is used there)
-    max_offload_ratio: float = DEFAULT_MAX_OFFLOAD_RATIO  # cap on the offloaded share of routed-expert bytes (vamp, static-offload)
+    max_offload_ratio: float = DEFAULT_MAX_OFFLOAD_RATIO  # cap on the offloaded share of routed-expert bytes
     # "auto": prefetch the likeliest offloaded experts behind the previous layer's compute, fetch the rest on
     # demand; "touched": on demand only; "segment": the whole offloaded segment every step (perf/staging.py)
     staging_mode: str = "auto"
@@ -185,6 +186,8 @@ def build_replay(
     budget = memory_budget(
         model, gpu, tp=config.tp, block_size=config.block_size, gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_budget_gib=config.kv_budget_gib,
+        activation_reserve_bytes=default_activation_reserve_bytes(
+            model, max_num_batched_tokens=config.max_num_batched_tokens) + _staging_room(model, config),
     )
     host_kv = build_host_kv(model, gpu, config, budget)
     try:
@@ -332,16 +335,25 @@ def _routing_shares(config: ReplayConfig, model) -> tuple[float, ...] | None:
 # blocked the recent mix is decode-only and staging looks cheap, yet the KV a growth frees brings back the prefill
 # chunks that touch every offloaded expert (one horizon grew the line into collapses; docs/vamp.md)
 STAGING_MIX_HORIZONS = 10
-STAGING_BUFFER_LAYERS = 2  # device room staging needs: the layer computing and the next one being filled
+
+
+def _residency_config(model, config: ReplayConfig) -> ExpertResidencyConfig:
+    return ExpertResidencyConfig(num_layers=model.num_moe_layers, num_experts=model.num_experts,
+                                 expert_bytes=weights_per_gpu(model, tp=config.tp).expert_shard_bytes,
+                                 max_offload_ratio=config.max_offload_ratio)
+
+
+def _staging_room(model, config: ReplayConfig) -> int:
+    """Device bytes kept beside the activations for the staging buffers, when the policy can offload."""
+    if config.policy.lower() not in OFFLOADING_POLICIES or not model.num_moe_layers:
+        return 0
+    residency = _residency_config(model, config)
+    return staging_room_bytes(residency, ExpertResidency(residency).max_num_offloaded)
 
 
 def _expert_line(model, config: ReplayConfig, pool: BlockPool, budget: MemoryBudget) -> ExpertLine:
-    shard = weights_per_gpu(model, tp=config.tp).expert_shard_bytes
-    residency = ExpertResidency(ExpertResidencyConfig(
-        num_layers=model.num_moe_layers, num_experts=model.num_experts, expert_bytes=shard,
-        max_offload_ratio=config.max_offload_ratio))
-    return ExpertLine(residency, pool, block_bytes=budget.charged_block_bytes, first_block_id=budget.num_blocks,
-                      staging_buffer_layers=STAGING_BUFFER_LAYERS)
+    residency = ExpertResidency(_residency_config(model, config))
+    return ExpertLine(residency, pool, block_bytes=budget.charged_block_bytes, first_block_id=budget.num_blocks)
 
 
 def _policy(config: ReplayConfig, coefficients: Callable[[], VampParams]):

@@ -32,6 +32,8 @@ POLICIES: dict[str, Callable[..., PressurePolicy]] = {
 }
 # Policies whose constructor takes VampParams (the setup derives them from specs and perf).
 NEEDS_VAMP_PARAMS = frozenset({"vamp", "vamp-reclaim"})
+# Policies that can offload experts (a driver keeps device room for staging beside them).
+OFFLOADING_POLICIES = NEEDS_VAMP_PARAMS | {"static-offload"}
 
 
 def get_policy(name: str, **params: object) -> PressurePolicy:
@@ -43,6 +45,6 @@ def get_policy(name: str, **params: object) -> PressurePolicy:
 
 
 __all__ = [
-    "Action", "EvictPrefix", "NEEDS_VAMP_PARAMS", "OffloadExperts", "POLICIES", "Preempt", "PressurePolicy",
-    "PressureView", "StepStats", "VampParams", "VampPolicy", "get_policy", "start_offload",
+    "Action", "EvictPrefix", "NEEDS_VAMP_PARAMS", "OFFLOADING_POLICIES", "OffloadExperts", "POLICIES", "Preempt",
+    "PressurePolicy", "PressureView", "StepStats", "VampParams", "VampPolicy", "get_policy", "start_offload",
 ]

@@ -8,7 +8,7 @@ TTFT p90 and request throughput (the checks of issue 17). The setup is the paper
 
     .venv/bin/python benchmarks/vamp_oracle.py [--sessions 40] [--rates 0.005,0.01,0.02,0.05] [--seeds 1,2]
 
-Every time is the roofline's, not a measurement. About 5 s a replay on this machine.
+Every time is the roofline's, not a measurement. About 10 s a replay on this machine.
 """
 
 from __future__ import annotations

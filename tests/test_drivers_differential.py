@@ -49,8 +49,8 @@ from moetide.sim.setup import ReplayConfig, build_replay  # noqa: E402
 from moetide.workloads.base import BlockKeys, Session, Turn, Workload  # noqa: E402
 
 # ---- the input -----------------------------------------------------------------------------------------------
-# 4 MoE layers: the replay's expert line keeps 2 layers' worth of offloaded experts as staging room and needs more
-# layers than that. bf16: the replay's specs count 2 bytes per weight and per KV element.
+# 4 layers, so the offload cap (a quarter of the experts) spreads one expert over each; bf16: the replay's specs count
+# 2 bytes per weight and per KV element, as the engine's tensors hold them.
 MODEL_ARGS = TinyModelArgs(arch="mixtral", num_layers=4, dtype="bfloat16")
 BLOCK_SIZE = 4
 BLOCK_BYTES = BLOCK_SIZE * MODEL_ARGS.layers * 2 * MODEL_ARGS.num_kv_heads * MODEL_ARGS.head_dim * 2  # 2 KiB

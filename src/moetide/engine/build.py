@@ -182,11 +182,10 @@ def _policy(policy: str | PressurePolicy, params: dict[str, object], config: Eng
         if residency.max_num_offloaded == 0:
             raise UserError(f"--policy {policy} moves experts out of HBM: give it room with --max-offload-ratio "
                             f"(e.g. 0.15); at {config.max_offload_ratio} it can offload no expert")
-        layout = provider.layout
-        active = sum(p.numel() for p in model.parameters()) + len(layout.moe_layer_ids) * layout.numel * getattr(
-            model.config, "num_experts_per_tok", 1)  # the routed experts were moved out of the model
-        steps = EngineStepStats(provider, residency, costs or measure_costs(provider, active),
-                                experts_per_token=getattr(model.config, "num_experts_per_tok", 1))
+        layout, top_k = provider.layout, getattr(model.config, "num_experts_per_tok", 1)
+        # the routed experts were moved out of the model: top_k of them per token and layer are active
+        active = sum(p.numel() for p in model.parameters()) + len(layout.moe_layer_ids) * layout.numel * top_k
+        steps = EngineStepStats(provider, residency, costs or measure_costs(provider, active), experts_per_token=top_k)
         params = {**params, "params": engine_vamp_params(steps, block_size=config.block_size,
                                                          chunk_tokens=config.max_num_batched_tokens,
                                                          horizon_s=config.vamp_horizon_s)}

@@ -274,10 +274,10 @@ class Scheduler:
         if not self.config.scheduler_reserve_full_isl:
             return True
         kv, pool = self.kv, self.kv.pool
+        protected = kv.protected(hits)
         while True:
             computed = request.num_computed_tokens
             short = kv.num_blocks_short(request.request_id, request.num_tokens - computed, computed, len(hits))
-            protected = kv.protected(hits)
             if short == 0 or short <= pool.num_cached_free_blocks - pool.num_free_among(protected):
                 return True
             view = PressureView(short, request, False, [], pool, protected, self.now_s, self.expert_line,

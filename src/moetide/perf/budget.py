@@ -269,6 +269,7 @@ class MemoryBudget:
     charged_block_bytes: int  # block_bytes, plus state_bytes_per_seq with state checkpoints
     num_blocks: int
     state_blocks_per_request: int
+    staging_room_bytes: int = 0  # offloaded experts' staging buffers, beside the activation reserve
 
     @property
     def max_tokens(self) -> int:
@@ -309,15 +310,18 @@ def memory_budget(model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1, block_siz
                   gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                   max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                   activation_reserve_bytes: int | None = None, kv_budget_gib: float | None = None,
-                  state_checkpoints: bool = False) -> MemoryBudget:
+                  state_checkpoints: bool = False, staging_room_bytes: int = 0) -> MemoryBudget:
     """The whole per-GPU budget. ``state_dtype_bytes`` defaults to ``dtype_bytes`` (vLLM's
-    ``mamba_ssm_cache_dtype="auto"``). ``UserError`` when the pool cannot hold even one request's state + block."""
+    ``mamba_ssm_cache_dtype="auto"``); ``staging_room_bytes`` (offloaded experts' staging buffers) is held
+    beside the activation reserve, outside the KV budget. ``UserError`` when the pool cannot hold even one
+    request's state + block."""
     reserve = activation_reserve_bytes
     if reserve is None:
         reserve = default_activation_reserve_bytes(model, max_num_batched_tokens=max_num_batched_tokens,
                                                    dtype_bytes=dtype_bytes)
     budget = kv_budget_bytes(model, gpu, tp=tp, gpu_memory_utilization=gpu_memory_utilization,
-                             activation_reserve_bytes=reserve, kv_budget_gib=kv_budget_gib, dtype_bytes=dtype_bytes)
+                             activation_reserve_bytes=reserve + staging_room_bytes, kv_budget_gib=kv_budget_gib,
+                             dtype_bytes=dtype_bytes)
     block = block_bytes_per_gpu(model, block_size, tp, kv_dtype_bytes)
     state = state_bytes_per_seq_per_gpu(model, tp=tp, state_dtype_bytes=state_dtype_bytes or dtype_bytes)
     charged = block + (state if state_checkpoints else 0)
@@ -334,4 +338,4 @@ def memory_budget(model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1, block_siz
         activation_reserve_bytes=reserve, kv_budget_bytes=budget, kv_budget_from_user=kv_budget_gib is not None,
         block_size=block_size, kv_bytes_per_token=block // block_size, block_bytes=block, state_bytes_per_seq=state,
         state_checkpoints=state_checkpoints, charged_block_bytes=charged, num_blocks=num_blocks,
-        state_blocks_per_request=state_blocks)
+        state_blocks_per_request=state_blocks, staging_room_bytes=staging_room_bytes)

@@ -20,7 +20,6 @@ from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
-from moetide.perf.budget import default_activation_reserve_bytes
 from moetide.perf.routing_profile import read_rank_shares
 from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingConfig, StagingModel
 from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv
@@ -183,11 +182,13 @@ def build_replay(
     config = replace(config, max_num_batched_tokens=batched if config.max_num_batched_tokens is None
                      else config.max_num_batched_tokens, max_num_seqs=seqs if config.max_num_seqs is None
                      else config.max_num_seqs)
+    shard = weights_per_gpu(model, tp=config.tp).expert_shard_bytes
+    residency = ExpertResidency(ExpertResidencyConfig(num_layers=model.num_moe_layers, num_experts=model.num_experts,
+                                                      expert_bytes=shard, max_offload_ratio=config.max_offload_ratio))
     budget = memory_budget(
         model, gpu, tp=config.tp, block_size=config.block_size, gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_budget_gib=config.kv_budget_gib,
-        activation_reserve_bytes=default_activation_reserve_bytes(
-            model, max_num_batched_tokens=config.max_num_batched_tokens) + _staging_room(model, config),
+        staging_room_bytes=_staging_room(residency, config),
     )
     host_kv = build_host_kv(model, gpu, config, budget)
     try:
@@ -210,7 +211,7 @@ def build_replay(
                         num_state_blocks_per_request=0 if mamba else budget.state_blocks_per_request,
                         evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict", mamba=mamba)
     step_model = StepTimeModel(model, gpu, tp=config.tp)
-    line = _expert_line(model, config, pool, budget)
+    line = ExpertLine(residency, pool, block_bytes=budget.charged_block_bytes, first_block_id=budget.num_blocks)
     staging = StagingModel(model, gpu, tp=config.tp, config=_staging_config(config, model))
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers,
                                     mix_tau_s=config.vamp_horizon_s * STAGING_MIX_HORIZONS,
@@ -337,23 +338,11 @@ def _routing_shares(config: ReplayConfig, model) -> tuple[float, ...] | None:
 STAGING_MIX_HORIZONS = 10
 
 
-def _residency_config(model, config: ReplayConfig) -> ExpertResidencyConfig:
-    return ExpertResidencyConfig(num_layers=model.num_moe_layers, num_experts=model.num_experts,
-                                 expert_bytes=weights_per_gpu(model, tp=config.tp).expert_shard_bytes,
-                                 max_offload_ratio=config.max_offload_ratio)
-
-
-def _staging_room(model, config: ReplayConfig) -> int:
-    """Device bytes kept beside the activations for the staging buffers, when the policy can offload."""
-    if config.policy.lower() not in OFFLOADING_POLICIES or not model.num_moe_layers:
+def _staging_room(residency: ExpertResidency, config: ReplayConfig) -> int:
+    """Device bytes the staging buffers need beside the KV budget, when the policy can offload."""
+    if config.policy.lower() not in OFFLOADING_POLICIES:
         return 0
-    residency = _residency_config(model, config)
-    return staging_room_bytes(residency, ExpertResidency(residency).max_num_offloaded)
-
-
-def _expert_line(model, config: ReplayConfig, pool: BlockPool, budget: MemoryBudget) -> ExpertLine:
-    residency = ExpertResidency(_residency_config(model, config))
-    return ExpertLine(residency, pool, block_bytes=budget.charged_block_bytes, first_block_id=budget.num_blocks)
+    return staging_room_bytes(residency.config, residency.max_num_offloaded)
 
 
 def _policy(config: ReplayConfig, coefficients: Callable[[], VampParams]):

@@ -10,10 +10,8 @@ from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.mamba_states import MambaStates, aligned_chunk, state_hash
 from moetide.core.pressure import get_policy
-from moetide.core.request import Request
 from moetide.core.scheduler import Scheduler, SchedulerConfig
-
-BS = 4
+from core_steps import BS, req, run_step
 
 
 def make(num_blocks, retention=0, groups=2):
@@ -22,14 +20,8 @@ def make(num_blocks, retention=0, groups=2):
     return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), kv, get_policy("vllm"))
 
 
-def req(request_id, tokens, out=2):
-    return Request.from_tokens(request_id, tokens, out, BS)
-
-
 def step(sched):
-    out = sched.schedule()
-    sched.update(out, {r.request_id: 7 for r, _ in out.scheduled})
-    sched.kv.check_invariants()
+    out = run_step(sched)
     return [(r.request_id, n, start) for (r, n), start in zip(out.scheduled, out.num_computed_before)]
 
 

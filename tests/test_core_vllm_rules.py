@@ -8,10 +8,8 @@ duplicate block hashes, and the long-prefill threshold dropped for a lone reques
 from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import get_policy
-from moetide.core.request import Request
 from moetide.core.scheduler import Scheduler, SchedulerConfig
-
-BS = 4
+from core_steps import BS, req, run_step
 
 
 def make(num_blocks, *, full_isl=True, threshold=0, max_tokens=64):
@@ -22,14 +20,8 @@ def make(num_blocks, *, full_isl=True, threshold=0, max_tokens=64):
     return Scheduler(config, kv, get_policy("vllm"))
 
 
-def req(request_id, tokens, out=2):
-    return Request.from_tokens(request_id, tokens, out, BS)
-
-
 def step(sched):
-    out = sched.schedule()
-    sched.update(out, {r.request_id: 7 for r, _ in out.scheduled})
-    sched.kv.check_invariants()
+    out = run_step(sched)
     return [(r.request_id, n) for r, n in out.scheduled], [r.request_id for r in out.preempted]
 
 

@@ -25,6 +25,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "generate text with the engine under a KV budget (greedy, or seeded sampling)"),
     "bench-engine": ("bench_engine", "measured prefill and decode tokens/s of the engine at several batch sizes"),
     "calibrate": ("calibrate", "measure this machine (DRAM, CPU attention, host-to-device) and write a host file"),
+    "serve": ("serve", "an OpenAI-compatible HTTP server on the engine (completions, chat, streaming, /metrics)"),
+    "bench-serve": ("bench_serve", "replay a recorded trace in real time against an OpenAI-compatible server"),
 }
 
 

@@ -18,14 +18,19 @@ through the same expert line a policy's ``OffloadExperts`` action uses.
 Hybrid models (Qwen3-Next): prefix caching is off and a preempted request recomputes from token 0, because a
 linear-attention state cannot be rebuilt from a cached attention prefix (``engine.state``).
 
-Sampling: greedy (argmax) unless a temperature is given; then softmax(logits / T) sampled with one
-``torch.Generator`` per request, seeded from the engine seed and the request's index in the call, so a sampled
-continuation does not depend on batching, budget or preemption (a preempted request keeps its emitted tokens and
-only recomputes their KV).
+Two ways in, one loop. ``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests`` are the
+incremental API a server drives (vLLM's ``LLMEngine`` shape): requests join and leave between steps, and each
+``step`` returns the tokens it emitted per request. ``generate`` is that loop run to completion over a batch.
+
+Sampling (``SamplingParams``, vLLM's names): greedy (argmax) unless a temperature is given; then softmax(logits / T),
+cut to the ``top_p`` nucleus, sampled with one ``torch.Generator`` per request seeded from the request's ``seed``
+(``generate``: the call's seed and the request's index in it), so a sampled continuation does not depend on
+batching, budget or preemption (a preempted request keeps its emitted tokens and only recomputes their KV).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +39,7 @@ from pathlib import Path
 import torch
 
 from moetide.core.pressure import PressurePolicy
-from moetide.core.request import Request
+from moetide.core.request import Request, RequestStatus
 from moetide.core.scheduler import SchedulerOutput
 from moetide.engine.build import EngineConfig, EngineParts, build_engine
 from moetide.engine.models import StepBatch, StepContext
@@ -82,35 +87,112 @@ class EngineStats:
     split: dict = field(default_factory=dict)  # with host KV: ``SplitCounters`` of this call
 
 
+@dataclass(frozen=True)
+class EngineMetrics:
+    """Levels (``num_*``, usage, ratios) and lifetime counters of an engine, for a server's ``/metrics``.
+    ``kv_cache_usage`` is the share of device KV blocks in use (vLLM's ``kv_cache_usage_perc``, a 0-1 fraction)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    offloaded_ratio: float
+    experts_offloaded: int
+    kv_host_blocks: int
+    kv_host_blocks_used: int
+    experts_staged: int
+    experts_on_host: int
+
+
 @dataclass
 class GenerateResult:
     outputs: list[RequestOutput]
     stats: EngineStats = field(default_factory=EngineStats)
 
 
-class Sampler:
-    """Greedy, or temperature sampling with a generator per request (see the module docstring)."""
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling and stopping. ``temperature`` None or 0: greedy. ``seed`` None: a fresh random seed
+    (as vLLM: an unseeded sampled request is not reproducible). ``stop_token_ids`` end the request like an eos."""
 
-    def __init__(self, temperature: float | None, seed: int) -> None:
-        if temperature is not None and not temperature >= 0:
-            raise UserError(f"temperature must be >= 0, got {temperature}")
-        self.temperature = temperature or None
-        self.seed = seed
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if type(self.max_tokens) is not int or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature is not None and not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one ``step`` did for one request: the tokens it emitted (zero or one today) and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # None while it runs; else as ``RequestOutput.finish_reason``, or "abort"
+
+
+class Sampler:
+    """Greedy rows by argmax; sampled rows grouped by (temperature, top_p) so that one call with a single setting
+    does the same tensor ops whatever the batch mixes in; one generator per sampled request."""
+
+    def __init__(self) -> None:
+        self._params: dict[str, SamplingParams] = {}
         self._generators: dict[str, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, request_ids: Sequence[str], indices: Sequence[int]) -> list[int]:
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        self._params[request_id] = params
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
+            self._generators[request_id] = torch.Generator().manual_seed(seed)
+
+    def remove(self, request_id: str) -> None:
+        self._params.pop(request_id, None)
+        self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> list[int]:
         """logits [n, V] (rows of the listed requests) -> one token id per row."""
-        if self.temperature is None:
+        params = [self._params[rid] for rid in request_ids]
+        if all(p.greedy for p in params):
             return logits.argmax(dim=-1).tolist()
-        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
-        tokens = []
-        for row, request_id, index in zip(probs, request_ids, indices):
-            generator = self._generators.get(request_id)
-            if generator is None:
-                generator = self._generators[request_id] = torch.Generator().manual_seed(
-                    self.seed * 1_000_003 + index)
-            tokens.append(int(torch.multinomial(row, 1, generator=generator)))
-        return tokens
+        tokens: list[int | None] = [None] * len(params)
+        groups: dict[tuple[float, float] | None, list[int]] = {}
+        for row, p in enumerate(params):
+            groups.setdefault(None if p.greedy else (p.temperature, p.top_p), []).append(row)
+        for key, rows in groups.items():
+            part = logits if len(rows) == len(params) else logits[rows]
+            if key is None:
+                picked = part.argmax(dim=-1).tolist()
+            else:
+                probs = _top_p(torch.softmax(part.float().cpu() / key[0], dim=-1), key[1])
+                picked = [int(torch.multinomial(probs[i], 1, generator=self._generators[request_ids[row]]))
+                          for i, row in enumerate(rows)]
+            for row, token in zip(rows, picked):
+                tokens[row] = token
+        return tokens  # type: ignore[return-value]
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (the top token always stays)."""
+    if top_p >= 1:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
 
 
 class Engine:
@@ -148,6 +230,11 @@ class Engine:
         self.parts: EngineParts = build_engine(Path(model_dir), config, policy, dict(policy_params or {}),
                                                split_costs, costs)
         self._next_request = 0
+        self._requests: dict[str, Request] = {}  # in flight: added, not yet finished, failed or aborted
+        self._sampler = Sampler()
+        self._stats = EngineStats()  # the steps' counters since the last ``generate`` began
+        self.num_prefix_query_tokens = 0  # lifetime: tokens looked up in the prefix cache at (re)admission
+        self.num_prefix_hit_tokens = 0  # lifetime: of those, found cached
         self._step_stats = self.parts.step_stats
         if clock is None and self._step_stats is not None:
             clock = self._step_stats.busy_s
@@ -180,71 +267,138 @@ class Engine:
                                                       steps.expert_call_s, steps.host_s_per_expert,
                                                       steps.host_s_per_row)
 
-    # ---- the loop -----------------------------------------------------------------------------------------
+    # ---- the incremental API: requests join and leave between steps ------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> str:
+        """Queue a request; returns its id. The prompt's tokens must be in the vocabulary."""
+        vocab = self.parts.model.config.vocab_size
+        if not prompt_token_ids:
+            raise UserError("the prompt is empty")
+        if not all(0 <= t < vocab for t in prompt_token_ids):
+            raise UserError(f"the prompt has a token id outside the vocabulary [0, {vocab})")
+        request_id = str(self._next_request)
+        self._next_request += 1
+        eos = (frozenset() if params.ignore_eos else self.parts.eos_token_ids) | params.stop_token_ids
+        request = Request.from_tokens(request_id, prompt_token_ids, params.max_tokens, self.config.block_size,
+                                      eos_token_ids=eos)
+        self.scheduler.add_request(request)
+        self._requests[request_id] = request
+        self._sampler.add(request_id, params)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request wherever it is (waiting, preempted or running) and free its blocks; False if it is not
+        in flight. Call between steps. The core scheduler has no abort of its own, so this removes the request
+        from its public queues and frees its blocks through ``KVCacheManager.free``, as a finish does."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        sched = self.scheduler
+        if request.status is RequestStatus.RUNNING:
+            sched.running.remove(request)
+        else:
+            sched.waiting.remove(request)
+        sched.kv.free(request_id)
+        request.status = RequestStatus.FINISHED
+        self._forget(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    def num_tokens(self, request_id: str) -> int:
+        """Prompt plus output tokens of a request in flight."""
+        return self._requests[request_id].num_tokens
+
+    def step(self) -> list[StepOutput]:
+        """One scheduler step: the tokens it emitted per request, and the requests it ended."""
+        sched, stats = self.scheduler, self._stats
+        running_before = {id(r) for r in sched.running}
+        out = sched.schedule(self._clock())
+        if out.promoted:
+            self._copy_promoted(out.promoted)
+        outputs = [StepOutput(r.request_id, [], "failed") for r in out.failed]
+        for request in out.failed:
+            self._forget(request.request_id)
+        if out.is_empty:
+            if not (out.failed or out.preempted) and sched.has_work:
+                raise RuntimeError("the scheduler planned an empty step with work pending and nothing failed")
+            return outputs
+        for (request, _), computed in zip(out.scheduled, out.num_computed_before):
+            if id(request) not in running_before:
+                stats.prefix_hit_tokens += computed
+                self.num_prefix_query_tokens += request.num_tokens
+                self.num_prefix_hit_tokens += computed
+        t0 = time.perf_counter()
+        with torch.inference_mode():  # no autograd bookkeeping: cheaper small ops
+            logits = self._forward(out)
+            sampled = self._sample(out, logits)
+        emitted, finished = sched.update(out, sampled)
+        self.parts.attention.end_step()
+        self.parts.experts.end_step()
+        self.residency.end_step()
+        self._time_step(out, time.perf_counter() - t0, stats)
+        if self._step_stats is not None:
+            self._step_stats.record(out.total_num_scheduled_tokens)
+        done = {id(r) for r in finished}
+        for request in emitted:
+            reason = None
+            if id(request) in done:
+                reason = "stop" if request.stopped else "length"
+                self._forget(request.request_id)
+            outputs.append(StepOutput(request.request_id, [request.token_ids[-1]], reason))
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._sampler.remove(request_id)
+
+    def metrics(self) -> EngineMetrics:
+        """The levels and lifetime counters a server exports (read between steps)."""
+        sched, provider = self.scheduler, self.parts.experts
+        pool = sched.kv.pool
+        host_total = self.parts.host_kv.num_blocks if self.parts.host_kv is not None else 0
+        host_used = sched.kv.num_host_blocks_held
+        device_total = pool.num_blocks - host_total
+        return EngineMetrics(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_cache_usage=(pool.num_used_blocks - host_used) / device_total if device_total else 0.0,
+            num_preemptions=sched.num_preemptions, prefix_query_tokens=self.num_prefix_query_tokens,
+            prefix_hit_tokens=self.num_prefix_hit_tokens, offloaded_ratio=self.residency.offloaded_ratio,
+            experts_offloaded=self.residency.num_offloaded, kv_host_blocks=host_total, kv_host_blocks_used=host_used,
+            experts_staged=provider.stager.num_staged, experts_on_host=provider.num_host_computed)
+
+    # ---- the batch API: the same loop, run to completion -----------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float | None = None,
                  seed: int = 0) -> GenerateResult:
         if max_tokens < 1:
             raise UserError(f"max_tokens must be >= 1, got {max_tokens}")
-        vocab = self.parts.model.config.vocab_size
+        if temperature is not None and not temperature >= 0:
+            raise UserError(f"temperature must be >= 0, got {temperature}")
+        ids = []
         for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise UserError(f"prompt {i} is empty")
-            if not all(0 <= t < vocab for t in prompt):
-                raise UserError(f"prompt {i} has a token id outside the vocabulary [0, {vocab})")
-        requests = [self._add_request(prompt, max_tokens) for prompt in prompts]
-        sampler = Sampler(temperature, seed)
-        index_of = {r.request_id: i for i, r in enumerate(requests)}
+            try:
+                ids.append(self.add_request(prompt, SamplingParams(max_tokens, temperature,
+                                                                   seed=seed * 1_000_003 + i)))
+            except UserError as exc:
+                for request_id in ids:
+                    self.abort_request(request_id)
+                raise UserError(f"prompt {i}: {exc}") from None
+        requests = [self._requests[request_id] for request_id in ids]
         stats, failed = EngineStats(), set()
+        self._stats = stats
         counts0 = self._lifetime_counts()
         provider = self.parts.experts
         staged0, on_host0 = provider.stager.num_staged, provider.num_host_computed
         if isinstance(self.parts.attention, SplitAttentionBackend):
             self.parts.attention.counters = SplitCounters()
         start = time.perf_counter()
-        while self.scheduler.has_work:
-            failed.update(self._step(sampler, index_of, stats))
+        while self.has_unfinished_requests():
+            failed.update(o.request_id for o in self.step() if o.finish_reason == "failed")
         stats.wall_s = time.perf_counter() - start
         self._finish_stats(stats, requests, failed, counts0)
         stats.experts_staged = provider.stager.num_staged - staged0
         stats.experts_on_host = provider.num_host_computed - on_host0
         return GenerateResult([self._output(r, r.request_id in failed) for r in requests], stats)
-
-    def _add_request(self, prompt: Sequence[int], max_tokens: int) -> Request:
-        request_id = str(self._next_request)
-        self._next_request += 1
-        request = Request.from_tokens(request_id, prompt, max_tokens, self.config.block_size,
-                                      eos_token_ids=self.parts.eos_token_ids)
-        self.scheduler.add_request(request)
-        return request
-
-    def _step(self, sampler: Sampler, index_of: dict[str, int], stats: EngineStats) -> list[str]:
-        """One scheduler step; returns the ids of requests that failed (can never fit)."""
-        sched = self.scheduler
-        running_before = {id(r) for r in sched.running}
-        out = sched.schedule(self._clock())
-        if out.promoted:
-            self._copy_promoted(out.promoted)
-        failed = [r.request_id for r in out.failed]
-        if out.is_empty:
-            if not (failed or out.preempted) and sched.has_work:
-                raise RuntimeError("the scheduler planned an empty step with work pending and nothing failed")
-            return failed
-        for (request, _), computed in zip(out.scheduled, out.num_computed_before):
-            if id(request) not in running_before:
-                stats.prefix_hit_tokens += computed
-        t0 = time.perf_counter()
-        with torch.inference_mode():  # no autograd bookkeeping: cheaper small ops
-            logits = self._forward(out)
-            sampled = self._sample(out, logits, sampler, index_of)
-        sched.update(out, sampled)
-        self.parts.attention.end_step()
-        self.parts.experts.end_step()
-        self.residency.end_step()
-        seconds = time.perf_counter() - t0
-        decode = self._time_step(out, seconds, stats)
-        if self._step_stats is not None:
-            self._step_stats.record(out.total_num_scheduled_tokens)
-        return failed
 
     def _copy_promoted(self, pairs: list[tuple[int, int]]) -> None:
         """Host prefix blocks whose place in the prefix cache went to device blocks (``SchedulerOutput.promoted``):
@@ -271,9 +425,7 @@ class Engine:
             parts.linear_states.commit()
         return logits
 
-    @staticmethod
-    def _sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
-                index_of: dict[str, int]) -> dict[str, int]:
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, int]:
         """Sample for the requests whose computed tokens reach their known tokens (the rest were prefill chunks)."""
         rows = [i for i, ((request, n), computed) in enumerate(zip(out.scheduled, out.num_computed_before))
                 if computed + n == request.num_tokens]
@@ -281,7 +433,7 @@ class Engine:
             return {}
         ids = [out.scheduled[i][0].request_id for i in rows]
         logits = logits if len(rows) == logits.shape[0] else logits[rows]
-        tokens = sampler.sample(logits, ids, [index_of.get(rid, 0) for rid in ids])
+        tokens = self._sampler.sample(logits, ids)
         return dict(zip(ids, tokens))
 
     @staticmethod

@@ -192,3 +192,23 @@ def test_first_chunk_admission_preempts_more_than_full_sequence_admission():
                              ReplayConfig(kv_budget_gib=3.0, scheduler_reserve_full_isl=full))
         preemptions[full] = built.replay.run().preemptions
     assert preemptions[False] > 20 and preemptions[True] < preemptions[False] // 4  # measured: 71 and 0
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("policy", ["vllm", "vamp", "static-offload"])
+def test_shallow_models_replay_under_every_offloading_policy(tmp_path, layers, policy):
+    """A one- or two-layer config.json (what make-test-model writes) replays: the staging room is sized by the
+    layers the model has, never more buffers than layers. (A small KV budget: at the H100's whole free memory a
+    model this small would get tens of millions of blocks.)"""
+    config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 512,
+              "hidden_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "intermediate_size": 64, "moe_intermediate_size": 32, "num_experts": 4,
+              "num_experts_per_tok": 2, "max_position_embeddings": 4096, "torch_dtype": "float32",
+              "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    turns = (turn("t0", 300, 4, keys=[1, 2], arrival=0.0), turn("t1", 400, 4, keys=[1, 2, 3], think=1.0))
+    workload = Workload("t", "test", "closed", 64, (Session(session_id="s", start_s=0.0, turns=turns,
+                                                            parent_session_id=None, key_scope="s"),))
+    doc, _ = run_replay(workload, ReplayConfig(model=str(path), gpu="h100", policy=policy, kv_budget_gib=0.01))
+    assert doc["metrics"]["completed"] == 2

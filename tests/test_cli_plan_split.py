@@ -8,11 +8,11 @@ import math
 import pytest
 
 from moetide.cli import main
-from moetide.commands.plan_split import parse_contexts, parse_tokens
-from moetide.core.splits import BASELINES
+from moetide.commands.plan_split import COMPARED, parse_contexts, parse_tokens
+from moetide.core.splits import BASELINES, NAMED_BASELINES
 from moetide.errors import UserError
 
-POLICIES = {"writescope", *BASELINES}
+POLICIES = {"writescope", *COMPARED}
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -22,7 +22,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def json_doc(capsys, *argv: str) -> dict:
-    rc, out, err = run_cli(capsys, "--json", *argv)
+    rc, out, err = run_cli(capsys, *argv, "--json", "-")
     assert rc == 0 and err == ""
     return json.loads(out)
 
@@ -44,14 +44,19 @@ def test_json_shape(capsys):
         assert row["batch"] == (1 << 20) // row["context"]  # --aggregate-tokens 1M by default
         assert all(t > 0 for t in row["step_time_s"].values())
         assert row["step_time_s"]["writescope"] <= min(row["step_time_s"][b] for b in BASELINES) * 1.02
-    assert set(doc["geomean_speedup"]) == set(BASELINES)
+    assert set(doc["geomean_speedup"]) == set(COMPARED)
     kept = doc["rows"][1:]  # contexts >= 8K only
     expected = math.exp(sum(math.log(r["step_time_s"]["cpu-all"] / r["step_time_s"]["writescope"]) for r in kept) / 2)
     assert doc["geomean_speedup"]["cpu-all"] == pytest.approx(expected)
     assert doc["geomean_speedup_over_best_baseline"] >= 0.98
-    overall = math.exp(sum(math.log(x) for x in doc["geomean_speedup"].values()) / 4)
+    overall = math.exp(sum(math.log(doc["geomean_speedup"][b]) for b in BASELINES) / 4)
     assert doc["geomean_speedup_over_all_baselines"] == pytest.approx(overall)
-    assert set(doc["attention_phase"]["geomean_speedup"]) == set(BASELINES)
+    named = math.exp(sum(math.log(doc["geomean_speedup"][b]) for b in NAMED_BASELINES) / 4)
+    assert doc["geomean_speedup_over_all_named_baselines"] == pytest.approx(named)
+    best = math.exp(sum(math.log(min(r["step_time_s"][b] for b in NAMED_BASELINES) / r["step_time_s"]["writescope"])
+                        for r in kept) / 2)
+    assert doc["geomean_speedup_over_best_named_baseline"] == pytest.approx(best)
+    assert set(doc["attention_phase"]["geomean_speedup"]) == set(COMPARED)
 
 
 def test_no_context_at_8k_or_more(capsys):
@@ -64,10 +69,10 @@ def test_no_context_at_8k_or_more(capsys):
 def test_text_table(capsys):
     rc, out, err = run_cli(capsys, "--model", "mixtral-8x7b", "--gpu", "v100-32gb", "--context", "8k,1M")
     assert rc == 0 and err == ""
-    assert "MODELED" in out and "writescope ms" in out and "request-split ms" in out
+    assert "MODELED" in out and "Decode step time, ms" in out and " req-split " in out and " HybridGen " in out
     assert "resident experts" in out and "CPU attention" in out
-    assert "writescope geomean speedup, contexts >= 8k (end to end): transfer-all" in out
-    assert "over all four" in out and "over the best baseline" in out
+    assert "writescope geomean speedup, contexts >= 8k (end to end):\n  ours: transfer-all" in out
+    assert "the paper's: solidattention" in out and "over the best named" in out and "over all four" in out
     assert "1M           1" in out
 
 
@@ -106,9 +111,44 @@ def test_busy_cpu_moves_the_split(capsys):
     assert busy["geomean_speedup"]["cpu-all"] > idle["geomean_speedup"]["cpu-all"]
 
 
-def test_plot(capsys, tmp_path):
+def test_plot_labels_contexts_and_says_where_it_wrote(capsys, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    labels = []
+    save = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *a, **k):
+        labels.extend(t.get_text() for t in fig.axes[0].get_xticklabels())
+        return save(fig, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
     path = tmp_path / "split.png"
-    rc, _, err = run_cli(capsys, "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--context", "8k,64k",
-                         "--plot", str(path))
+    rc, out, err = run_cli(capsys, "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--context", "8k,32k,1M",
+                           "--plot", str(path))
     assert rc == 0 and err == "" and path.stat().st_size > 1000
+    assert labels == ["8k", "32k", "1M"] and out.endswith(f"wrote {path}\n")
+
+
+def test_json_path_convention(capsys, tmp_path):
+    base = ["--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--context", "8k"]
+    path = tmp_path / "out.json"
+    rc, out, err = run_cli(capsys, *base, "--json", str(path))
+    assert rc == 0 and err == "" and "Decode step time" in out and out.endswith(f"wrote {path}\n")
+    from_file = json.loads(path.read_text())
+    rc, out, err = run_cli(capsys, *base, "--json", "-")
+    assert rc == 0 and err == "" and json.loads(out) == from_file  # '-': stdout, JSON only
+    rc, out, _ = run_cli(capsys, *base, "--json")  # the old bare spelling: stdout
+    assert json.loads(out) == from_file
+    rc, out, err = run_cli(capsys, *base, "--json", str(tmp_path / "no" / "x.json"))
+    assert rc == 2 and out == "" and "does not exist" in err
+
+
+def test_cpu_experts_and_prefetch_change_only_what_they_should(capsys):
+    base = ["--model", "qwen3-30b-a3b", "--gpu", "a100-pcie-40gb", "--cpu", "xeon-gold-5318y", "--context", "32k"]
+    staged, on_cpu = json_doc(capsys, *base), json_doc(capsys, *base, "--host-experts", "cpu")
+    off = json_doc(capsys, *base, "--host-experts", "cpu", "--no-kv-prefetch")
+    assert on_cpu["rows"][0]["non_attention_s"] < staged["rows"][0]["non_attention_s"]
+    assert on_cpu["rows"][0]["prefetch_bytes"] > 0 == off["rows"][0]["prefetch_bytes"]
+    assert on_cpu["rows"][0]["attention_s"]["transfer-all"] < off["rows"][0]["attention_s"]["transfer-all"]
+    assert on_cpu["rows"][0]["attention_s"]["cpu-all"] == off["rows"][0]["attention_s"]["cpu-all"]

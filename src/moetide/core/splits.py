@@ -122,17 +122,23 @@ class BlockPlacement:
 @dataclass(frozen=True, slots=True)
 class SeqSplit:
     """One step's regions of one sequence: blocks [0, d) device/in-place, [d, d + c) host/in-place (CPU),
-    [d + c, d + c + s) host/streamed (through the ring)."""
+    [d + c, d + c + s) host/streamed (through the ring), and ``num_skipped_blocks`` host blocks that a sparse
+    (lossy) policy of ``MODELED_POLICIES`` does not attend this step. Counts, not positions: a sparse policy picks
+    its blocks anywhere; the exact policies of ``SPLIT_POLICIES`` never skip one."""
 
     seq_id: Hashable
     num_device_blocks: int
     num_cpu_blocks: int
     num_streamed_blocks: int
+    num_skipped_blocks: int = 0
 
-    def region_of(self, block_index: int) -> Region:
-        d, c = self.num_device_blocks, self.num_cpu_blocks
-        if not 0 <= block_index < d + c + self.num_streamed_blocks:
+    def region_of(self, block_index: int) -> Region | None:
+        """The region of an attended block; None for a skipped one."""
+        d, c, s = self.num_device_blocks, self.num_cpu_blocks, self.num_streamed_blocks
+        if not 0 <= block_index < d + c + s + self.num_skipped_blocks:
             raise IndexError(f"block {block_index} is outside sequence {self.seq_id!r}")
+        if block_index >= d + c + s:
+            return None
         if block_index < d:
             return Region.DEVICE_INPLACE
         return Region.HOST_INPLACE if block_index < d + c else Region.HOST_STREAMED
@@ -160,6 +166,7 @@ class SplitCosts:
     stream_per_seq_s: float  # p_s: per sequence with streamed blocks (its first transfer's latency)
     gpu_fixed_s: float  # g: device/in-place attention and launches, paid by every placement
     merge_per_seq_s: float  # m: GPU-side cost of receiving and merging one sequence's CPU partial
+    prefetch_bytes: float = 0.0  # P: streamed bytes the link moved while it idled in the previous phase (free here)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -177,10 +184,11 @@ def cpu_side_s(costs: SplitCosts, cpu_bytes: float, num_cpu_seqs: int, factor: f
 
 
 def gpu_side_s(costs: SplitCosts, streamed_bytes: float, num_streamed_seqs: int, num_cpu_seqs: int) -> float:
+    """The streamed bytes beyond the prefetched P pay b each; the per-step and per-sequence costs stay."""
     t = costs.gpu_fixed_s + num_cpu_seqs * costs.merge_per_seq_s
     if streamed_bytes > 0:
         t += costs.stream_fixed_s + num_streamed_seqs * costs.stream_per_seq_s
-        t += costs.stream_s_per_byte * streamed_bytes
+        t += costs.stream_s_per_byte * max(0.0, streamed_bytes - costs.prefetch_bytes)
     return t
 
 
@@ -226,8 +234,10 @@ def optimal_cpu_blocks(costs: SplitCosts, host_blocks: Sequence[int], block_byte
     With host parts h_1 >= ... >= h_n and prefix sums P_j, CPU bytes X in segment (P_j, P_j+1) touch
     n_c = j + 1 sequences on the CPU and n_s = n - j streamed; there T is convex (max of an increasing and a
     decreasing line), so its best whole block is the floor or ceiling of the crossing
-    X_j = (g + n_c m + s + n_s p_s + b H - k (c + n_c p_c)) / (k a + b). A crossing outside the segment is
-    dominated by the segment's end P_j or P_j+1 (fewer sequences pay there), which are candidates too."""
+    X_j = (g + n_c m + s + n_s p_s + b (H - P) - k (c + n_c p_c)) / (k a + b). A crossing outside the segment is
+    dominated by the segment's end P_j or P_j+1 (fewer sequences pay there), which are candidates too. With
+    prefetched bytes P the streaming side is flat for X >= H - P, so that point (its floor and ceiling in blocks)
+    is a candidate as well: past it more CPU work only lengthens the CPU side."""
     parts = sorted((h for h in host_blocks if h > 0), reverse=True)
     n, total = len(parts), sum(parts)
     prefix = [0]
@@ -238,11 +248,12 @@ def optimal_cpu_blocks(costs: SplitCosts, host_blocks: Sequence[int], block_byte
     for j in range(n):
         n_c, n_s = j + 1, n - j
         gpu = (costs.gpu_fixed_s + n_c * costs.merge_per_seq_s + costs.stream_fixed_s + n_s * costs.stream_per_seq_s
-               + costs.stream_s_per_byte * total * bb)
+               + costs.stream_s_per_byte * max(0.0, total * bb - costs.prefetch_bytes))
         cpu = k * (costs.cpu_fixed_s + n_c * costs.cpu_per_seq_s)
         x = (gpu - cpu) / (k * costs.cpu_s_per_byte + costs.stream_s_per_byte)
         lo = math.floor(x / bb) if math.isfinite(x) else prefix[j]
-        candidates += [(b, n_c, n_s) for b in (lo, lo + 1) if prefix[j] < b < prefix[j + 1]]
+        flat = math.floor(max(0.0, total * bb - costs.prefetch_bytes) / bb)
+        candidates += [(b, n_c, n_s) for b in (lo, lo + 1, flat, flat + 1) if prefix[j] < b < prefix[j + 1]]
     best = min(candidates, key=lambda c: (_time_s(costs, c[0], total, c[1], c[2], bb, factor), c[0]))
     return best[0]
 
@@ -250,11 +261,31 @@ def optimal_cpu_blocks(costs: SplitCosts, host_blocks: Sequence[int], block_byte
 # ---- policies: one short class each, behind a registry -------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Mechanism:
+    """What a policy's step does beyond its split, for the cost model to charge (``perf.offload.attention_phase``
+    reads these as plain numbers). The defaults are an exact policy over the four-region layout.
+
+    layer_ahead_cpu   the CPU starts layer l+1's attention during layer l's non-attention phase (a predicted query),
+                      so the CPU side is shortened by the CPU's idle time in that phase (ScoutAttention)
+    reuse_fraction    of the streamed blocks, the share the device still holds from the previous step (a sparse
+                      selection changes little step to step); capped by the device room the caller has for them
+    relayout          one monolithic cache: each step rewrites the whole cache before a consumer reads it (a
+                      transformers DynamicCache appends by concatenation), and no KV is device-resident
+    lossy             attends a selection of the host KV, not all of it: its cost is modeled, not its accuracy"""
+
+    layer_ahead_cpu: bool = False
+    reuse_fraction: float = 0.0
+    relayout: bool = False
+    lossy: bool = False
+
+
 class SplitPolicy:
     """Given this step's coefficients and sequences, return each sequence's split. ``factor`` is the CPU
     correction the caller currently believes in (1.0 for the static baselines' own model)."""
 
     name = "?"
+    mechanism = Mechanism()
 
     def split(self, costs: SplitCosts, seqs: Sequence[SeqResidency], block_bytes: float,
               factor: float = 1.0) -> tuple[SeqSplit, ...]:
@@ -333,6 +364,102 @@ class RequestSplit(SplitPolicy):
                               0 if c else s.num_host_blocks) for s, c in zip(seqs, to_cpu))
 
 
+# ---- the WriteScope paper's named baselines and its monolithic-cache ablation, as the cost model sees them ----
+# Modeled from each system's public description (docs/writescope.md says what each is credited with); plan-split
+# compares them, the engine does not run them (its policies are exact; two of these are sparse).
+
+
+def _density(owner: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{owner}: density is the share of host blocks attended and must be in (0, 1], got {value!r}")
+
+
+class FastDecode(CpuAll):
+    """FastDecode (He and Zhai, arXiv 2403.11421): the KV-touching "R-part" of every layer runs on the CPU where the
+    KV lies; only queries and outputs cross the link. As a split: every host block on the CPU."""
+
+    name = "fastdecode"
+
+
+class HybridGen(SplitPolicy):
+    """HybridGen (arXiv 2604.18529): attention-logit parallelism, each processor over the tokens in its memory,
+    rebalanced by a feedback scheduler. Here: the same CPU share of every sequence (the parallel split is per
+    sequence), at the share where the two sides balance, i.e. where its feedback settles, with the CPU factor the
+    caller believes in (the same online credit as writescope). Every sequence pays both sides' per-sequence costs."""
+
+    name = "hybridgen"
+
+    def split(self, costs, seqs, block_bytes, factor=1.0):
+        host = sum(s.num_host_blocks for s in seqs)
+        n = sum(1 for s in seqs if s.num_host_blocks)
+        gpu = (costs.gpu_fixed_s + n * costs.merge_per_seq_s + costs.stream_fixed_s + n * costs.stream_per_seq_s
+               + costs.stream_s_per_byte * max(0.0, host * block_bytes - costs.prefetch_bytes))
+        x = (gpu - factor * (costs.cpu_fixed_s + n * costs.cpu_per_seq_s)) / (
+            factor * costs.cpu_s_per_byte + costs.stream_s_per_byte) / block_bytes
+        flat = max(0.0, host * block_bytes - costs.prefetch_bytes) / block_bytes
+        picks = {min(host, max(0, b)) for b in (math.floor(x), math.ceil(x), math.floor(flat), math.ceil(flat))}
+        options = [_proportional(seqs, b) for b in sorted(picks)]
+        return min(options, key=lambda o: phase_time_s(costs, o, block_bytes, factor))
+
+
+@dataclass
+class ScoutAttention(SplitPolicy):
+    """ScoutAttention (arXiv 2603.27138): block-sparse attention over host KV on the CPU, started one layer ahead
+    with a predicted query, so the CPU works while the GPU runs the previous layer; hot blocks are recalled to the
+    device asynchronously (not charged: it overlaps). As a split: ``density`` of every sequence's host blocks on
+    the CPU, the rest skipped. Lossy."""
+
+    density: float = 0.125
+    name: str = field(default="scoutattention", init=False)
+    mechanism: Mechanism = field(default=Mechanism(layer_ahead_cpu=True, lossy=True), init=False)
+
+    def __post_init__(self) -> None:
+        _density("ScoutAttention", self.density)
+
+    def split(self, costs, seqs, block_bytes, factor=1.0):
+        cpu = [min(s.num_host_blocks, math.ceil(self.density * s.num_host_blocks)) for s in seqs]
+        return tuple(SeqSplit(s.seq_id, s.num_device_blocks, c, 0, s.num_host_blocks - c) for s, c in zip(seqs, cpu))
+
+
+@dataclass
+class SolidAttention(SplitPolicy):
+    """SolidAttention (FAST '26, Zheng et al.): dynamic sparse attention on the accelerator over KV kept on slower
+    storage (an SSD there; host DRAM here), in coarse blocks, speculatively prefetched; consecutive steps select
+    mostly the same blocks, so ``locality`` of a step's selection is still on the device when room allows. As a
+    split: ``density`` of every sequence's host blocks streamed, the rest skipped; the CPU attends nothing. Lossy."""
+
+    density: float = 0.125
+    locality: float = 0.8
+    name: str = field(default="solidattention", init=False)
+
+    def __post_init__(self) -> None:
+        _density("SolidAttention", self.density)
+        if not 0 <= self.locality < 1:
+            raise ValueError(f"SolidAttention: locality is a share of blocks and must be in [0, 1), got "
+                             f"{self.locality!r}")
+
+    @property
+    def mechanism(self) -> Mechanism:
+        return Mechanism(reuse_fraction=self.locality, lossy=True)
+
+    def split(self, costs, seqs, block_bytes, factor=1.0):
+        out = [min(s.num_host_blocks, math.ceil(self.density * s.num_host_blocks)) for s in seqs]
+        return tuple(SeqSplit(s.seq_id, s.num_device_blocks, 0, n, s.num_host_blocks - n) for s, n in zip(seqs, out))
+
+
+class Monolithic(SplitPolicy):
+    """The paper's layout ablation: one monolithic cache (a transformers DynamicCache) instead of four regions.
+    All KV lives in one host tensor that each step rewrites on append (``Mechanism.relayout``), so no block is
+    device-resident; the split along the sequence is still writescope's (a slice of one tensor is a view)."""
+
+    name = "monolithic"
+    mechanism = Mechanism(relayout=True)
+
+    def split(self, costs, seqs, block_bytes, factor=1.0):
+        flat = [SeqResidency(s.seq_id, 0, s.num_device_blocks + s.num_host_blocks) for s in seqs]
+        return WriteScope().split(costs, flat, block_bytes, factor)
+
+
 SPLIT_POLICIES: dict[str, Callable[[], SplitPolicy]] = {
     "writescope": WriteScope,
     "transfer-all": TransferAll,
@@ -341,6 +468,11 @@ SPLIT_POLICIES: dict[str, Callable[[], SplitPolicy]] = {
     "fixed-ratio": FixedRatio,
 }
 BASELINES = ("transfer-all", "cpu-all", "request-split", "fixed-ratio")
+NAMED_BASELINES = ("solidattention", "scoutattention", "hybridgen", "fastdecode")  # the WriteScope paper's four
+# Every policy the cost model compares (plan-split); the engine and the replay run SPLIT_POLICIES only.
+MODELED_POLICIES: dict[str, Callable[[], SplitPolicy]] = {
+    **SPLIT_POLICIES, "fastdecode": FastDecode, "hybridgen": HybridGen, "scoutattention": ScoutAttention,
+    "solidattention": SolidAttention, "monolithic": Monolithic}
 
 
 @dataclass(frozen=True, slots=True)

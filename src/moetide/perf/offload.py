@@ -101,6 +101,7 @@ class SplitCoefficients:
     stream_per_seq_s: float
     gpu_fixed_s: float
     merge_per_seq_s: float
+    prefetch_bytes: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +117,11 @@ class SeqTokens:
 class PhaseTime:
     cpu_s: float
     gpu_s: float
+    serial_s: float = 0.0  # before either side can start (a monolithic cache's rewrite)
 
     @property
     def total_s(self) -> float:
-        return max(self.cpu_s, self.gpu_s)
+        return self.serial_s + max(self.cpu_s, self.gpu_s)
 
 
 class OffloadStepModel:
@@ -149,14 +151,16 @@ class OffloadStepModel:
         bd = self.step.breakdown(shape)
         return bd["total_s"] - bd["attention_s"] + self.expert_offload_s(shape.num_tokens)
 
-    def coefficients(self, device_tokens: int, num_queries: int = 1) -> SplitCoefficients:
+    def coefficients(self, device_tokens: int, num_queries: int = 1,
+                     prefetch_bytes: float = 0.0) -> SplitCoefficients:
         """Linear attention-phase coefficients for a step whose device-resident tokens total ``device_tokens``."""
-        return split_coefficients(self.attention, device_tokens, num_queries)
+        return split_coefficients(self.attention, device_tokens, num_queries, prefetch_bytes)
 
     def attention_phase(self, seqs: Sequence[SeqTokens], num_queries: int = 1,
-                        cpu_slowdown: float = 1.0) -> PhaseTime:
-        """The attention phase of a placement; ``cpu_slowdown`` scales the CPU side (a busier CPU than modeled)."""
-        return attention_phase(self.attention, seqs, num_queries, cpu_slowdown)
+                        cpu_slowdown: float = 1.0, **host: float) -> PhaseTime:
+        """The attention phase of a placement; ``cpu_slowdown`` scales the CPU side (a busier CPU than modeled);
+        ``host``: the keywords of ``attention_phase``."""
+        return attention_phase(self.attention, seqs, num_queries, cpu_slowdown, **host)
 
     def step_s(self, shape: StepShape, seqs: Sequence[SeqTokens], cpu_slowdown: float = 1.0) -> float:
         num_queries = max(1, shape.num_tokens // max(1, shape.num_seqs))
@@ -164,9 +168,15 @@ class OffloadStepModel:
 
 
 def attention_phase(a: AttentionCostModel, seqs: Sequence[SeqTokens], num_queries: int = 1,
-                    cpu_slowdown: float = 1.0) -> PhaseTime:
+                    cpu_slowdown: float = 1.0, *, prefetch_bytes: float = 0.0, reuse_bytes: float = 0.0,
+                    cpu_head_start_s: float = 0.0, relayout_bytes: float = 0.0) -> PhaseTime:
     """The attention phase of a placement (module docstring); it reads only the attention model, so a replay
-    charges it per step without a VRAM layout."""
+    charges it per step without a VRAM layout. The keywords are the host's other work and a policy's mechanism
+    (``perf.host_share`` and ``core.splits.Mechanism``), all zero for the replay and the engine:
+    ``prefetch_bytes`` and ``reuse_bytes`` of the streamed KV do not cross the link in this phase (moved while
+    the link idled in the previous one; still on the device from the previous step), ``cpu_head_start_s`` of CPU
+    work ran in the previous phase (a layer-ahead CPU), and ``relayout_bytes`` are rewritten in host DRAM (read
+    and write) before either side starts."""
     o, L = a.offload, a.num_layers
     kvb, lkvb = a.kv_bytes_per_token, a.layer_kv_bytes_per_token
     cpu_seqs = [s for s in seqs if s.cpu_tokens > 0]
@@ -175,6 +185,7 @@ def attention_phase(a: AttentionCostModel, seqs: Sequence[SeqTokens], num_querie
         cpu_bytes = sum(s.cpu_tokens for s in cpu_seqs) * kvb
         cpu_s = cpu_slowdown * (a.cpu_step_overhead_s() + len(cpu_seqs) * a.cpu_seq_overhead_s(num_queries)
                                 + a.cpu_attention_s(cpu_bytes, num_queries))
+        cpu_s = max(0.0, cpu_s - cpu_head_start_s)
     gpu_s = (gpu_fixed_s(a, sum(s.device_tokens for s in seqs), num_queries)
              + len(cpu_seqs) * L * a.partial_output_bytes(num_queries) * a.link_s_per_byte())
     streamed = sum(s.streamed_tokens for s in seqs)
@@ -182,10 +193,12 @@ def attention_phase(a: AttentionCostModel, seqs: Sequence[SeqTokens], num_querie
         num_dma = L * sum(a.num_transfers(s.streamed_tokens * lkvb) for s in seqs)
         layer_bytes = streamed * lkvb
         slots = L * -(-layer_bytes // a.layout.slot_bytes)
-        link = a.transfer_s(streamed * kvb, num_dma)
+        moved = max(0.0, streamed * kvb - prefetch_bytes - reuse_bytes)
+        link = a.transfer_s(moved, math.ceil(num_dma * moved / (streamed * kvb)))
         device = a.device_attention_s(streamed * kvb, num_queries) + slots * o.kernel_launch_s
         gpu_s += max(link, device) + fill_s(a, layer_bytes, num_queries)
-    return PhaseTime(cpu_s, gpu_s)
+    serial = 2 * relayout_bytes / a.host.dram_bandwidth_bytes_per_s  # a streaming copy: read + write
+    return PhaseTime(cpu_s, gpu_s, serial)
 
 
 def gpu_fixed_s(a: AttentionCostModel, device_tokens: float, num_queries: int) -> float:
@@ -200,9 +213,10 @@ def fill_s(a: AttentionCostModel, layer_bytes: float, num_queries: int) -> float
     return a.device_attention_s(slot, num_queries) + a.num_layers * a.offload.kernel_launch_s
 
 
-def split_coefficients(a: AttentionCostModel, device_tokens: int, num_queries: int = 1) -> SplitCoefficients:
+def split_coefficients(a: AttentionCostModel, device_tokens: int, num_queries: int = 1,
+                       prefetch_bytes: float = 0.0) -> SplitCoefficients:
     """Linear attention-phase coefficients for a step whose device-resident tokens total ``device_tokens`` (they
-    read only the attention model)."""
+    read only the attention model); ``prefetch_bytes`` as in ``attention_phase``."""
     o, L = a.offload, a.num_layers
     link = a.link_s_per_byte() + o.transfer_latency_s / a.transfer_unit_bytes
     device = a.device_s_per_byte(num_queries) + o.kernel_launch_s / a.layout.slot_bytes
@@ -211,4 +225,4 @@ def split_coefficients(a: AttentionCostModel, device_tokens: int, num_queries: i
         cpu_per_seq_s=a.cpu_seq_overhead_s(num_queries), stream_s_per_byte=max(link, device),
         stream_fixed_s=fill_s(a, a.layout.slot_bytes, num_queries), stream_per_seq_s=L * o.transfer_latency_s,
         gpu_fixed_s=gpu_fixed_s(a, device_tokens, num_queries),
-        merge_per_seq_s=L * a.partial_output_bytes(num_queries) * a.link_s_per_byte())
+        merge_per_seq_s=L * a.partial_output_bytes(num_queries) * a.link_s_per_byte(), prefetch_bytes=prefetch_bytes)

@@ -1,0 +1,71 @@
+"""perf.host_share: where host experts run and what the MoE phase leaves the link and the CPU; the attention
+phase's host keywords. Hand-computed from the presets: Qwen3-30B-A3B (an expert is 3 x 2048 x 768 bf16 weights,
+9,437,184 B) on an A100 PCIe in 32 GiB beside a Xeon Gold 5318Y (8 x DDR4-2933 x 8 B x 0.80 = 150.17 GB/s,
+1.6128 TFLOP/s fp32) with the default OffloadEfficiency (cpu_memory 0.9, cpu_compute 0.5, cpu_sync 20 us)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moetide.perf.attention import AttentionCostModel
+from moetide.perf.budget import GiB
+from moetide.perf.host_share import cpu_expert_s, host_phase, prefetch_bytes
+from moetide.perf.offload import OffloadStepModel, SeqTokens, vram_layout
+from moetide.perf.step import StepTimeModel
+from moetide.specs import get_gpu, get_host, get_model
+
+EXPERT_BYTES = 3 * 2048 * 768 * 2
+
+
+@pytest.fixture(scope="module")
+def model() -> OffloadStepModel:
+    spec, gpu = get_model("qwen3-30b-a3b"), get_gpu("a100-pcie-40gb")
+    attention = AttentionCostModel(spec, gpu, get_host("xeon-gold-5318y"))
+    layout = vram_layout(spec, vram_bytes=32 * GiB, device_kv_bytes=4 * GiB, ring_bytes=256 * 2**20)
+    return OffloadStepModel(attention, StepTimeModel(spec, gpu), layout)
+
+
+def test_cpu_expert_time_is_the_host_roofline(model):
+    assert model.layout.expert_bytes == EXPERT_BYTES
+    memory = 10 * EXPERT_BYTES / (187.712e9 * 0.8 * 0.9)  # 698.3 us
+    compute = 20 * EXPERT_BYTES / (1.6128e12 * 0.5)  # 234.1 us
+    assert cpu_expert_s(model, 10, 20) == pytest.approx(20e-6 + max(memory, compute))
+    assert cpu_expert_s(model, 1, 200) == pytest.approx(20e-6 + 200 * EXPERT_BYTES / 8.064e11)  # compute-bound
+
+
+def test_staged_experts_keep_the_old_extra_and_busy_the_link(model):
+    staged = host_phase(model, 128, "stage")
+    assert staged.extra_s == pytest.approx(model.expert_offload_s(128))
+    assert staged.cpu_busy_s == 0 and staged.link_busy_s > staged.extra_s > 0.5  # ~1.3 s of staging per step
+    assert staged.link_idle_s < 0.1 * staged.link_busy_s  # the link is what the MoE phase waits on
+
+
+def test_cpu_experts_free_the_link_and_busy_the_cpu(model):
+    staged, on_cpu = host_phase(model, 128, "stage"), host_phase(model, 128, "cpu")
+    assert on_cpu.link_busy_s == 0 and on_cpu.cpu_busy_s > 0
+    assert on_cpu.extra_s < staged.extra_s / 3  # DRAM at 135 GB/s beats a 25 GB/s link for the same weights
+    assert on_cpu.link_idle_s > staged.link_idle_s and on_cpu.cpu_idle_s < staged.cpu_idle_s
+    with pytest.raises(ValueError, match="stage"):
+        host_phase(model, 128, "disk")
+
+
+def test_prefetch_is_bounded_by_half_the_ring_per_layer(model):
+    a = model.attention
+    on_cpu = host_phase(model, 128, "cpu")
+    bound = a.num_layers * a.layout.ring_bytes / 2
+    assert prefetch_bytes(model, on_cpu) == pytest.approx(min(on_cpu.link_idle_s * 25e9, bound))
+
+
+def test_attention_phase_host_keywords(model):
+    a = model.attention
+    toks = [SeqTokens(1, 4096, 8192)]
+    base = model.attention_phase(toks)
+    head = model.attention_phase(toks, cpu_head_start_s=base.cpu_s / 4)
+    assert head.cpu_s == pytest.approx(0.75 * base.cpu_s) and head.gpu_s == base.gpu_s
+    assert model.attention_phase(toks, cpu_head_start_s=1.0).cpu_s == 0
+    streamed = 8192 * a.kv_bytes_per_token
+    fetched = model.attention_phase(toks, prefetch_bytes=streamed / 2, reuse_bytes=streamed / 2)
+    assert fetched.gpu_s < base.gpu_s  # nothing crosses the link: the device's attention is what is left
+    relaid = model.attention_phase(toks, relayout_bytes=1e9)
+    assert relaid.serial_s == pytest.approx(2e9 / (187.712e9 * 0.8))  # a read and a write of 1 GB
+    assert relaid.total_s == pytest.approx(base.total_s + relaid.serial_s)

@@ -1,15 +1,113 @@
-"""``moetide serve``: an OpenAI-compatible HTTP server on the engine (being built; see issue 19)."""
+"""``moetide serve``: an OpenAI-compatible HTTP server on the engine (``moetide.serve``; docs/serve.md).
+
+The engine options are ``moetide generate``'s (one builder, ``commands.generate.build_engine``); the server's own
+are vLLM's names and defaults: ``--host``, ``--port`` 8000, ``--served-model-name``, ``--max-model-len`` (default:
+the checkpoint's ``max_position_embeddings``), ``--chat-template`` (a file or the template itself, for a tokenizer
+without one), ``--max-num-queued-reqs`` (503 past that many requests in flight), ``--uvicorn-log-level``.
+SIGTERM or Ctrl-C: uvicorn stops accepting, lets the requests in flight finish, then the engine thread ends.
+FastAPI, uvicorn and torch are imported only when the verb runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
+from moetide.commands.generate import add_engine_arguments, build_engine, load_tokenizer
 from moetide.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="HF checkpoint directory")
+    add_engine_arguments(parser)
+    add = parser.add_argument
+    add("--host", default="0.0.0.0", help="address to listen on (default %(default)s)")
+    add("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
+    add("--served-model-name", metavar="NAME", help="the model's name in the API (default: --model as given)")
+    add("--max-model-len", type=int, metavar="N",
+        help="context length: prompt plus max_tokens (default: the checkpoint's max_position_embeddings)")
+    add("--chat-template", metavar="FILE|TEMPLATE",
+        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's)")
+    add("--max-num-queued-reqs", type=int, metavar="N",
+        help="answer 503 while N requests are in flight (default: no bound; requests wait in the queue)")
+    add("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's log level (default %(default)s)")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """vLLM's rule: a path to a file, else the template text itself (it must contain a Jinja tag)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"--chat-template {value}: cannot read: {exc}") from None
+    if "{" not in value:
+        raise UserError(f"--chat-template {value}: no such file, and not a Jinja template")
+    return value
+
+
+def _model_facts(model_dir: str) -> tuple[int, dict]:
+    """(max_position_embeddings, generation_config.json's sampling defaults)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--model {model_dir}: cannot read config.json ({exc})") from None
+    config = config.get("text_config", config)
+    max_len = config.get("max_position_embeddings")
+    if not isinstance(max_len, int) or max_len < 1:
+        raise UserError(f"--model {model_dir}: config.json has no max_position_embeddings; give --max-model-len")
+    generation: dict = {}
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        try:
+            generation = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise UserError(f"{path}: not JSON ({exc})") from None
+    return max_len, generation
+
+
+def serve_config(args: argparse.Namespace):
+    from moetide.serve.app import ServeConfig
+
+    max_len, generation = _model_facts(args.model)
+    if args.max_model_len is not None:
+        if args.max_model_len < 1:
+            raise UserError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+        max_len = args.max_model_len
+    if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 1:
+        raise UserError(f"--max-num-queued-reqs must be >= 1, got {args.max_num_queued_reqs}")
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    return ServeConfig(model_name=args.served_model_name or args.model, model_dir=str(args.model),
+                       max_model_len=max_len, max_num_queued_reqs=args.max_num_queued_reqs,
+                       chat_template=read_chat_template(args.chat_template),
+                       default_temperature=float(generation.get("temperature", 1.0)),
+                       default_top_p=float(generation.get("top_p", 1.0)))
+
+
+def build_app(args: argparse.Namespace):
+    """The FastAPI app and its engine loop (not started: the app's lifespan starts and stops it)."""
+    from moetide.serve.app import create_app
+    from moetide.serve.loop import EngineLoop
+    from moetide.serve.metrics import ServerMetrics
+
+    config = serve_config(args)
+    tokenizer = load_tokenizer(args.model)
+    engine = build_engine(args)
+    loop = EngineLoop(engine)
+    metrics = ServerMetrics(config.model_name, lambda: loop.metrics)
+    loop.observer = metrics.observe
+    return create_app(loop, tokenizer, config, metrics), loop
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UserError("serve is not built yet")
+    try:
+        import uvicorn
+    except ImportError:
+        raise UserError("serve needs FastAPI and uvicorn: pip install 'moetide[serve]'") from None
+    app, _loop = build_app(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0

@@ -1,0 +1,74 @@
+"""A ``moetide serve`` app run by uvicorn on a thread of the calling process (vLLM's tests have the same helper as
+a subprocess): a test or benchmark reaches its engine loop — and checks the pool between requests — while clients
+talk to it over real HTTP. ``CHAT_TEMPLATE`` is a minimal template for checkpoints without one
+(``make-test-model``'s)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    loop: object  # moetide.serve.loop.EngineLoop
+    model: str
+    args: object
+    _server: object
+    _thread: threading.Thread
+
+    def idle(self, timeout_s: float = 10.0) -> None:
+        """Wait until nothing is in flight, then check the pool's invariants and that no request holds blocks."""
+        deadline = time.monotonic() + timeout_s
+        while self.loop.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.loop.num_in_flight == 0, "requests still in flight"
+
+        def check(engine):
+            kv = engine.scheduler.kv
+            kv.pool.check_invariants()
+            kv.check_invariants()
+            return kv.request_ids, engine.has_unfinished_requests()
+
+        held, unfinished = self.loop.call(check).result(timeout=timeout_s)
+        assert held == [] and not unfinished
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+
+
+def start_server(model, *extra: str) -> LiveServer:
+    import argparse
+
+    import uvicorn
+
+    from moetide.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    port = free_port()
+    args = parser.parse_args(["--model", str(model), "--threads", "1", "--port", str(port),
+                              "--chat-template", CHAT_TEMPLATE, *extra])
+    app, loop = serve.build_app(args)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{port}", loop, str(model), args, server, thread)

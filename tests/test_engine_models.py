@@ -132,7 +132,8 @@ def test_expert_provider_sees_exactly_the_routed_experts(tiny_checkpoint):
         without_one = model(tokens, ctx)
     assert set(recorder.routed) == {0, 2}
     assert {layer: sorted(ids) for layer, ids in recorder.routed.items()} == recorder.fetched
-    assert torch.equal(recorded, baseline)
+    # the looped path (a provider without stacked views) against the native grouped kernel: fp32 round-off
+    torch.testing.assert_close(recorded, baseline, rtol=1e-5, atol=1e-5 * float(baseline.abs().max()))
     assert not torch.allclose(without_one, baseline)
 
 

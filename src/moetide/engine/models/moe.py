@@ -12,10 +12,12 @@ bits (tested):
   E experts of the layer (the arena's strided expert views, or the module's parameters), which exist only while
   every routed expert is resident. Used on the CPU, where ``_grouped_mm`` runs any dtype; on CUDA it needs bf16
   and 16-byte-aligned shapes and has not been run here, so CUDA takes the loop for now.
-* **native** (``engine.native.moe_experts``): one C call for decode-sized steps on the CPU in fp32 (at most
-  ``NATIVE_PAIRS_PER_EXPERT`` (token, expert) pairs per expert, where grouping reuses little), pair by pair in the
-  same ascending expert order, straight from the stacked views; equal to the others to fp32 round-off, not bit for
-  bit (its dot products sum in another order), and independent of the step's other tokens. Where the native
+* **native** (``engine.native.moe_experts``): one C call on the CPU in fp32 or bf16, straight from the stacked
+  views: the pairs grouped by expert, each expert's weights read once for all its tokens (at real expert sizes the
+  step is that traffic), a token's experts added in the same ascending order. Equal to the others to fp32
+  round-off (bf16: to one rounding of a sum), not bit for bit (its dot products sum in another order), and
+  independent of the step's other tokens. It yields to the grouped path past ``NATIVE_PAIRS_PER_EXPERT`` pairs
+  per expert (a prefill), where torch's GEMMs are faster. Where the native
   kernels cannot be built, the torch paths run.
 * **loop** (``looped_experts``): one Python iteration per selected expert, fetching each expert's weights from
   the provider (``expert_weights``): the path that serves staged (offloaded) experts, and the reference.
@@ -125,7 +127,18 @@ def expert_mlp(rows: Tensor, w: ExpertWeights) -> Tensor:
     return F.linear(F.silu(gate) * up, w.down).to(device)
 
 
-NATIVE_PAIRS_PER_EXPERT = 4  # native takes a step whose (token, expert) pairs are at most this many per expert
+# above this many (token, expert) pairs per expert (a prefill), torch's GEMMs beat the native kernel (measured
+# at hidden 512, experts of width 256, one thread: bf16 3x faster at 128 pairs per expert, 2x slower at 32)
+NATIVE_PAIRS_PER_EXPERT = 32
+
+
+def native_takes(x: Tensor, num_pairs: int, gate_up: Tensor, down: Tensor) -> bool:
+    """Whether the native grouped kernel runs the step's experts (see the module docstring)."""
+    E, two_i, H = gate_up.shape
+    if num_pairs > NATIVE_PAIRS_PER_EXPERT * E:
+        return False
+    return (native.worth_it(x, num_pairs * 3 * H * two_i // 2, native.EXPERT_DTYPES) and gate_up.dtype == x.dtype
+            and native.experts_readable(gate_up, down))
 
 
 class SparseMoE(nn.Module):
@@ -161,9 +174,7 @@ class SparseMoE(nn.Module):
         stacked = getattr(experts, "stacked_weights", None)
         stacked = stacked(self.layer_id) if stacked is not None else None
         T, K = expert_ids.shape
-        if (stacked is not None and T * K <= NATIVE_PAIRS_PER_EXPERT * stacked[0].shape[0]
-                and native.worth_it(x, T * K * 3 * stacked[1].shape[1] * stacked[1].shape[2])
-                and native.experts_readable(*stacked)):
+        if stacked is not None and native_takes(x, T * K, *stacked):
             out = native.moe_experts(x, weights, expert_ids, *stacked)
         elif stacked is not None and T == 1 and x.device.type == "cpu":
             out = single_token_experts(x, weights, expert_ids, *stacked)

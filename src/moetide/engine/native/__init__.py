@@ -10,8 +10,8 @@ source, the flags and the CPU, and loaded with ``ctypes`` only if this user owns
 ``MOETIDE_NATIVE=0``, ``available()`` is False and the engine keeps its torch paths — the same results to fp32
 round-off (tested), only slower; the reason is in ``unavailable_reason()``.
 
-Only fp32 CPU tensors, without autograd; the kernels are single-threaded, so ``worth_it`` keeps torch (which may
-use several threads) for work large enough to gain from them.
+Only fp32 CPU tensors (the experts also bf16), without autograd; the kernels are single-threaded, so
+``worth_it`` keeps torch (which may use several threads) for work large enough to gain from them.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-_SOURCE = Path(__file__).with_name("kernels.c")
-_ABI_VERSION = 8
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c"))
+_ABI_VERSION = 9
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
+EXPERT_DTYPES = (torch.float32, torch.bfloat16)  # what moe_experts reads
 
 
 def _cache_dirs() -> list[Path]:
@@ -68,7 +69,7 @@ def _cpu_signature() -> str:
 
 
 def _build(compiler: str, flags: list[str], cache_dir: Path) -> Path:
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
     target = cache_dir / f"moetide_kernels_{key}.so"
     if target.is_file():
@@ -78,7 +79,7 @@ def _build(compiler: str, flags: list[str], cache_dir: Path) -> Path:
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then one atomic rename
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(_SOURCE), "-lm"], check=True,
+        subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), *map(str, _SOURCES), "-lm"], check=True,
                        capture_output=True, timeout=120)
         built.chmod(0o755)  # whatever the umask: never writable by others (``_trusted``)
         os.replace(built, target)
@@ -106,8 +107,10 @@ def _library() -> ctypes.CDLL | None:
             errors.append(f"{' '.join(flags)}: ABI version {lib.moetide_abi_version()} != {_ABI_VERSION}")
             continue
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.moetide_moe_experts_f32.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, i64, p, p]
-        lib.moetide_moe_experts_f32.restype = ctypes.c_int
+        lib.moetide_moe_grouped_f32.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, i64, p, p, p]
+        lib.moetide_moe_grouped_f32.restype = ctypes.c_int
+        lib.moetide_moe_grouped_bf16.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, i64, p, p, p]
+        lib.moetide_moe_grouped_bf16.restype = ctypes.c_int
         lib.moetide_paged_decode_attention_f32.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
                                                            ctypes.c_float, p, p, p, p, p]
         lib.moetide_paged_decode_attention_f32.restype = ctypes.c_int
@@ -127,10 +130,11 @@ def unavailable_reason() -> str | None:
     return None if available() else _reason[-1]
 
 
-def worth_it(x: Tensor, macs: int) -> bool:
-    """Whether a native kernel should take work of ``macs`` multiply-adds on tensors like ``x``: fp32 CPU tensors,
-    with autograd off (the kernels have no backward; the engine runs under ``torch.inference_mode``)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or not available():
+def worth_it(x: Tensor, macs: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether a native kernel should take work of ``macs`` multiply-adds on tensors like ``x``: CPU tensors of
+    one of the kernel's ``dtypes``, with autograd off (the kernels have no backward; the engine runs under
+    ``torch.inference_mode``)."""
+    if x.device.type != "cpu" or x.dtype not in dtypes or torch.is_grad_enabled() or not available():
         return False
     return torch.get_num_threads() == 1 or macs <= _SINGLE_THREAD_MACS
 
@@ -160,24 +164,31 @@ def experts_readable(gate_up: Tensor, down: Tensor) -> bool:
 
 
 def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """Like ``moe.grouped_experts``: x [T, H] fp32; weights, expert_ids [T, K]; gate_up [E, 2I, H] and down
-    [E, H, I] with unit column stride and packed rows (the arena's or a module's stacked experts) -> [T, H]."""
+    """Like ``moe.grouped_experts``: x [T, H] fp32 or bf16 (the experts' dtype); weights, expert_ids [T, K];
+    gate_up [E, 2I, H] and down [E, H, I] with unit column stride and packed rows (the arena's or a module's
+    stacked experts) -> [T, H]. Each expert's weights are read once for all the tokens routed to it (``moe.c``)."""
     lib = _library()
     E, two_i, H = gate_up.shape
     I = two_i // 2  # noqa: E741 (the expert width, as everywhere in the engine)
     if lib is None or not experts_readable(gate_up, down):
         raise ValueError("moe_experts needs the native library and [E, 2I, H] / [E, H, I] expert views with "
                          "packed rows")
-    _require_f32("moe_experts", x, gate_up, down)
+    for t in (x, gate_up, down):
+        if t.dtype not in EXPERT_DTYPES or t.dtype != gate_up.dtype or t.device.type != "cpu":
+            raise ValueError(f"moe_experts takes fp32 or bf16 CPU tensors of one dtype, got {t.dtype} on {t.device}")
     x = x.contiguous()
     ids, w = expert_ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
+    T, K = ids.shape
     if ids.shape[0] != x.shape[0] or w.shape != ids.shape or x.shape[1] != H:
         raise ValueError(f"moe_experts: x {list(x.shape)}, weights {list(w.shape)} and expert_ids "
                          f"{list(ids.shape)} disagree with [T, {H}] and [T, K]")
-    out, scratch = torch.empty_like(x), x.new_empty(2 * I)
-    status = lib.moetide_moe_experts_f32(x.data_ptr(), x.shape[0], ids.shape[1], ids.data_ptr(), w.data_ptr(),
-                                         gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), E,
-                                         H, I, out.data_ptr(), scratch.data_ptr())
+    out = torch.empty_like(x)
+    iscratch = torch.empty(E + 1 + 2 * T * K, dtype=torch.int64)
+    fscratch = torch.empty(T * K * (2 * I + H) + T * H, dtype=torch.float32)
+    kernel = lib.moetide_moe_grouped_f32 if x.dtype == torch.float32 else lib.moetide_moe_grouped_bf16
+    status = kernel(x.data_ptr(), T, K, ids.data_ptr(), w.data_ptr(), gate_up.data_ptr(), gate_up.stride(0),
+                    down.data_ptr(), down.stride(0), E, H, I, out.data_ptr(), iscratch.data_ptr(),
+                    fscratch.data_ptr())
     if status:  # the kernel checks the indices before it touches memory
         raise ValueError(f"expert_ids must lie in [0, {E})")
     return out

@@ -1,4 +1,5 @@
-/* moetide's native CPU kernels for decode-sized steps (fp32), called through ctypes (engine/native/__init__.py).
+/* moetide's native CPU kernels for decode-sized steps (fp32), called through ctypes (engine/native/__init__.py);
+   the MoE experts are in moe.c, built into the same library.
 
    Why: at decode sizes (a few tokens, hidden 256) each torch op costs a few microseconds of dispatch, and a MoE
    layer or a paged attention is tens of ops; these do the same arithmetic in one call, reading the arena in place
@@ -79,54 +80,7 @@ static void axpy4(float *y, const float *a, const float *x0, const float *x1, co
     for (int64_t i = 0; i < n; i++) y[i] += ((a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]));
 }
 
-int moetide_abi_version(void) { return 8; }
-
-/* The routed experts of T tokens, K each: out[t] = sum over t's K (expert e, weight w), in ascending e, of
-   w * down_e(silu(gate_e x_t) * up_e x_t). gate_up_e = gate_up + e*gu_stride is [2I, H] (gate rows first, rows H
-   apart), down_e = down + e*dn_stride is [H, I] (rows I apart) — the arena's strided expert views. x [T, H] and
-   out [T, H] contiguous; ids [T, K] int64, weights [T, K] fp32; scratch holds 2I floats. Returns 1, having
-   touched nothing, if an id is outside [0, E); else 0. */
-int moetide_moe_experts_f32(const float *x, int64_t T, int64_t K, const int64_t *ids, const float *weights,
-                            const float *gate_up, int64_t gu_stride, const float *down, int64_t dn_stride,
-                            int64_t E, int64_t H, int64_t I, float *out, float *scratch) {
-    for (int64_t p = 0; p < T * K; p++)
-        if (ids[p] < 0 || ids[p] >= E) return 1;  /* checked before anything is read or written */
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t *id = ids + t * K;
-        const float *xt = x + t * H;
-        float *ot = out + t * H;
-        for (int64_t r = 0; r < H; r++) ot[r] = 0.f;
-        int64_t last = -1;
-        for (int64_t done = 0; done < K; done++) {  /* the next larger expert id (K is small): ascending order */
-            int64_t k = -1;
-            for (int64_t j = 0; j < K; j++)
-                if (id[j] > last && (k < 0 || id[j] < id[k])) k = j;
-            if (k < 0) break;
-            for (int64_t j = 0; j < K; j++) {  /* an expert chosen twice (not possible with top-k) adds twice */
-                if (id[j] != id[k]) continue;
-                const float w = weights[t * K + j];
-                gemv(gate_up + id[k] * gu_stride, H, xt, H, 2 * I, scratch);
-                for (int64_t i = 0; i < I; i++) {
-                    float g = scratch[i];
-                    scratch[i] = g / (1.f + expf(-g)) * scratch[I + i];
-                }
-                const float *dn = down + id[k] * dn_stride;
-                float y[4];
-                int64_t r = 0;
-                for (; r + 4 <= H; r += 4) {
-                    gemv(dn + r * I, I, scratch, I, 4, y);
-                    ot[r] += y[0] * w;
-                    ot[r + 1] += y[1] * w;
-                    ot[r + 2] += y[2] * w;
-                    ot[r + 3] += y[3] * w;
-                }
-                for (; r < H; r++) ot[r] += dot(dn + r * I, scratch, I) * w;
-            }
-            last = id[k];
-        }
-    }
-    return 0;
-}
+int moetide_abi_version(void) { return 9; }
 
 /* Decode attention over paged KV, read in place: b sequences, one query each. q [b, Hq, D] contiguous; key j of
    sequence s is row key_rows[s*L + j] (j < lengths[s]) of the K and V views, whose rows are row_stride elements

@@ -86,7 +86,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, capsys, extra, messag
 
 def test_missing_model_dir_is_a_user_error(tmp_path, capsys):
     assert generate(tmp_path / "absent", "--prompt", "hi", "--max-tokens", "2") == 2
-    assert "not a checkpoint directory" in capsys.readouterr().err
+    assert "not a checkpoint folder" in capsys.readouterr().err
 
 
 def test_bench_engine_prints_one_json_line_per_batch_size(tiny_checkpoint, capsys):

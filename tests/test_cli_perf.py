@@ -44,8 +44,9 @@ def test_hybrid_tp2_with_prefill(capsys):
     assert rc == 0
     assert "Decode step: 64 sequences at context 32,768" in out and "Prefill step: one sequence, 8,192" in out
     assert "linear attention (36 layers)" in out and "attention (12 full layers)" in out
-    assert "all-reduce (2 x 48 layers)" in out and "102 blocks" in out
-    assert "needs 137,664 of 277,727 blocks (fits)" in out
+    assert "all-reduce (2 x 48 layers)" in out and "3 blocks" in out
+    assert "block               544 tokens" in out  # the replay's default block size for the model (issue 21)
+    assert "needs 4,096 of 8,168 blocks (fits)" in out
 
 
 def test_json_has_exact_figures(capsys):
@@ -77,7 +78,7 @@ def test_weights_that_do_not_fit_exit_2(capsys):
     (["--context", "-1"], "--context"),
     (["--prefill-tokens", "0"], "--prefill-tokens"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
-    (["--kv-budget-gib", "500"], "--kv-budget-gib"),
+    (["--kv-cache-memory", "500GiB"], "--kv-"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, needle):
     rc, out, err = run_cli(capsys, "--model", "qwen3-30b-a3b", "--gpu", "h100", *argv)

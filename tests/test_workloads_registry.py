@@ -51,7 +51,7 @@ def test_formats_are_sniffed_from_the_first_line(traces, tmp_path):
         assert sniff_format(path) == fmt
         assert load_workload(path, seed=0) == READERS[fmt].read(path, seed=0)
     unknown = write(tmp_path, "x.jsonl", [{"prompt": "hi"}])
-    with pytest.raises(UserError, match=r"x.jsonl: cannot tell the trace format .* fmt= one of mooncake, weka"):
+    with pytest.raises(UserError, match=r"x.jsonl: cannot tell the trace format .* --format, one of mooncake, weka"):
         load_workload(unknown, seed=0)
     with pytest.raises(UserError, match="unknown trace format 'sharegpt'"):
         load_workload(unknown, "sharegpt", seed=0)

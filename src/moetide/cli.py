@@ -2,15 +2,20 @@
 
 Each verb lives in ``moetide.commands.<verb>`` and exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 Verbs are listed in one table (no if-chains) and imported only when chosen, so ``moetide specs`` never imports torch.
-A ``UserError`` anywhere becomes one line on stderr and exit code 2.
+A ``UserError`` anywhere becomes one line on stderr and exit code 2. An interrupt is one line and exit code 130,
+however many times Ctrl-C is pressed; a closed stdout (``moetide specs --json - | head``) ends quietly, as
+``SIGPIPE`` would end a C tool (exit code 141).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
+from moetide import __version__
 from moetide.errors import UserError
 
 # verb -> (module under moetide.commands, one-line help)
@@ -30,29 +35,55 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """Every verb listed; the options of ``verb`` only (None: of none), so that only its module is imported."""
     parser = argparse.ArgumentParser(prog="moetide", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"moetide {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
-    for verb, (module_name, help_text) in VERBS.items():
-        module = importlib.import_module(f"moetide.commands.{module_name}")
-        verb_parser = sub.add_parser(verb, help=help_text, description=help_text)
-        module.add_arguments(verb_parser)
-        verb_parser.set_defaults(_run=module.run)
+    for name, (module_name, help_text) in VERBS.items():
+        verb_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == verb:
+            module = importlib.import_module(f"moetide.commands.{module_name}")
+            module.add_arguments(verb_parser)
+            verb_parser.set_defaults(_run=module.run, _parser=verb_parser)
     return parser
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Arguments, with an unknown one reported by the verb's parser (its usage, ``moetide VERB: error: ...``)."""
+    words = sys.argv[1:] if argv is None else argv
+    verb = next((word for word in words if not word.startswith("-")), None)
+    args, extra = build_parser(verb).parse_known_args(argv)
+    if extra:
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _quiet_stdout() -> None:
+    """stdout to /dev/null, so that the interpreter's last flush into a closed pipe raises nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    verb = "moetide"
     try:
-        return int(args._run(args) or 0)
+        args = _parse(argv)
+        verb = f"moetide {args.verb}"
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()
+        return code
     except UserError as exc:
-        print(f"moetide {args.verb}: error: {exc}", file=sys.stderr)
+        print(f"{verb}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"moetide {args.verb}: interrupted", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the goodbye
+        print(f"{verb}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141
 
 
 if __name__ == "__main__":

@@ -17,12 +17,14 @@ import json
 import random
 import statistics
 
-from moetide.commands.generate import add_engine_arguments, build_engine
+from moetide.commands.generate import add_engine_arguments, build_engine, max_model_len, read_config
+from moetide.commands.options import add_max_model_len
 from moetide.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    add_max_model_len(parser, "the model's max_position_embeddings")
     add = parser.add_argument
     add("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], metavar="B", help="default: 1 8 32")
     add("--prompt-tokens", type=int, default=128, metavar="N", help="tokens per prompt (default %(default)s)")
@@ -48,6 +50,10 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    limit = max_model_len(args, read_config(args.model))
+    if limit is not None and args.prompt_tokens + args.decode_tokens > limit:
+        raise UserError(f"--prompt-tokens {args.prompt_tokens:,} + --decode-tokens {args.decode_tokens:,} is past "
+                        f"--max-model-len {limit:,} (the model's max_position_embeddings unless given)")
     engine = build_engine(args, ignore_eos=True)
     from moetide.engine import native  # imports torch: after build_engine, which says so clearly if it is missing
 
@@ -60,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
             prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_tokens)] for _ in range(batch)]
             stats = engine.generate(prompts, args.decode_tokens).stats
             if stats.failed_requests:
-                raise UserError(f"batch {batch}: {stats.failed_requests} requests do not fit the KV budget; raise "
-                                f"--kv-budget-mib")
+                raise UserError(f"batch {batch}: {stats.failed_requests} requests do not fit the KV cache; raise "
+                                f"--kv-cache-memory")
             if run_index >= args.warmup:
                 prefill.append(stats.prefill_tokens / stats.prefill_s)
                 if stats.decode_tokens:

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from moetide.commands.options import add_json_argument, check_output_path, write_json_output
 from moetide.engine.measure import calibrate
 from moetide.errors import UserError
 from moetide.perf.calibrate import (
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE.toml", help="write the calibrated host file here")
     parser.add_argument("--quick", action="store_true",
                         help="smaller buffers, fewer shapes and repeats: a few seconds, rougher figures")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_json_argument(parser, "the measurements instead of tables", bare=True)
     parser.add_argument("--threads", type=int, metavar="N",
                         help="torch threads to measure with (default: torch's default, usually every core)")
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
@@ -67,6 +68,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--name must not be empty")
     if args.out is not None:
         _check_out(Path(args.out))
+    check_output_path("--json", args.json)
 
 
 def _check_out(path: Path) -> None:
@@ -277,7 +279,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         _write(Path(args.out), text)
     if args.json:
-        print(json.dumps({**cal.as_dict(), "out": args.out}, indent=2))
+        write_json_output(args.json, json.dumps({**cal.as_dict(), "out": args.out}, indent=2))
+        if args.json != "-":
+            print(f"wrote {args.json}")
     else:
         print(_text(cal, args.out))
     return 0

@@ -8,14 +8,17 @@ comes from the model directory (local files only). ``--json OUT`` writes::
                "steps", ...,
                "kv_host_blocks", "split_policy", "split": {"cpu_blocks", "streamed_blocks", "cpu_s", ...}}}
 
-and stdout gets one line per prompt plus a one-line summary of the counters (a second one for host KV).
+and stdout gets one line per prompt plus a one-line summary of the counters (a second one for host KV). The exit
+code is 1 when every request failed (none fits the KV cache), 0 otherwise. A prompt whose length plus
+``--max-tokens`` passes ``--max-model-len`` (default: config.json's ``max_position_embeddings``) is refused before
+anything runs, as vLLM refuses it.
 torch and transformers are imported only when the verb runs.
 
-``--kv-host-mib X`` adds X MiB of host KV blocks (pinned on CUDA) beyond the device budget: KV spills there once
-the device part is full, and attention splits each step between the device, the CPU in place and blocks streamed
-to the device, as ``--split-policy`` chooses (docs/writescope.md, "The engine half"). ``--kv-host-active-mib A``
-admits a request only while the host KV that running requests attend stays within A MiB (``core.scheduler``);
-``--device-prefixes evict`` evicts cached device prefixes before new KV spills.
+``--kv-host-memory X`` (e.g. ``64MiB``) adds that much host memory of KV blocks (pinned on CUDA) beyond the device
+budget: KV spills there once the device part is full, and attention splits each step between the device, the CPU
+in place and blocks streamed to the device, as ``--split-policy`` chooses (docs/writescope.md, "The engine half").
+``--kv-host-active-memory A`` admits a request only while the host KV that running requests attend stays within A
+(``core.scheduler``); ``--device-prefixes evict`` evicts cached device prefixes before new KV spills.
 
 ``--routing-out FILE`` writes the measured routing (tokens per expert per MoE layer, ``perf.routing_profile``),
 which ``moetide replay|compare|sweep --routing-profile FILE`` uses to price expert staging.
@@ -31,61 +34,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
-from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO
-from moetide.core.kv_manager import DEVICE_PREFIXES
-from moetide.core.pressure import POLICIES
-from moetide.core.splits import SPLIT_POLICIES
+from moetide.commands.options import (
+    add_json_argument,
+    add_max_model_len,
+    add_serving_arguments,
+    bytes_text,
+    check_output_path,
+    checkpoint_dir,
+    human_output,
+    write_json_output,
+)
 from moetide.engine.split_plan import DEFAULT_SPLIT_GPU, DEFAULT_SPLIT_HOST
 from moetide.errors import UserError, read_json
-from moetide.perf.staging import COLD_EXPERT_MODES
 from moetide.perf.routing_profile import write_profile
-
-DEFAULT_KV_BUDGET_MIB = 256.0
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared with ``bench-engine``."""
+    """The engine's option group, shared by ``generate``, ``bench-engine`` and ``serve``: the serving options
+    the replay has too (``commands.options.add_serving_arguments``), then the engine's own."""
+    add_serving_arguments(parser, "engine")
     add = parser.add_argument
-    add("--model", required=True, metavar="DIR", help="HF checkpoint directory (config.json + safetensors)")
-    add("--kv-budget-mib", type=float, default=DEFAULT_KV_BUDGET_MIB, metavar="X",
-        help="device memory for the KV cache beyond the routed experts, MiB (default %(default)s)")
-    add("--block-size", type=int, default=16, metavar="B", help="tokens per KV block (default %(default)s)")
-    add("--policy", default="vllm", metavar="|".join(sorted(POLICIES)),
-        help="memory-pressure policy: vllm (evict, then preempt), vamp / vamp-reclaim (also move the expert/KV "
-             "line, priced with the engine's measured step, prefill and copy times), static-offload "
-             "(default %(default)s)")
-    add("--max-offload-ratio", type=float, default=DEFAULT_MAX_OFFLOAD_RATIO, metavar="R",
-        help="cap on offloaded / all routed-expert bytes under vamp, vamp-reclaim, static-offload and "
-             "--static-offload (default %(default)s)")
-    add("--vamp-horizon-s", type=float, default=60.0, metavar="S",
-        help="vamp: how often (engine seconds) it reviews the line, and the time constant of its rates "
-             "(default %(default)s)")
     add("--vamp-costs", metavar="FILE",
         help="vamp: price with this cost record (an earlier --json report's \"vamp_costs\") instead of "
              "measuring one at start; the same input then makes the same decisions")
     add("--static-offload", action="store_true",
         help="offload --max-offload-ratio of the expert bytes at start (coldest first), whatever the policy")
-    add("--cold-experts", choices=COLD_EXPERT_MODES, default="fetch",
-        help="offloaded experts a step routes few rows to: staged into the device (fetch), or computed from their "
-             "host copies, the rows sent there and back (cpu; up to 32 rows, more are staged) (default %(default)s)")
-    add("--max-num-seqs", type=int, default=256, help="sequences per step (default %(default)s)")
-    add("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default %(default)s)")
     add("--device", choices=("cpu", "cuda"), default="cpu", help="where the arena lives (default %(default)s)")
     add("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
-    add("--kv-host-mib", type=float, default=0.0, metavar="X",
-        help="host memory for KV blocks that spill past the device budget, MiB (default %(default)s: none)")
-    add("--kv-host-active-mib", type=float, metavar="A",
-        help="with host KV: admit a request only while the host KV that running requests attend each step stays "
-             "within A MiB (the rest holds cached prefixes) (default: no bound)")
-    add("--device-prefixes", choices=DEVICE_PREFIXES, default="keep",
-        help="with host KV, when no uncached device block is free: keep cached device prefixes and spill new KV, "
-             "or evict the least recently used of them first (default %(default)s)")
-    add("--split-policy", choices=tuple(SPLIT_POLICIES), default="writescope",
-        help="with host KV: who attends the host blocks each step (default %(default)s)")
-    add("--split-fixed-ratio", type=float, default=0.5, metavar="R",
-        help="CPU share of the host blocks under --split-policy fixed-ratio (default %(default)s)")
     add("--split-gpu", default=DEFAULT_SPLIT_GPU, metavar="NAME|FILE",
         help="GPU preset or file whose costs the split policy weighs (default %(default)s)")
     add("--split-host", default=DEFAULT_SPLIT_HOST, metavar="NAME|FILE",
@@ -94,6 +72,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    add_max_model_len(parser, "the model's max_position_embeddings")
     add = parser.add_argument
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", metavar="TEXT", help="one prompt")
@@ -102,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--temperature", type=float, metavar="T", help="sample at this temperature (default: greedy)")
     add("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     add("--ignore-eos", action="store_true", help="generate --max-tokens even past an end-of-sequence token")
-    add("--json", metavar="OUT", help="write outputs and counters as JSON to OUT ('-' for stdout)")
+    add_json_argument(parser, "outputs and counters")
     add("--routing-out", metavar="FILE",
         help="write the tokens routed to every expert of every MoE layer (a routing profile for replay's "
              "--routing-profile)")
@@ -126,11 +105,25 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def load_tokenizer(model_dir: str):
+def read_config(model: str) -> dict:
+    """The checkpoint's config.json, read first so that a broken one is blamed on itself, with its line."""
+    path = checkpoint_dir(model) / "config.json"
+    config = read_json(path, f"--model {path}")
+    if not isinstance(config, dict):
+        raise UserError(f"--model {path}: expected a JSON object")
+    return config
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
-    if not Path(model_dir).is_dir():
-        raise UserError(f"--model {model_dir}: not a checkpoint directory")
+    model_dir = checkpoint_dir(model)
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"--model {model_dir}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}; "
+                        f"`moetide make-test-model` writes tokenizer.json)")
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -157,31 +150,52 @@ def build_engine(args: argparse.Namespace, **overrides: object):
         if args.threads < 1:
             raise UserError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    if not args.kv_budget_mib >= 0:
-        raise UserError(f"--kv-budget-mib must be >= 0, got {args.kv_budget_mib}")
-    if not args.kv_host_mib >= 0:
-        raise UserError(f"--kv-host-mib must be >= 0, got {args.kv_host_mib}")
-    options = dict(kv_budget_mib=args.kv_budget_mib, block_size=args.block_size, policy=args.policy,
+    active = args.kv_host_active_memory
+    options = dict(kv_budget_bytes=int(args.kv_cache_memory), block_size=args.block_size, policy=args.policy,
                    max_offload_ratio=args.max_offload_ratio, static_offload=args.static_offload,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   device=args.device, kv_host_mib=args.kv_host_mib, kv_host_active_mib=args.kv_host_active_mib,
+                   device=args.device, kv_host_bytes=int(args.kv_host_memory),
+                   kv_host_active_bytes=None if active is None else int(active),
                    evict_device_prefixes=args.device_prefixes == "evict", split_policy=args.split_policy,
                    split_fixed_ratio=args.split_fixed_ratio, split_gpu=args.split_gpu, split_host=args.split_host,
                    vamp_horizon_s=args.vamp_horizon_s, cold_experts=args.cold_experts,
                    costs=read_costs(args.vamp_costs) if args.vamp_costs else None)
     options.update(overrides)
-    return Engine(args.model, **options)
+    return Engine(checkpoint_dir(args.model), **options)
+
+
+def max_model_len(args: argparse.Namespace, config: dict) -> int | None:
+    """``--max-model-len``, or config.json's ``max_position_embeddings``; past the latter only with a warning."""
+    positions = config.get("max_position_embeddings")
+    positions = positions if isinstance(positions, int) and positions > 0 else None
+    if args.max_model_len is None:
+        return positions
+    if positions is not None and args.max_model_len > positions:
+        print(f"moetide: warning: --max-model-len {args.max_model_len:,} is past the model's "
+              f"max_position_embeddings ({positions:,}): positions beyond it were never trained", file=sys.stderr)
+    return args.max_model_len
+
+
+def check_lengths(texts: list[str], prompt_ids: list[list[int]], max_tokens: int, limit: int | None) -> None:
+    for text, ids in zip(texts, prompt_ids):
+        if not ids:
+            raise UserError(f"prompt {text!r} encodes to no tokens")
+        if limit is not None and len(ids) + max_tokens > limit:
+            raise UserError(f"prompt {text[:40]!r}: {len(ids):,} prompt tokens + --max-tokens {max_tokens:,} = "
+                            f"{len(ids) + max_tokens:,} is past --max-model-len {limit:,} (the model's length, "
+                            f"max_position_embeddings, unless given)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    check_output_path("--json", args.json)
+    check_output_path("--routing-out", args.routing_out)
     texts = read_prompts(args)
+    config = read_config(args.model)
     tokenizer = load_tokenizer(args.model)
     prompt_ids = [tokenizer.encode(text) for text in texts]
-    for text, ids in zip(texts, prompt_ids):
-        if not ids:
-            raise UserError(f"prompt {text!r} encodes to no tokens")
+    check_lengths(texts, prompt_ids, args.max_tokens, max_model_len(args, config))
     engine = build_engine(args, ignore_eos=args.ignore_eos)
     if args.routing_out:
         engine.parts.experts.record_totals()
@@ -196,13 +210,26 @@ def run(args: argparse.Namespace) -> int:
     if args.routing_out:  # after the outputs: a bad path loses nothing already computed
         write_profile(args.routing_out, engine.parts.experts.totals.tolist(),
                       top_k=engine.parts.model.config.num_experts_per_tok, model=str(args.model))
+    failed = sum(out["finish_reason"] == "failed" for out in outputs)
+    if failed == len(outputs):
+        print(f"moetide generate: every request failed: {'it does' if failed == 1 else 'none of them does'} not "
+              f"fit the KV cache of {bytes_text(args.kv_cache_memory)} (raise --kv-cache-memory, or give "
+              f"--kv-host-memory)", file=sys.stderr)
+        return 1
     return 0
 
 
 def _emit(json_path: str | None, report: dict) -> None:
     if json_path == "-":
-        print(json.dumps(report))
+        write_json_output("-", json.dumps(report))
         return
+    with human_output(json_path):
+        _print_report(report)
+    if json_path is not None:
+        write_json_output(json_path, json.dumps(report, indent=1))
+
+
+def _print_report(report: dict) -> None:
     for out in report["outputs"]:
         print(json.dumps(out["text"]) + ("" if out["finish_reason"] != "failed" else "  [failed: never fits]"))
     stats = report["stats"]
@@ -223,8 +250,3 @@ def _emit(json_path: str | None, report: dict) -> None:
                  f"device {stats['host_blocks_promoted']} blocks, recomputed {stats['host_hits_recomputed']}"
                  if stats['host_bound_waits'] or stats['host_blocks_promoted'] or stats['host_hits_recomputed']
                  else ""))
-    if json_path is not None:
-        try:
-            Path(json_path).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise UserError(f"--json {json_path}: cannot write: {exc.strerror or exc}") from None

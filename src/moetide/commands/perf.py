@@ -12,8 +12,11 @@ import argparse
 import dataclasses
 import json
 
+from moetide.commands.options import GiB, add_json_argument, add_memory_option, add_model_argument, check_outputs
+from moetide.commands.options import write_json_output
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepShape, StepTimeModel, memory_budget
+from moetide.perf.budget import default_block_size
 from moetide.report.tables import format_table
 from moetide.specs import HardwareSpec, ModelSpec, get_gpu, get_model
 
@@ -23,8 +26,7 @@ MODELED_NOTE = ("MODELED times from a roofline (bytes and FLOPs against derated 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="NAME|CONFIG_JSON",
-                        help="a preset model name or a path to an HF config.json")
+    add_model_argument(parser, default=None, what="a preset model name, a checkpoint folder or its HF config.json")
     parser.add_argument("--gpu", required=True, metavar="NAME|FILE",
                         help="a preset GPU name or a path to a .toml/.json hardware file")
     parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel GPUs (default 1)")
@@ -33,22 +35,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens already cached per sequence before the decode step (default 4096)")
     parser.add_argument("--prefill-tokens", type=int, metavar="P",
                         help="also model one prefill step of P new tokens of one sequence (no cached prefix)")
-    parser.add_argument("--block-size", type=int, default=16, metavar="N", help="KV block size in tokens (16)")
+    parser.add_argument("--block-size", type=int, default=None, metavar="N",
+                        help="KV block size in tokens (default: the replay's, vLLM's 16, or for hybrid models the "
+                             "size that fits one layer's linear-attention state in a page)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                        help="fraction of HBM the engine may use (vLLM's flag; default 0.9)")
-    parser.add_argument("--kv-budget-gib", type=float, metavar="GIB",
-                        help="KV budget per GPU instead of the derived one (must fit beside the weights)")
+                        help="share of HBM the engine may use (vLLM's flag; default 0.9)")
+    add_memory_option(parser, "--kv-cache-memory", None,
+                      "KV cache per GPU instead of the derived one, e.g. 8GiB (must fit beside the weights)",
+                      old={"--kv-budget-gib": GiB})
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                         help="token budget per step; sizes the activation reserve (default 8192)")
     parser.add_argument("--state-checkpoints", action="store_true",
                         help="hybrid models: charge a linear-attention state copy per cached block (prefix caching)")
     parser.add_argument("--dtype-bytes", type=int, default=2, metavar="N", help="bytes per weight (2 = bf16)")
     parser.add_argument("--kv-dtype-bytes", type=int, default=2, metavar="N", help="bytes per KV element (2)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_json_argument(parser, "the figures instead of tables", bare=True)
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    positive = {"--tp": args.tp, "--batch": args.batch, "--block-size": args.block_size,
+    positive = {"--tp": args.tp, "--batch": args.batch, "--block-size": 1 if args.block_size is None else args.block_size,
                 "--max-num-batched-tokens": args.max_num_batched_tokens, "--dtype-bytes": args.dtype_bytes,
                 "--kv-dtype-bytes": args.kv_dtype_bytes}
     if args.prefill_tokens is not None:
@@ -60,8 +65,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--context must be >= 0, got {args.context}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    if args.kv_budget_gib is not None and not args.kv_budget_gib > 0:
-        raise UserError(f"--kv-budget-gib must be positive, got {args.kv_budget_gib}")
+    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
+        raise UserError(f"--kv-cache-memory must be positive, got {args.kv_cache_memory:g}")
+    check_outputs(args)
 
 
 def _build(args: argparse.Namespace, model: ModelSpec, gpu: HardwareSpec) -> tuple[StepTimeModel, MemoryBudget]:
@@ -70,9 +76,11 @@ def _build(args: argparse.Namespace, model: ModelSpec, gpu: HardwareSpec) -> tup
                              kv_dtype_bytes=args.kv_dtype_bytes)
     except ValueError as exc:
         raise UserError(f"--tp: {exc}") from None
-    budget = memory_budget(model, gpu, tp=args.tp, block_size=args.block_size, dtype_bytes=args.dtype_bytes,
+    block_size = args.block_size or default_block_size(model, tp=args.tp)
+    kv_gib = None if args.kv_cache_memory is None else args.kv_cache_memory / GiB
+    budget = memory_budget(model, gpu, tp=args.tp, block_size=block_size, dtype_bytes=args.dtype_bytes,
                            kv_dtype_bytes=args.kv_dtype_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-                           max_num_batched_tokens=args.max_num_batched_tokens, kv_budget_gib=args.kv_budget_gib,
+                           max_num_batched_tokens=args.max_num_batched_tokens, kv_budget_gib=kv_gib,
                            state_checkpoints=args.state_checkpoints)
     return step, budget
 
@@ -174,5 +182,10 @@ def run(args: argparse.Namespace) -> int:
     model, gpu = get_model(args.model), get_gpu(args.gpu)
     step, budget = _build(args, model, gpu)
     shapes = _shapes(args)
-    print(_json(args, step, budget, shapes) if args.json else _text(args, step, budget, shapes))
+    if args.json:
+        write_json_output(args.json, _json(args, step, budget, shapes))
+        if args.json != "-":
+            print(f"wrote {args.json}")
+    else:
+        print(_text(args, step, budget, shapes))
     return 0

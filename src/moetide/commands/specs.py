@@ -1,8 +1,9 @@
 """``moetide specs``: print the model and hardware facts every other verb builds on.
 
 With no selection it prints all presets as three tables (models, GPUs, host CPUs); ``--model``, ``--gpu`` and
-``--host`` (each repeatable, a preset name or a file) print only what was asked for. ``--json`` prints the same
-facts, exact integers included, as one JSON document. Bad input (an unknown name, a malformed or unsupported
+``--host`` (each repeatable, a preset name or a file; a model also as its checkpoint folder) print only what was
+asked for. ``--json PATH`` writes the same facts, exact integers included, as one JSON document (``-`` or no PATH:
+stdout). Bad input (an unknown name, a malformed or unsupported
 config.json) surfaces as ``UserError``: one line on stderr and exit code 2, from ``moetide.cli``.
 """
 
@@ -12,8 +13,10 @@ import argparse
 import dataclasses
 import json
 
+from moetide.commands.options import add_json_argument, check_outputs, write_json_output
 from moetide.errors import UserError
 from moetide.report.tables import format_table
+from moetide.report.units import count_text
 from moetide.specs import (
     HardwareSpec,
     HostSpec,
@@ -31,15 +34,15 @@ DTYPE_NAMES = {1: "fp8/int8", 2: "bf16/fp16", 4: "fp32"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", action="append", metavar="NAME|CONFIG_JSON",
-                        help="a preset model name or a path to an HF config.json (repeatable)")
+    parser.add_argument("--model", action="append", metavar="NAME|DIR|CONFIG_JSON",
+                        help="a preset model name, a checkpoint folder or its HF config.json (repeatable)")
     parser.add_argument("--gpu", action="append", metavar="NAME|FILE",
                         help="a preset GPU name or a path to a .toml/.json hardware file (repeatable)")
     parser.add_argument("--host", action="append", metavar="NAME|FILE",
                         help="a preset host CPU name or a path to a .toml/.json host file (repeatable)")
     parser.add_argument("--dtype-bytes", type=int, default=2, metavar="N",
                         help="bytes per weight and KV element for byte figures (default 2 = bf16)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_json_argument(parser, "the facts instead of tables", bare=True)
 
 
 def _select(args: argparse.Namespace) -> dict[str, list]:
@@ -66,8 +69,8 @@ def _experts(m: ModelSpec) -> str:
 def _model_row(m: ModelSpec, dtype_bytes: int) -> list[object]:
     layers = f"{m.num_layers} ({len(m.full_attention_layer_ids)}/{len(m.linear_attention_layer_ids)})"
     state = m.linear_state_bytes_per_seq(dtype_bytes)
-    return [m.name, layers, _experts(m), m.num_experts_per_tok, f"{m.params_total / 1e9:.2f} B",
-            f"{m.params_active / 1e9:.2f} B", f"{m.expert_bytes(dtype_bytes) / MiB:.2f}",
+    return [m.name, layers, _experts(m), m.num_experts_per_tok, count_text(m.params_total),
+            count_text(m.params_active), f"{m.expert_bytes(dtype_bytes) / MiB:.2f}",
             f"{m.kv_bytes_per_token(dtype_bytes):,}", f"{state / MiB:.2f} MiB" if state else None]
 
 
@@ -134,12 +137,15 @@ def hardware_facts(spec: HardwareSpec | HostSpec) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     if args.dtype_bytes <= 0:
         raise UserError(f"--dtype-bytes must be a positive integer (2 = bf16), got {args.dtype_bytes}")
+    check_outputs(args)
     chosen = _select(args)
     if args.json:
         doc: dict[str, object] = {"dtype_bytes": args.dtype_bytes}
         doc.update({k: [model_facts(m, args.dtype_bytes) for m in v] if k == "models"
                     else [hardware_facts(s) for s in v] for k, v in chosen.items()})
-        print(json.dumps(doc, indent=2))
+        write_json_output(args.json, json.dumps(doc, indent=2))
+        if args.json != "-":
+            print(f"wrote {args.json}")
         return 0
     renderers = {"models": lambda v: models_table(v, args.dtype_bytes), "gpus": gpus_table, "hosts": hosts_table}
     print("\n\n".join(renderers[kind](specs) for kind, specs in chosen.items()))

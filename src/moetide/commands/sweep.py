@@ -1,28 +1,30 @@
 """``moetide sweep [TRACE] --max-offload-ratio 0,0.05,…``: one policy (vamp by default) at each offload cap.
 
-JSON: ``{"runs": {"<ratio>": {"config": …, "metrics": …}}}``. Times are MODELED.
+JSON: ``{"runs": {"<ratio>": {"config": …, "metrics": …}}}``. Times are MODELED. Each finished run is saved
+before the next starts, as ``compare`` does (``commands.compare.run_each``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
+import sys
 
-from moetide.commands.compare import COLUMNS, comparison_rows, replay_with_metrics
-from moetide.commands.replay import add_engine_arguments, add_workload_arguments, config_from, load, write_json
+from moetide.commands.compare import COLUMNS, comparison_rows, finish, replay_with_metrics, run_each
+from moetide.commands.options import add_json_argument, add_plot_argument, add_workload_arguments, check_outputs
+from moetide.commands.options import human_output
+from moetide.commands.replay import add_engine_arguments, config_from, load, refused_line
 from moetide.errors import UserError
 from moetide.report.tables import format_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
-    add_engine_arguments(parser, with_offload_ratio=False)  # the sweep's own --max-offload-ratio is a list
+    add_engine_arguments(parser, with_offload_ratio=False, policy="vamp")  # its --max-offload-ratio is a list
     parser.add_argument("--max-offload-ratio", dest="ratios", default="0,0.05,0.1,0.15,0.2,0.3",
                         help="comma-separated caps (default %(default)s)")
-    parser.add_argument("--policy", default="vamp", help="policy to sweep (default %(default)s)")
-    parser.add_argument("--json", type=Path, help="write all runs as JSON here")
-    parser.add_argument("--plot", type=Path, help="write a PNG here")
+    add_json_argument(parser, "every run")
+    add_plot_argument(parser, "one line per cap")
 
 
 def parse_ratios(text: str) -> list[float]:
@@ -35,24 +37,30 @@ def parse_ratios(text: str) -> list[float]:
     return values
 
 
-def run(args: argparse.Namespace) -> int:
-    ratios = parse_ratios(args.ratios)
-    args.max_offload_ratio = 0.0
-    workload = load(args)
-    base = config_from(args, args.policy)
-    runs, collectors = {}, {}
-    for ratio in ratios:
-        key = f"{ratio:g}"
-        runs[key], collectors[key] = replay_with_metrics(
-            workload, dataclasses.replace(base, max_offload_ratio=ratio), f"{args.policy} cap {key}")
-    print(f"{args.policy} at each max offload ratio; times are MODELED by the roofline step-time model\n")
+def _print_runs(policy: str, runs: dict[str, dict]) -> None:
+    print(f"{policy} at each max offload ratio; times are MODELED by the roofline step-time model\n")
     print(format_table(["cap", *COLUMNS[1:]], comparison_rows(runs), align="<" + ">" * (len(COLUMNS) - 1)))
-    if args.json:
-        write_json(args.json, {"runs": runs})
-        print(f"\nwrote {args.json}")
+
+
+def run(args: argparse.Namespace) -> int:
+    ratios = {f"{r:g}": r for r in parse_ratios(args.ratios)}
+    args.max_offload_ratio = 0.0
+    base = config_from(args, args.policy)
+    check_outputs(args)
+    workload = load(args)
+    runs, collectors = run_each(
+        list(ratios), lambda key: replay_with_metrics(workload, dataclasses.replace(base, max_offload_ratio=ratios[key]),
+                                                      f"{args.policy} cap {key}"),
+        args.json, lambda done: {"runs": done}, lambda done: _print_runs(args.policy, done), "caps")
+    with human_output(args.json):
+        _print_runs(args.policy, runs)
+        if refused_line(args):
+            print(refused_line(args))
     if args.plot:
         from moetide.report.plots import plot_runs
 
         plot_runs({f"cap {k}": (runs[k], collectors[k]) for k in runs}, args.plot)
-        print(f"wrote {args.plot}")
+    finish(args.json, {"runs": runs})
+    if args.plot:
+        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0

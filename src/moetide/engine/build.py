@@ -24,6 +24,7 @@ block. Without it nothing changes: the paged backend, the arena's blocks only.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,7 @@ DEVICES = ("cpu", "cuda")
 # weights (2 bytes a parameter) they break even at rows ~ F / link: ~36 for a socket's ~1.8 TFLOP/s (half its fp32
 # FMA peak, perf.staging's assumption) against ~50 GB/s of PCIe Gen5.
 COLD_EXPERT_MAX_ROWS = 32
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # the engine verbs' --kv-cache-memory: room for a test model's sessions
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class EngineConfig:
     dtype: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 8192  # vLLM's and the replay's default on H100-class GPUs
     max_offload_ratio: float = DEFAULT_MAX_OFFLOAD_RATIO
     static_offload: bool = False
     enable_prefix_caching: bool | None = None
@@ -195,6 +197,27 @@ def _policy(policy: str | PressurePolicy, params: dict[str, object], config: Eng
         raise UserError(f"--policy {policy}: {exc}") from None
 
 
+def machine_memory_bytes(device: torch.device) -> int | None:
+    """What the device can hold at most: the GPU's memory, or the host's physical memory (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_fits(config: EngineConfig, device: torch.device) -> None:
+    """A budget past the machine's memory is a user's mistake, said as one, before the arena's books are laid
+    out (a petabyte of pages is a MemoryError there)."""
+    for what, num_bytes, where in (("KV budget", config.kv_budget_bytes, device),
+                                   ("host KV budget", config.kv_host_bytes, torch.device("cpu"))):
+        total = machine_memory_bytes(where)
+        if total is not None and num_bytes > total:
+            raise UserError(f"a {what} of {num_bytes:,} bytes ({num_bytes / 2**30:,.1f} GiB) is more than the "
+                            f"{total:,} bytes ({total / 2**30:,.1f} GiB) of {where.type} memory here")
+
+
 def _arena(kv: KVLayout, experts: ExpertLayout, config: EngineConfig) -> Arena:
     page_bytes = config.page_bytes or default_page_bytes(experts.expert_bytes)
     arena = Arena(arena_config(kv, experts, config.kv_budget_bytes, page_bytes))
@@ -255,6 +278,7 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
                  policy_params: dict[str, object], split_costs: SplitCostSource | None = None,
                  costs: EngineCosts | None = None) -> EngineParts:
     device = _device(config.device)
+    _check_fits(config, device)
     model = load_model(model_dir, dtype=config.dtype, device="cpu")
     kv_layout, expert_layout = KVLayout.of(model, config.block_size), ExpertLayout.of(model)
     arena = _arena(kv_layout, expert_layout, config)

@@ -1,7 +1,9 @@
-"""Plots of replays: TTFT CDF, TPOT, throughput and KV usage over time, one line or bar per run.
+"""Plots of replays: TTFT and TPOT CDFs, throughput, KV usage over time, one line or bar pair per run.
 
 matplotlib is an optional extra (``pip install -e '.[plot]'``); it is imported here only, with the Agg backend,
-and its absence is one clear error.
+and its absence is one clear error that verbs raise before a run (``require_matplotlib``), not after it.
+Runs are told apart by colour and by line style, and a run whose curve equals an earlier run's says so in the
+legend: identical policies would otherwise hide each other. The time axis is in the unit its length calls for.
 """
 
 from __future__ import annotations
@@ -10,10 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from moetide.errors import UserError
+from moetide.report.units import duration_unit
 from moetide.sim.metrics import MetricsCollector
 
+LINE_STYLES = ("-", "--", "-.", ":")
 
-def _pyplot():
+
+def require_matplotlib():
+    """pyplot on the Agg backend, or a ``UserError`` saying how to install it."""
     try:
         import matplotlib
 
@@ -24,29 +30,68 @@ def _pyplot():
     return plt
 
 
+def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
+    ordered = sorted(values)
+    return ordered, [(i + 1) / len(ordered) for i in range(len(ordered))]
+
+
+def _labels(runs: Mapping[str, tuple[dict, MetricsCollector]]) -> dict[str, str]:
+    """Each run's legend label; ``"b (same as a)"`` where b's TTFTs and KV usage equal a's."""
+    labels, seen = {}, {}
+    for name, (_, metrics) in runs.items():
+        key = (tuple(metrics.ttft), tuple(metrics.kv_usage))
+        labels[name] = f"{name} (same as {seen[key]})" if key in seen else name
+        seen.setdefault(key, name)
+    return labels
+
+
+def _throughput(ax, runs: Mapping[str, tuple[dict, MetricsCollector]]) -> None:
+    """Requests per second of the replay and per busy second of the accelerator, side by side per run."""
+    names = list(runs)
+    width = 0.38
+    for offset, key, label in ((-width / 2, "request_throughput_per_s", "per second"),
+                               (width / 2, "requests_per_busy_s", "per busy second")):
+        values = [_value(runs[n][0]["metrics"], key) for n in names]
+        bars = ax.bar([i + offset for i in range(len(names))], values, width, label=label)
+        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set(ylabel="completed requests (modeled)", title="request throughput")
+    ax.legend(fontsize=8)
+
+
+def _value(m: dict, key: str) -> float:
+    """A throughput figure; requests per busy second computed where the run did not record it (one replay)."""
+    if key in m:
+        return m[key]
+    return m["completed"] / m["busy_s"] if m.get("busy_s") else 0.0
+
+
 def plot_runs(runs: Mapping[str, tuple[dict, MetricsCollector]], path: Path) -> None:
     """One figure comparing runs (a single run is a comparison of one)."""
-    plt = _pyplot()
+    plt = require_matplotlib()
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     ax_cdf, ax_bar, ax_tpot, ax_kv = axes.flat
-    for name, (result, metrics) in runs.items():
-        ttft = sorted(metrics.ttft)
-        if ttft:
-            ax_cdf.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name)
+    labels = _labels(runs)
+    end_s = max((t for _, (_, m) in runs.items() for t, _ in m.kv_usage), default=0.0)
+    divisor, unit = duration_unit(end_s)
+    for index, (name, (_, metrics)) in enumerate(runs.items()):
+        style = LINE_STYLES[index % len(LINE_STYLES)]
+        if metrics.ttft:
+            ax_cdf.plot(*_cdf(metrics.ttft), ls=style, label=labels[name])
+        if metrics.tpot:
+            ax_tpot.plot(*_cdf(metrics.tpot), ls=style, label=labels[name])
         if metrics.kv_usage:
-            line, = ax_kv.plot([t for t, _ in metrics.kv_usage], [u for _, u in metrics.kv_usage], label=name)
+            line, = ax_kv.plot([t / divisor for t, _ in metrics.kv_usage], [u for _, u in metrics.kv_usage],
+                               ls=style, label=f"{labels[name]}: KV used")
             if any(r for _, r in metrics.offload_usage):  # the line's other side: experts offloaded to host
-                ax_kv.plot([t for t, _ in metrics.offload_usage], [r for _, r in metrics.offload_usage], ls="--",
-                           color=line.get_color(), label=f"{name}: offloaded expert share")
-        tpot = sorted(metrics.tpot)
-        if tpot:
-            ax_tpot.plot(tpot, [(i + 1) / len(tpot) for i in range(len(tpot))], label=name)
-    names = list(runs)
-    ax_bar.bar(names, [runs[n][0]["metrics"]["request_throughput_per_s"] for n in names])
+                ax_kv.plot([t / divisor for t, _ in metrics.offload_usage], [r for _, r in metrics.offload_usage],
+                           ls=style, lw=0.8, alpha=0.6, color=line.get_color(),
+                           label=f"{labels[name]}: offloaded expert share")
+    _throughput(ax_bar, runs)
     ax_cdf.set(xscale="log", xlabel="TTFT (s, modeled)", ylabel="share of requests", title="TTFT CDF")
     ax_tpot.set(xscale="log", xlabel="TPOT (s, modeled)", ylabel="share of requests", title="TPOT CDF")
-    ax_bar.set(ylabel="requests / s (modeled)", title="request throughput")
-    ax_kv.set(xlabel="simulated time (s)", ylabel="used share of KV blocks", title="KV usage and offloaded experts", ylim=(0, 1.05))
+    ax_kv.set(xlabel=f"simulated time ({unit})", ylabel="share", title="KV blocks used and experts offloaded",
+              ylim=(0, 1.05))
     for ax in (ax_cdf, ax_tpot, ax_kv):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -56,6 +101,6 @@ def plot_runs(runs: Mapping[str, tuple[dict, MetricsCollector]], path: Path) -> 
     try:
         fig.savefig(path, dpi=110)
     except OSError as exc:
-        raise UserError(f"{path}: cannot write plot: {exc.strerror}") from None
+        raise UserError(f"--plot {path}: cannot write: {exc.strerror}") from None
     finally:
         plt.close(fig)

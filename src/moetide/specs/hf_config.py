@@ -233,7 +233,12 @@ def _name_for(path: Path) -> str:
 
 
 def model_from_hf_config_file(path: str | Path) -> ModelSpec:
+    """A config.json, or a checkpoint folder holding one (what ``--model`` names in every verb)."""
     path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path}: a folder without a config.json (give a checkpoint folder or its config.json)")
+        path = path / "config.json"
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:

@@ -55,7 +55,7 @@ def preset_names(kind: str) -> list[str]:
 
 
 def _looks_like_path(arg: str) -> bool:
-    return (os.sep in arg or "/" in arg or arg.lower().endswith((".json", ".toml")) or Path(arg).is_file())
+    return (os.sep in arg or "/" in arg or arg.lower().endswith((".json", ".toml")) or Path(arg).exists())
 
 
 def _unknown(kind: str, arg: str, file_hint: str) -> UserError:
@@ -86,7 +86,7 @@ def model_preset_hf_config(name: str) -> dict[str, Any]:
 
 
 def get_model(name_or_path: str) -> ModelSpec:
-    """A preset model by name (case-insensitive), or a user's HF config.json by path."""
+    """A preset model by name (case-insensitive), or a user's HF config.json (or its checkpoint folder) by path."""
     canonical = _alias_map("models.toml").get(name_or_path.lower())
     if canonical is not None:
         return _model_preset(canonical)

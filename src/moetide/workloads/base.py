@@ -324,3 +324,22 @@ def get_str(obj: dict[str, Any], name: str, where: str) -> str:
     if not isinstance(value, str) or not value:
         fail(where, name, "missing" if name not in obj else f"must be a non-empty string, got {value!r}")
     return value
+
+
+def within_model_len(workload: Workload, max_model_len: int) -> tuple[Workload, int]:
+    """The workload without the requests whose prompt plus output exceed ``max_model_len`` (vLLM answers them
+    with an error and never schedules them), and how many were left out. In a closed-loop session the next kept
+    turn follows the last kept one; a session whose first turn goes starts with the next, at the same time."""
+    sessions, dropped = [], 0
+    for session in workload.sessions:
+        turns = [t for t in session.turns if t.prompt_tokens + t.output_tokens <= max_model_len]
+        dropped += len(session.turns) - len(turns)
+        if not turns:
+            continue
+        if workload.mode == "closed" and turns[0] is not session.turns[0]:
+            turns[0] = dataclasses.replace(turns[0], arrival_s=session.start_s, think_time_s=0.0)
+        sessions.append(session if len(turns) == len(session.turns) else
+                        dataclasses.replace(session, turns=tuple(turns)))
+    if not sessions:
+        raise UserError(f"--max-model-len {max_model_len}: every request of {workload.name} is longer")
+    return dataclasses.replace(workload, sessions=tuple(sessions)), dropped

@@ -51,7 +51,7 @@ def sniff_format(path: Path) -> str:
     raise UserError(
         f"{path}: cannot tell the trace format from its first line (expected a Mooncake JSON line with "
         "'hash_ids', a WEKA line with 'kind', or the Azure CSV header TIMESTAMP,ContextTokens,GeneratedTokens); "
-        f"name it with fmt= one of {', '.join(READERS)}"
+        f"name it with --format, one of {', '.join(READERS)}"
     )
 
 

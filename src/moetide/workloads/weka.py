@@ -217,7 +217,7 @@ def _turns(session: str, ctx: str, requests: list[_Request], start_s: float) -> 
     turns = []
     for index, request in enumerate(requests):
         if request.turn_index != index:
-            fail(request.where, "turn", f"turns of ctx {ctx!r} must be 0, 1, 2, ...; got {request.turn_index}")
+            fail(request.where, "turn", _turn_gap(ctx, requests[index - 1] if index else None, request, index))
         turns.append(
             Turn(
                 prompt_tokens=request.prompt_tokens,
@@ -230,6 +230,17 @@ def _turns(session: str, ctx: str, requests: list[_Request], start_s: float) -> 
             )
         )
     return tuple(turns)
+
+
+def _turn_gap(ctx: str, previous: _Request | None, request: _Request, expected: int) -> str:
+    """What is wrong with a ctx's turn numbers, naming the neighbouring line: the gap lies between the two."""
+    if previous is None:
+        return f"ctx {ctx!r} starts at turn {request.turn_index}; its first turn must be 0"
+    line = previous.where.rpartition(":")[2]
+    if request.turn_index == previous.turn_index:
+        return f"ctx {ctx!r} has turn {request.turn_index} twice (line {line} and this one)"
+    return (f"ctx {ctx!r} goes from turn {previous.turn_index} (line {line}) to {request.turn_index}: turn "
+            f"{expected} is missing")
 
 
 def _think_time(previous: _Request, request: _Request) -> float:

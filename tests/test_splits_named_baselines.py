@@ -54,10 +54,15 @@ def test_fastdecode_puts_every_host_block_on_the_cpu():
     assert phase_time_s(costs(), splits, BLOCK) == pytest.approx(470e-6)
 
 
-def test_hybridgen_settles_at_the_balanced_proportional_share():
+def test_hybridgen_attends_each_token_where_it_lies():
+    splits = HybridGen().split(costs(), seqs_of(10, 4), BLOCK)
+    assert splits == FastDecode().split(costs(), seqs_of(10, 4), BLOCK)  # a full device pool: nothing can move
+
+
+def test_hybridgen_streaming_settles_at_the_balanced_proportional_share():
     # n = 2 sequences both sides: CPU 120 us + X/40, GPU 340 us + (100,000 - X)/25; they cross at X = 64,923 B,
     # so 64 or 65 blocks: T(64) = max(1,720, 1,780) us, T(65) = max(1,745, 1,740) us -> 65, in proportion 39 + 26
-    splits = HybridGen().split(costs(), seqs_of(60, 40), BLOCK)
+    splits = HybridGen(streams=True).split(costs(), seqs_of(60, 40), BLOCK)
     assert [(s.num_cpu_blocks, s.num_streamed_blocks) for s in splits] == [(39, 21), (26, 14)]
     assert phase_time_s(costs(), splits, BLOCK) == pytest.approx(1745e-6)
     # writescope may touch fewer sequences on one side, so it is never slower on the same model
@@ -66,7 +71,7 @@ def test_hybridgen_settles_at_the_balanced_proportional_share():
 
 
 def test_hybridgen_feedback_factor_moves_its_share():
-    slow = HybridGen().split(costs(), seqs_of(60, 40), BLOCK, factor=2.0)
+    slow = HybridGen(streams=True).split(costs(), seqs_of(60, 40), BLOCK, factor=2.0)
     assert sum(s.num_cpu_blocks for s in slow) < 65
 
 

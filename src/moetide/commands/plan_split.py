@@ -109,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 0.125, assumed)")
     parser.add_argument("--solid-locality", type=float, default=0.8, metavar="F",
                         help="share of SolidAttention's selection that repeats step to step (default 0.8, assumed)")
+    parser.add_argument("--hybridgen-streams", action="store_true",
+                        help="the generous reading of HybridGen: its feedback may also stream host KV (default: "
+                             "each processor attends the tokens in its own memory)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="write the results as JSON to PATH ('-' or no PATH: stdout, instead of the tables)")
     parser.add_argument("--plot", metavar="PATH", help="also write a plot (needs matplotlib: the 'plot' extra)")
@@ -257,7 +260,7 @@ def compared_policies(args: argparse.Namespace, fixed_ratio: float) -> dict[str,
     return {"transfer-all": TransferAll(), "cpu-all": CpuAll(), "request-split": RequestSplit(),
             "fixed-ratio": FixedRatio(fixed_ratio), "solidattention": SolidAttention(args.sparse_density,
                                                                                      args.solid_locality),
-            "scoutattention": ScoutAttention(args.sparse_density), "hybridgen": HybridGen(),
+            "scoutattention": ScoutAttention(args.sparse_density), "hybridgen": HybridGen(args.hybridgen_streams),
             "fastdecode": FastDecode(), "monolithic": Monolithic()}
 
 
@@ -343,6 +346,7 @@ def evaluate(args: argparse.Namespace, setup: Setup) -> dict:
            "fixed_ratio": ratio, "cpu_slowdown": args.cpu_slowdown, "host_experts": args.host_experts,
            "kv_prefetch": not args.no_kv_prefetch, "sparse_density": args.sparse_density,
            "solid_locality": args.solid_locality, "feedback_steps": args.feedback_steps,
+           "hybridgen_streams": args.hybridgen_streams,
            "layout": dataclasses.asdict(setup.offload.layout), "rows": rows,
            "geomean_speedup": e2e.get("geomean_speedup"),
            "geomean_speedup_over_best_baseline": e2e.get("over_best_baseline"),

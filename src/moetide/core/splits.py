@@ -381,16 +381,23 @@ class FastDecode(CpuAll):
     name = "fastdecode"
 
 
+@dataclass
 class HybridGen(SplitPolicy):
-    """HybridGen (arXiv 2604.18529): attention-logit parallelism, each processor over the tokens in its memory,
-    rebalanced by a feedback scheduler. Here: the same CPU share of every sequence (the parallel split is per
-    sequence), at the share where the two sides balance, i.e. where its feedback settles, with the CPU factor the
-    caller believes in (the same online credit as writescope). Every sequence pays both sides' per-sequence costs."""
+    """HybridGen (arXiv 2604.18529): attention-logit parallelism, "each processor operates on tokens in its local
+    memory", rebalanced by a feedback scheduler that maps new KV across the tiers. With the device pool full (a
+    32 GiB budget), placement cannot move, so the device attends its tokens and the CPU every host token.
+    ``streams=True`` is a more generous reading: its rebalancing may also stream host KV, the same share of every
+    sequence (its parallel split is per sequence) at the share where the two sides balance, i.e. where its
+    feedback settles, with the CPU factor the caller believes in (writescope's online credit); every sequence then
+    pays both sides' per-sequence costs."""
 
-    name = "hybridgen"
+    streams: bool = False
+    name: str = field(default="hybridgen", init=False)
 
     def split(self, costs, seqs, block_bytes, factor=1.0):
         host = sum(s.num_host_blocks for s in seqs)
+        if not self.streams:
+            return _fill(seqs, host)
         n = sum(1 for s in seqs if s.num_host_blocks)
         gpu = (costs.gpu_fixed_s + n * costs.merge_per_seq_s + costs.stream_fixed_s + n * costs.stream_per_seq_s
                + costs.stream_s_per_byte * max(0.0, host * block_bytes - costs.prefetch_bytes))

@@ -1,0 +1,106 @@
+"""Token prompts for a recorded trace, built so that the trace's prefix structure is real at the server.
+
+A trace names each prompt's leading blocks by key (``Turn.block_keys``, ``Workload.key_block_size`` tokens each;
+equal keys in one ``key_scope`` are the same content). Each key becomes one fixed block of pseudo-random token ids,
+drawn from a generator seeded by (seed, scope, key) — so equal keys give equal token blocks, in any request and any
+run with the same seed, and a server's prefix cache finds exactly the reuse the trace recorded. What the keys do
+not cover (the tail of a prompt; all of a keyless Azure prompt) is drawn from the request's own generator, so it is
+never shared. Prompts are sent as token ids, not text: no tokenizer round trip can merge or split a block.
+
+Scaling for a small model on a CPU: ``length_scale`` multiplies prompt, output and key-block lengths alike (so a
+block key still covers one block of the scaled prompt); ``max_input_tokens`` / ``max_output_tokens`` then cap them
+(a capped prompt keeps its leading blocks, which is where the reuse is). Token ids are drawn from
+[``FIRST_TOKEN_ID``, ``vocab_size``): ids 0-2 are special in most vocabularies, and every byte-level or
+byte-fallback vocabulary has its first 259 ids as ordinary tokens, hence the default vocabulary of 259.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moetide.workloads.base import Workload
+
+FIRST_TOKEN_ID = 3
+DEFAULT_VOCAB_SIZE = 259
+
+
+@dataclass(frozen=True)
+class BenchTurn:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_tokens: int
+    arrival_s: float | None  # open loop, or a closed-loop session's first turn: seconds after the start
+    think_time_s: float  # closed loop: previous turn's completion -> this send
+
+
+@dataclass(frozen=True)
+class BenchSession:
+    session_id: str
+    start_s: float
+    turns: tuple[BenchTurn, ...]
+
+
+@dataclass(frozen=True)
+class PromptScale:
+    length_scale: float = 1.0
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+
+    def __post_init__(self) -> None:
+        if not self.length_scale > 0:
+            raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
+        for name in ("max_input_tokens", "max_output_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.vocab_size <= FIRST_TOKEN_ID:
+            raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID}, got {self.vocab_size}")
+
+    def tokens(self, recorded: int, cap: int | None) -> int:
+        n = max(1, round(recorded * self.length_scale))
+        return n if cap is None else min(n, cap)
+
+
+class PromptBuilder:
+    def __init__(self, key_block_size: int | None, scale: PromptScale, seed: int) -> None:
+        self.block_tokens = max(1, round(key_block_size * scale.length_scale)) if key_block_size else None
+        self.scale, self.seed = scale, seed
+        self._blocks: dict[tuple[str, int], list[int]] = {}
+
+    def _draw(self, rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(FIRST_TOKEN_ID, self.scale.vocab_size) for _ in range(n)]
+
+    def block(self, scope: str, key: int) -> list[int]:
+        found = self._blocks.get((scope, key))
+        if found is None:
+            found = self._blocks[scope, key] = self._draw(random.Random(f"{self.seed}/{scope}/{key}"),
+                                                          self.block_tokens)
+        return found
+
+    def prompt(self, scope: str, keys: Sequence[int], num_tokens: int, request_id: str) -> list[int]:
+        tokens: list[int] = []
+        if self.block_tokens is not None:
+            for key in keys:
+                if len(tokens) + self.block_tokens > num_tokens:
+                    break
+                tokens += self.block(scope, key)
+        rest = num_tokens - len(tokens)
+        return tokens + self._draw(random.Random(f"{self.seed}/private/{request_id}"), rest) if rest else tokens
+
+
+def bench_sessions(workload: Workload, scale: PromptScale, seed: int) -> list[BenchSession]:
+    """The workload's sessions with token prompts and scaled, capped lengths."""
+    builder = PromptBuilder(workload.key_block_size, scale, seed)
+    sessions = []
+    for session in workload.sessions:
+        turns = tuple(
+            BenchTurn(turn.request_id,
+                      builder.prompt(session.key_scope, turn.block_keys,
+                                     scale.tokens(turn.prompt_tokens, scale.max_input_tokens), turn.request_id),
+                      scale.tokens(turn.output_tokens, scale.max_output_tokens), turn.arrival_s, turn.think_time_s)
+            for turn in session.turns)
+        sessions.append(BenchSession(session.session_id, session.start_s, turns))
+    return sessions

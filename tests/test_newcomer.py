@@ -200,3 +200,44 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out == f"moetide {__version__}\n"
+
+
+# ---- plots -----------------------------------------------------------------------------------------------------
+
+
+def test_compare_plot_tells_identical_runs_apart(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from moetide.report.plots import _labels
+
+    out, png = tmp_path / "c.json", tmp_path / "c.png"
+    trace = str(small_trace(tmp_path))
+    assert main(["compare", trace, "--policies", "vllm,vamp", "--json", str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000 and f"wrote {png}" in capsys.readouterr().out
+
+    class Run:
+        ttft, kv_usage = [1.0, 2.0], [(0.0, 0.5)]
+
+    class Other(Run):
+        ttft = [3.0]
+
+    assert _labels({"vllm": ({}, Run), "vamp": ({}, Run), "x": ({}, Other)}) == {
+        "vllm": "vllm", "vamp": "vamp (same as vllm)", "x": "x"}
+
+
+def test_plot_throughput_panel_has_busy_seconds_and_time_in_hours(tmp_path, monkeypatch):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from moetide.report import plots
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+
+    class Run:
+        ttft, tpot, kv_usage, offload_usage = [1.0], [0.01], [(0.0, 0.1), (400_000.0, 0.2)], []
+
+    result = {"metrics": {"request_throughput_per_s": 0.1, "completed": 10, "busy_s": 20.0},
+              "config": {"workload": {"name": "w"}, "model": "m", "tp": 1, "gpu": "g"}}
+    plots.plot_runs({"vllm": (result, Run)}, tmp_path / "p.png")
+    ax_cdf, ax_bar, ax_tpot, ax_kv = figures[0].axes
+    assert ax_kv.get_xlabel() == "simulated time (h)" and max(ax_kv.lines[0].get_xdata()) == pytest.approx(111.1, 0.01)
+    assert [t.get_text() for t in ax_bar.get_legend().get_texts()] == ["per second", "per busy second"]
+    assert [round(p.get_height(), 3) for p in ax_bar.patches] == [0.1, 0.5]

@@ -41,6 +41,15 @@ def generated(model, prompt: str, max_tokens: int, tmp_path, *extra: str) -> dic
     return json.loads(out.read_text())["outputs"][0]
 
 
+def finished(server, reason: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/metrics") as response:
+        text = response.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == reason)
+
+
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
 def test_greedy_completion_equals_moetide_generate_streamed_or_not(server, client, tmp_path, prompt):
     expected = generated(server.model, prompt, 12, tmp_path, "--ignore-eos")
@@ -110,6 +119,7 @@ def test_a_stop_string_cuts_the_text_before_it(server, client):
     full = client.completions.create(model=server.model, prompt="hello", max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     stop = full[3:5]
+    stops_before = finished(server, "stop")
     cut = client.completions.create(model=server.model, prompt="hello", max_tokens=12, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True}).choices[0]
     assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
@@ -117,6 +127,8 @@ def test_a_stop_string_cuts_the_text_before_it(server, client):
                                               stop=stop, stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in streamed) == cut.text
     assert streamed[-1].choices[0].finish_reason == "stop"
+    server.idle()
+    assert finished(server, "stop") == stops_before + 2  # counted as vLLM counts it, not as an abort
 
 
 def test_models_health_and_metrics(server, client):

@@ -206,7 +206,7 @@ class _Api:
             piece = choice.text.add(event.token_ids, final)
             if choice.text.stopped_by is not None:
                 if not final:
-                    self.loop.abort(choice.handle)
+                    self.loop.abort(choice.handle, "stop")
                 choice.finish_reason = "stop"
             elif final:
                 piece += choice.text.rest()

@@ -28,7 +28,8 @@ log = logging.getLogger("moetide.serve")
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """New tokens of one request; ``finish_reason`` set on its last event ("stop", "length", "failed", "abort")."""
+    """New tokens of one request; ``finish_reason`` set on its last event ("stop", "length", "failed": can never
+    fit the KV budget, "abort")."""
 
     token_ids: list[int]
     finish_reason: str | None
@@ -98,10 +99,12 @@ class EngineLoop:
         self._commands.put(("add", handle))
         return handle
 
-    def abort(self, handle: RequestHandle) -> None:
-        """Abort a request whose client went away; its blocks are freed before the next step."""
+    def abort(self, handle: RequestHandle, reason: str = "abort") -> None:
+        """End a request before its engine would: its client went away ("abort"), or its text reached a stop
+        string ("stop", which the metrics count as a finish like vLLM's). Its blocks are freed before the next
+        step."""
         if not handle.finished:
-            self._commands.put(("abort", handle))
+            self._commands.put(("abort", (handle, reason)))
 
     def call(self, fn: Callable[[Engine], object]) -> Future:
         """Run ``fn(engine)`` on the engine thread between steps (tests check the pool's invariants this way)."""
@@ -137,8 +140,9 @@ class EngineLoop:
             if kind == "add":
                 self._add(payload)
             elif kind == "abort":
-                if payload.engine_id in self._handles and self.engine.abort_request(payload.engine_id):
-                    self._finish(payload, TokenEvent([], "abort"), time.monotonic())
+                handle, reason = payload
+                if handle.engine_id in self._handles and self.engine.abort_request(handle.engine_id):
+                    self._finish(handle, TokenEvent([], reason), time.monotonic())
             elif kind == "call":
                 fn, future = payload
                 try:

@@ -6,7 +6,8 @@ dashboard built for vLLM reads moetide unchanged:
 * levels: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (a 0-1
   fraction of the device KV blocks in use, as vLLM's despite its name);
 * counters: ``vllm:prefix_cache_queries`` / ``_hits`` (tokens), ``vllm:num_preemptions``, ``vllm:prompt_tokens``,
-  ``vllm:generation_tokens``, ``vllm:request_success`` (by ``finished_reason``);
+  ``vllm:generation_tokens``, ``vllm:request_success`` (by ``finished_reason``: stop, length, abort, error — a
+  request that can never fit the KV budget);
 * histograms: ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:request_time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``;
 * moetide's: ``moetide_offloaded_expert_ratio`` (offloaded / all routed-expert bytes), ``moetide_experts_offloaded``,
@@ -36,7 +37,7 @@ TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 
                                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                                20.0, 40.0, 80.0)
-FINISH_REASONS = ("stop", "length", "abort", "failed")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's labels; the engine's "failed" is counted as "error"
 LABELS = ("model_name", "engine")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -118,7 +119,7 @@ class ServerMetrics:
                 self.itl.observe(now_s - handle.prev_token_s)
         if event.finish_reason is None:
             return
-        self.success[event.finish_reason].inc()
+        self.success["error" if event.finish_reason == "failed" else event.finish_reason].inc()
         if event.finish_reason in ("stop", "length"):
             self.e2e.observe(now_s - handle.arrival_s)
             if handle.num_output_tokens > 1:

@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
     per = per_request(results)
     if args.json:
         report = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "model_id": model,
-                  "trace": args.trace, "num_prompts": len(results), "time_scale": args.time_scale, "length_scale": args.length_scale,
-                  **metrics, **per}
+                  "trace": args.trace, "num_prompts": len(results), "time_scale": args.time_scale,
+                  "length_scale": args.length_scale, **metrics, **per}
         text = json.dumps(report)
         if args.json == "-":
             print(text)

@@ -422,6 +422,7 @@ def _plot(doc: dict, path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'moetide[plot]'") from None
     rows = doc["rows"]
@@ -438,6 +439,8 @@ def _plot(doc: dict, path: str) -> None:
         ax.set_xlabel("context tokens per sequence")
         ax.set_ylabel(label)
     ax_t.set_yscale("log")
+    ax_t.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax_t.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax_t.legend(fontsize=7, ncol=2)
     ax_s.set_ylim(0, 1)
     fig.suptitle(f"{doc['model']} on {doc['gpu']} + {doc['cpu']}, {doc['vram_gib']:g} GiB VRAM (MODELED)")

@@ -132,6 +132,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--sparse-density: a share of blocks must be in (0, 1], got {args.sparse_density}")
     if not 0 <= args.solid_locality < 1:
         raise UserError(f"--solid-locality: a share of blocks must be in [0, 1), got {args.solid_locality}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked before the run, not after it)
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install 'moetide[plot]'") from None
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path not in (None, "-"):
             parent = Path(path).parent

@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from moetide.core.split_planner import SplitPlanner
+from moetide.core.split_planner import CorrectionConfig, SplitPlanner
 from moetide.core.splits import (
     BASELINES,
     NAMED_BASELINES,
@@ -292,8 +292,11 @@ def evaluate_context(setup: Setup, context: int, batch: int, fixed_ratio: float)
 
 
 def _converged_factor(setup: Setup) -> float:
-    """The CPU factor a feedback scheduler settles at (HybridGen's); the static baselines ignore it."""
-    return setup.args.cpu_slowdown if setup.args.feedback_steps else 1.0
+    """The CPU factor a feedback loop settles at, within the online correction's bounds (HybridGen's streaming
+    reading and the monolithic ablation's planner get it, as writescope does); the static baselines use 1."""
+    bounds = CorrectionConfig()
+    slowdown = setup.args.cpu_slowdown if setup.args.feedback_steps else 1.0
+    return min(bounds.max_factor, max(bounds.min_factor, slowdown))
 
 
 # ---- all contexts -----------------------------------------------------------------------------------------

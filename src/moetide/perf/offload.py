@@ -16,7 +16,9 @@ Step = non-attention + attention phase.
                   over the host link (uniform routing), overlapping the resident experts' compute, so a layer's MLP
                   phase is max(expert roofline, staging). Identical for every placement: the link carries experts
                   in the MLP phase and KV in the attention phase; the phases do not overlap (conservative for every
-                  placement alike), and KV is not prefetched across phases.
+                  placement alike). ``perf.host_share`` places the host experts on the CPU instead and says what the
+                  MLP phase leaves idle; KV is prefetched across phases only when the caller passes
+                  ``prefetch_bytes`` (plan-split does; the replay and the engine do not).
   attention phase max(CPU side, GPU side), summed over layers (identical layers, so one max of the totals):
                   CPU side = slowdown x (L sync + per CPU sequence: queries down, partial up + roofline over its
                   bytes); GPU side = device-resident attention (incl. the new tokens) + launches + merging CPU

@@ -1,12 +1,13 @@
 """``moetide bench-serve TRACE --url URL``: replay a recorded trace in real time against an OpenAI-compatible
 server (``moetide serve``, vLLM's ``api_server``, any other) and report what vLLM's benchmark reports.
 
-The trace is read by moetide's readers and sliced as ``moetide replay`` slices it (``--max-requests``,
-``--sessions``, ``--time-window``); prompts are token ids built so that equal block keys are equal token blocks
-(``serve.bench_prompts``), scaled by ``--length-scale`` and capped by ``--max-input-tokens`` / ``--max-output-tokens``;
-times are scaled by ``--time-scale``. Metrics are vLLM's definitions (``serve.bench_metrics``); ``--json PATH``
-('-': stdout) writes them under vLLM's names with the per-request arrays; ``--plot PNG`` draws TTFT per request and
-output tokens per second over the run. Exit status 1 if any request failed.
+The trace is read and sliced as ``moetide replay`` reads and slices it (the same options: ``--max-requests``,
+``--sessions``, ``--time-window``, ``--format``; no TRACE: the built-in agent-session generator). Prompts are token
+ids built so that equal block keys are equal token blocks (``serve.bench_prompts``), scaled by ``--length-scale``
+and capped by ``--max-input-tokens`` / ``--max-output-tokens``; times are scaled by ``--time-scale``. Metrics are
+vLLM's definitions (``serve.bench_metrics``); ``--json PATH`` ('-': stdout) writes them under vLLM's names with the
+per-request arrays; ``--plot PNG`` draws TTFT per request and output tokens per second over the run. Exit status 1
+if any request failed.
 """
 
 from __future__ import annotations
@@ -15,23 +16,20 @@ import argparse
 import datetime
 import json
 import sys
-from pathlib import Path
 
+from moetide.commands.options import (add_json_argument, add_plot_argument, add_workload_arguments, check_outputs,
+                                      human_output, write_json_output)
+from moetide.commands.replay import load as load_workload
 from moetide.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
     add = parser.add_argument
-    add("trace", metavar="TRACE", help="recorded trace (Mooncake JSONL, WEKA sessions, Azure CSV; .gz ok)")
     add("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     add("--endpoint", default="/v1/completions", help="completions endpoint (default %(default)s)")
-    add("--model", help="model name to send (default: the first one the server's /v1/models lists)")
-    add("--format", choices=["mooncake", "weka", "azure"], help="trace format (default: sniffed)")
-    add("--session-rate", type=float, help="closed-loop traces: new sessions per second (Poisson)")
-    add("--max-requests", type=int, help="keep the first N requests (closed loop: whole sessions)")
-    add("--time-window", metavar="START:END", help="keep START:END seconds of the trace, e.g. 0:600")
-    add("--sessions", type=int, help="keep the first N sessions")
-    add("--seed", type=int, default=0, help="seed of the prompts' token ids and the trace reader (default 0)")
+    add("--model", dest="model_name", metavar="NAME",
+        help="model name to send (default: the first one the server's /v1/models lists)")
     add("--time-scale", type=float, default=1.0, metavar="F",
         help="wall seconds per trace second: arrivals and think times are multiplied by F (default %(default)s)")
     add("--length-scale", type=float, default=1.0, metavar="F",
@@ -43,26 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
         help="ask for exactly the trace's output lengths (vLLM's ignore_eos; default on)")
     add("--timeout-s", type=float, default=600.0, help="per-request timeout in seconds (default %(default)s)")
-    add("--json", metavar="PATH", help="write the metrics and per-request arrays as JSON ('-': stdout)")
-    add("--plot", metavar="PNG", help="write a PNG: TTFT per request, output tokens per second")
-
-
-def parse_window(text: str | None) -> tuple[float, float] | None:
-    if text is None:
-        return None
-    try:
-        start, end = (float(part) for part in text.split(":"))
-    except ValueError:
-        raise UserError(f"--time-window {text}: expected START:END in seconds, e.g. 0:600") from None
-    return start, end
+    add_json_argument(parser, "the metrics and per-request arrays")
+    add_plot_argument(parser, "TTFT per request, output tokens per second")
 
 
 def _load(args: argparse.Namespace):
+    """The workload (``moetide replay``'s reader and slices) and its token prompts."""
     from moetide.serve.bench_prompts import DEFAULT_VOCAB_SIZE, PromptScale, bench_sessions
-    from moetide.workloads import load_workload
 
-    if not Path(args.trace).is_file():
-        raise UserError(f"{args.trace}: no such trace file")
     for flag, value in (("--time-scale", args.time_scale), ("--timeout-s", args.timeout_s)):
         if not value > 0:
             raise UserError(f"{flag} must be > 0, got {value}")
@@ -72,15 +58,13 @@ def _load(args: argparse.Namespace):
     except ValueError as exc:
         field, _, rest = str(exc).partition(" ")
         raise UserError(f"--{field.replace('_', '-')} {rest}") from None
-    workload = load_workload(args.trace, args.format, seed=args.seed, session_rate_per_s=args.session_rate,
-                             max_requests=args.max_requests, time_window=parse_window(args.time_window),
-                             sessions=args.sessions)
+    workload = load_workload(args)
     return workload, bench_sessions(workload, scale, args.seed)
 
 
-def print_summary(metrics: dict, out=None) -> None:
+def print_summary(metrics: dict) -> None:
     """vLLM's result table, the same rows and wording."""
-    out = out or sys.stdout
+    out = sys.stdout
     rows = [("Successful requests:", metrics["completed"]), ("Failed requests:", metrics["failed"]),
             ("Benchmark duration (s):", f"{metrics['duration']:.2f}"),
             ("Total input tokens:", metrics["total_input_tokens"]),
@@ -106,13 +90,11 @@ def print_summary(metrics: dict, out=None) -> None:
 
 
 def plot(path: str, per: dict) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install -e '.[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     ok = [i for i, e in enumerate(per["errors"]) if not e]
     left.scatter([per["start_times"][i] for i in ok], [per["ttfts"][i] * 1000 for i in ok], s=8)
@@ -131,7 +113,8 @@ def plot(path: str, per: dict) -> None:
         fig.savefig(path, dpi=110)
     except OSError as exc:
         raise UserError(f"--plot {path}: cannot write: {exc.strerror or exc}") from None
-    plt.close(fig)
+    finally:
+        plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,36 +122,30 @@ def run(args: argparse.Namespace) -> int:
     from moetide.serve.bench_client import Target, first_model, replay
     from moetide.serve.bench_metrics import calculate_metrics, per_request
 
+    check_outputs(args)
     workload, sessions = _load(args)
     try:
-        model = args.model or first_model(args.url, args.timeout_s)
+        model = args.model_name or first_model(args.url, args.timeout_s)
     except (OSError, ValueError, KeyError, IndexError) as exc:
         raise UserError(f"--url {args.url}: cannot list its models ({exc}); is the server up?") from None
     target = Target(args.url, model, args.endpoint, args.ignore_eos, args.timeout_s)
-    human = sys.stderr if args.json == "-" else sys.stdout
-    print(f"bench-serve: {workload.num_requests} requests ({workload.mode} loop, {workload.num_sessions} sessions) "
-          f"from {workload.name} to {args.url} as {model!r}, time x{args.time_scale:g}", file=human)
-    bar = ProgressBar("bench-serve")
-    results, duration = replay(sessions, workload.mode, target, args.time_scale, bar)
-    bar.close()
-    metrics = calculate_metrics(results, duration)
-    print_summary(metrics, human)
-    errors = [r.error for r in results if not r.success]
-    if errors:
-        print(f"{len(errors)} requests failed; first: {errors[0]}", file=human)
+    with human_output(args.json):
+        print(f"bench-serve: {workload.num_requests} requests ({workload.mode} loop, {workload.num_sessions} "
+              f"sessions) from {workload.name} to {args.url} as {model!r}, time x{args.time_scale:g}")
+        bar = ProgressBar("bench-serve")
+        results, duration = replay(sessions, workload.mode, target, args.time_scale, bar)
+        bar.close()
+        metrics = calculate_metrics(results, duration)
+        print_summary(metrics)
+        errors = [r.error for r in results if not r.success]
+        if errors:
+            print(f"{len(errors)} requests failed; first: {errors[0]}")
     per = per_request(results)
     if args.json:
         report = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "model_id": model,
-                  "trace": args.trace, "num_prompts": len(results), "time_scale": args.time_scale,
+                  "trace": workload.source, "num_prompts": len(results), "time_scale": args.time_scale,
                   "length_scale": args.length_scale, **metrics, **per}
-        text = json.dumps(report)
-        if args.json == "-":
-            print(text)
-        else:
-            try:
-                Path(args.json).write_text(text + "\n", encoding="utf-8")
-            except OSError as exc:
-                raise UserError(f"--json {args.json}: cannot write: {exc.strerror or exc}") from None
+        write_json_output(args.json, json.dumps(report))
     if args.plot:
         plot(args.plot, per)
     return 1 if errors else 0

@@ -11,11 +11,11 @@ FastAPI, uvicorn and torch are imported only when the verb runs.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from moetide.commands.generate import add_engine_arguments, build_engine, load_tokenizer
-from moetide.errors import UserError
+from moetide.commands.generate import add_engine_arguments, build_engine, load_tokenizer, max_model_len, read_config
+from moetide.commands.options import add_max_model_len, checkpoint_dir
+from moetide.errors import UserError, read_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--host", default="0.0.0.0", help="address to listen on (default %(default)s)")
     add("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
     add("--served-model-name", metavar="NAME", help="the model's name in the API (default: --model as given)")
-    add("--max-model-len", type=int, metavar="N",
-        help="context length: prompt plus max_tokens (default: the checkpoint's max_position_embeddings)")
+    add_max_model_len(parser, "the model's max_position_embeddings")
     add("--chat-template", metavar="FILE|TEMPLATE",
         help="Jinja chat template for /v1/chat/completions (default: the tokenizer's)")
     add("--max-num-queued-reqs", type=int, metavar="N",
@@ -49,40 +48,26 @@ def read_chat_template(value: str | None) -> str | None:
     return value
 
 
-def _model_facts(model_dir: str) -> tuple[int, dict]:
-    """(max_position_embeddings, generation_config.json's sampling defaults)."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--model {model_dir}: cannot read config.json ({exc})") from None
-    config = config.get("text_config", config)
-    max_len = config.get("max_position_embeddings")
-    if not isinstance(max_len, int) or max_len < 1:
-        raise UserError(f"--model {model_dir}: config.json has no max_position_embeddings; give --max-model-len")
-    generation: dict = {}
-    path = Path(model_dir) / "generation_config.json"
-    if path.is_file():
-        try:
-            generation = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise UserError(f"{path}: not JSON ({exc})") from None
-    return max_len, generation
+def _generation_defaults(model: str) -> dict:
+    """generation_config.json's sampling defaults, which vLLM applies to requests that do not set them."""
+    path = checkpoint_dir(model) / "generation_config.json"
+    doc = read_json(path, f"--model {path}") if path.is_file() else {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def serve_config(args: argparse.Namespace):
     from moetide.serve.app import ServeConfig
 
-    max_len, generation = _model_facts(args.model)
-    if args.max_model_len is not None:
-        if args.max_model_len < 1:
-            raise UserError(f"--max-model-len must be >= 1, got {args.max_model_len}")
-        max_len = args.max_model_len
+    limit = max_model_len(args, read_config(args.model))
+    if limit is None:
+        raise UserError(f"--model {args.model}: config.json has no max_position_embeddings; give --max-model-len")
     if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 1:
         raise UserError(f"--max-num-queued-reqs must be >= 1, got {args.max_num_queued_reqs}")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
-    return ServeConfig(model_name=args.served_model_name or args.model, model_dir=str(args.model),
-                       max_model_len=max_len, max_num_queued_reqs=args.max_num_queued_reqs,
+    generation = _generation_defaults(args.model)
+    return ServeConfig(model_name=args.served_model_name or args.model, model_dir=str(checkpoint_dir(args.model)),
+                       max_model_len=limit, max_num_queued_reqs=args.max_num_queued_reqs,
                        chat_template=read_chat_template(args.chat_template),
                        default_temperature=float(generation.get("temperature", 1.0)),
                        default_top_p=float(generation.get("top_p", 1.0)))

@@ -191,7 +191,8 @@ class _Api:
             self._abort_unfinished(choices)
         failed = [c for c in choices if c.finish_reason == "failed"]
         if failed:
-            raise ServeError("the request needs more KV cache than the server's budget holds (--kv-budget-mib)")
+            raise ServeError("the request needs more KV cache than the server's budget holds "
+                             "(raise --kv-cache-memory)")
         return head.answer(choices)
 
     async def _collect(self, choice: _Choice) -> None:

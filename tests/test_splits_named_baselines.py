@@ -7,6 +7,8 @@ blocks, c = s = 100 us, p_c = p_s = m = 10 us, g = 200 us.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moetide.core.splits import (
     MODELED_POLICIES,
@@ -129,3 +131,28 @@ def test_optimum_with_prefetch_matches_brute_force_on_several_sequences(prefetch
     ws = WriteScope().split(c, seqs, BLOCK)
     t = phase_time_s(c, ws, BLOCK)
     assert all(t <= phase_time_s(c, _fill(seqs, b), BLOCK) + 1e-12 for b in range(76))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=8), st.floats(0.25, 4.0), st.floats(0, 2e5))
+def test_writescope_with_prefetch_never_loses_to_an_exact_split(host, factor, prefetch):
+    """Prefetch makes the streaming side flat past H - P; the closed form must still find the optimum, so no
+    exact policy (the drivers' four, HybridGen's streaming reading) beats it on its own model."""
+    seqs, c = seqs_of(*host), costs(prefetch_bytes=prefetch)
+    ws = phase_time_s(c, WriteScope().split(c, seqs, BLOCK, factor), BLOCK, factor)
+    rivals = {name: make() for name, make in SPLIT_POLICIES.items()} | {"hybridgen": HybridGen(streams=True)}
+    for name, policy in rivals.items():
+        assert ws <= phase_time_s(c, policy.split(c, seqs, BLOCK, factor), BLOCK, factor) * (1 + 1e-12), name
+    best = min(phase_time_s(c, _fill(seqs, b), BLOCK, factor) for b in range(sum(host) + 1))
+    chosen = _fill(seqs, optimal_cpu_blocks(c, host, BLOCK, factor))
+    assert phase_time_s(c, chosen, BLOCK, factor) == pytest.approx(best, rel=1e-12, abs=1e-15) and ws <= best
+
+
+def test_prefetch_flat_side_ties_go_to_fewer_cpu_blocks():
+    # P = 95,000 of 100,000 B: from X = 5 blocks on the streaming side is flat at g + m + s + p_s = 320 us, and the
+    # CPU side (110 us + X/40) stays under it up to 8 blocks; the crossing of the extended line (6.3 blocks) would
+    # pick 6. The fewest blocks that reach 320 us are 5: T(4) = 360 us.
+    c = costs(prefetch_bytes=95_000.0)
+    assert optimal_cpu_blocks(c, [100], BLOCK) == 5
+    assert _time_s(c, 5, 100, 1, 1, BLOCK, 1.0) == pytest.approx(320e-6)
+    assert _time_s(c, 4, 100, 1, 1, BLOCK, 1.0) == pytest.approx(360e-6)

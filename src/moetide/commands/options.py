@@ -25,7 +25,7 @@ from moetide.core.pressure import POLICIES
 from moetide.errors import UserError
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
-_SUFFIXES = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+_SUFFIXES = {"": 1, "b": 1, "B": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
              "K": KiB, "M": MiB, "G": GiB, "T": 2**40,
              "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
              "kib": KiB, "mib": MiB, "gib": GiB, "tib": 2**40}

@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    positive = {"--tp": args.tp, "--batch": args.batch, "--block-size": 1 if args.block_size is None else args.block_size,
+    block_size = 1 if args.block_size is None else args.block_size
+    positive = {"--tp": args.tp, "--batch": args.batch, "--block-size": block_size,
                 "--max-num-batched-tokens": args.max_num_batched_tokens, "--dtype-bytes": args.dtype_bytes,
                 "--kv-dtype-bytes": args.kv_dtype_bytes}
     if args.prefill_tokens is not None:

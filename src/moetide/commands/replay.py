@@ -19,6 +19,7 @@ from moetide.commands.options import (
     add_plot_argument,
     add_serving_arguments,
     add_workload_arguments,
+    bytes_text,
     check_outputs,
     human_output,
     write_json_output,
@@ -186,6 +187,10 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
     before any replay runs."""
     if policy.lower() not in POLICIES:
         raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(sorted(POLICIES))}")
+    active, host = args.kv_host_active_memory, args.kv_host_memory
+    if active is not None and host and not 0 < active <= host:
+        raise UserError(f"--kv-host-active-memory {bytes_text(active)} must be more than 0 and at most "
+                        f"--kv-host-memory {bytes_text(host)}")
     try:
         config = _config_from(args, policy)
         StepTimeModel(get_model(config.model), get_gpu(config.gpu), tp=config.tp)  # --tp against the heads

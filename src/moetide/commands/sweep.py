@@ -48,10 +48,12 @@ def run(args: argparse.Namespace) -> int:
     base = config_from(args, args.policy)
     check_outputs(args)
     workload = load(args)
-    runs, collectors = run_each(
-        list(ratios), lambda key: replay_with_metrics(workload, dataclasses.replace(base, max_offload_ratio=ratios[key]),
-                                                      f"{args.policy} cap {key}"),
-        args.json, lambda done: {"runs": done}, lambda done: _print_runs(args.policy, done), "caps")
+    def one(key: str):
+        return replay_with_metrics(workload, dataclasses.replace(base, max_offload_ratio=ratios[key]),
+                                   f"{args.policy} cap {key}")
+
+    runs, collectors = run_each(list(ratios), one, args.json, lambda done: {"runs": done},
+                                lambda done: _print_runs(args.policy, done), "caps")
     with human_output(args.json):
         _print_runs(args.policy, runs)
         if refused_line(args):

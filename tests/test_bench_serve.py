@@ -75,9 +75,9 @@ def test_metrics_follow_vllms_definitions():
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     pytest.importorskip("fastapi")
-    from moetide.serve.harness import start_server
+    from moetide.commands.serve import serve_in_thread
 
-    live = start_server(tiny_checkpoint("qwen3_moe"), "--max-model-len", "512")
+    live = serve_in_thread(tiny_checkpoint("qwen3_moe"), "--threads", "1", "--max-model-len", "512")
     yield live
     live.stop()
 

@@ -21,9 +21,9 @@ PROMPTS = ["Prefix caching keeps", "The quick brown fox", "hello"]
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    from moetide.serve.harness import start_server
+    from moetide.commands.serve import serve_in_thread
 
-    live = start_server(tiny_checkpoint("qwen3_moe"), "--max-num-queued-reqs", "4")
+    live = serve_in_thread(tiny_checkpoint("qwen3_moe"), "--threads", "1", "--max-num-queued-reqs", "4")
     yield live
     live.stop()
 

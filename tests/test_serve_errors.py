@@ -24,10 +24,10 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    from moetide.serve.harness import start_server
+    from moetide.commands.serve import serve_in_thread
 
-    live = start_server(tiny_checkpoint("qwen3_moe"), "--max-model-len", str(MAX_MODEL_LEN),
-                        "--max-num-queued-reqs", "2")
+    live = serve_in_thread(tiny_checkpoint("qwen3_moe"), "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN),
+                           "--max-num-queued-reqs", "2")
     yield live
     live.stop()
 

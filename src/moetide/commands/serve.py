@@ -88,6 +88,19 @@ def build_app(args: argparse.Namespace):
     return create_app(loop, tokenizer, config, metrics), loop
 
 
+def serve_in_thread(model: str, *argv: str):
+    """``moetide serve --model MODEL ARGV`` on a free local port, on a thread of this process, with
+    ``CHAT_TEMPLATE`` unless ARGV names one: what tests and benchmarks talk to (``serve.harness.LiveServer``)."""
+    from moetide.serve.harness import CHAT_TEMPLATE, free_port, run_in_thread
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    template = [] if "--chat-template" in argv else ["--chat-template", CHAT_TEMPLATE]
+    args = parser.parse_args(["--model", str(model), "--port", str(free_port()), *template, *argv])
+    app, loop = build_app(args)
+    return run_in_thread(app, loop, args)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn

@@ -50,25 +50,16 @@ class LiveServer:
         self._thread.join(30)
 
 
-def start_server(model, *extra: str) -> LiveServer:
-    import argparse
-
+def run_in_thread(app, loop, args, host: str = "127.0.0.1") -> LiveServer:
+    """Serve ``app`` (``commands.serve.build_app``'s, with its ``loop``) with uvicorn on a daemon thread."""
     import uvicorn
 
-    from moetide.commands import serve
-
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    port = free_port()
-    args = parser.parse_args(["--model", str(model), "--threads", "1", "--port", str(port),
-                              "--chat-template", CHAT_TEMPLATE, *extra])
-    app, loop = serve.build_app(args)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=args.port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
+            raise RuntimeError("the server did not start")
         time.sleep(0.02)
-    return LiveServer(f"http://127.0.0.1:{port}", loop, str(model), args, server, thread)
+    return LiveServer(f"http://{host}:{args.port}", loop, str(args.model), args, server, thread)

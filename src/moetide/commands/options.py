@@ -167,8 +167,9 @@ def add_policy_argument(parser: argparse.ArgumentParser, default: str) -> None:
                         help=f"memory-pressure policy, one of {POLICY_HELP} (default %(default)s)")
 
 
-def add_model_argument(parser: argparse.ArgumentParser, *, default: str | None, what: str) -> None:
-    parser.add_argument("--model", default=default, required=default is None, metavar="NAME|DIR|CONFIG_JSON",
+def add_model_argument(parser: argparse.ArgumentParser, *, default: str | None, what: str,
+                       metavar: str = "NAME|DIR|CONFIG_JSON") -> None:
+    parser.add_argument("--model", default=default, required=default is None, metavar=metavar,
                         help=f"{what} (default %(default)s)" if default else what)
 
 
@@ -249,13 +250,16 @@ def add_serving_arguments(parser: argparse.ArgumentParser, driver: str, *, with_
     d = _driver_defaults(driver)
     unit, scale = d["unit"]
     add = parser.add_argument
-    add_model_argument(parser, default=d["model"], what="model preset, checkpoint folder or its config.json"
-                       if driver == "replay" else "checkpoint folder (config.json + safetensors) or its config.json")
+    if driver == "replay":
+        add_model_argument(parser, default=d["model"], what="model preset, checkpoint folder or its config.json")
+    else:
+        add_model_argument(parser, default=None, what="checkpoint folder (config.json + safetensors) or its "
+                           "config.json", metavar="DIR|CONFIG_JSON")
     kv_default = ("what is left of --gpu-memory-utilization x HBM after weights and activations"
                   if d["kv_cache_memory"] is None else bytes_text(d["kv_cache_memory"]))
-    beyond = "" if driver == "replay" else ", beyond the routed experts"
+    what = "KV cache per GPU" if driver == "replay" else "device memory for the KV cache beyond the routed experts"
     add_memory_option(parser, "--kv-cache-memory", d["kv_cache_memory"],
-                      f"KV cache per GPU, e.g. 8GiB or 1e9 (vLLM's --kv-cache-memory-bytes){beyond} "
+                      f"{what}, e.g. 8GiB or 1e9 (vLLM's --kv-cache-memory-bytes) "
                       f"(default: {kv_default})", old={f"--kv-budget-{unit}": scale})
     add("--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_bytes, help=argparse.SUPPRESS)
     if driver == "replay":  # each engine verb declares its own: serve's answers requests, generate's refuses

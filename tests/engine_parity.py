@@ -50,4 +50,4 @@ def check_books(engine) -> None:
     assert kv.pool.num_used_blocks == 0, "a finished generate must release every block"
     assert sorted(kv.pool.block_ids()) == arena.kv_block_ids() + (list(host.block_ids) if host else [])
     if host is not None:
-        assert kv.pool.preferred_below == host.first_block_id == arena.config.num_block_ids
+        assert kv.pool.host_tier.first_id == host.first_block_id == arena.config.num_block_ids

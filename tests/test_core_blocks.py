@@ -2,7 +2,7 @@
 
 import pytest
 
-from moetide.core.blocks import BlockPool
+from moetide.core.blocks import BlockPool, HostTier
 from moetide.core.hashing import hash_token_blocks
 from moetide.core.kv_manager import KVCacheManager
 
@@ -316,10 +316,10 @@ def test_undrain_puts_drained_blocks_back_as_uncached_free():
         pool.drain([7])
 
 
-def test_evict_preferred_takes_the_oldest_device_prefixes_only():
-    """A two-tier pool (ids below 10: device): evict_preferred uncaches least recently used device blocks, with
+def test_evict_device_takes_the_oldest_device_prefixes_only():
+    """A two-tier pool (ids below 10: device): evict_device uncaches least recently used device blocks, with
     their descendants of either tier, never a host block on its own and never a protected one."""
-    pool = BlockPool([*range(4), *range(10, 16)], preferred_below=10)
+    pool = BlockPool(range(4), host_tier=HostTier(10, 6))
     a = pool.allocate(3)  # device 0, 1, 2: a chain
     for i, b in enumerate(a):
         assert pool.cache_block(b, 100 + i, 100 + i - 1 if i else None)
@@ -328,19 +328,19 @@ def test_evict_preferred_takes_the_oldest_device_prefixes_only():
     assert pool.cache_block(10, 200, None)
     pool.free([10])  # the host block is freed first: the oldest cached-free block
     pool.free(a[::-1])
-    assert pool.num_preferred_uncached(8) == 0 and pool.num_cached_free_blocks == 4
-    assert pool.evict_preferred(1, protect={0}) == [2]  # the oldest device leaf that is not protected
-    assert pool.block_hash(10) == 200 and pool.num_preferred_uncached(8) == 1  # the host block stays cached
-    assert pool.evict_preferred(5) == [1, 0]  # LRU order (1 was freed before 0); no other cached device block
-    assert pool.num_preferred_uncached(8) == 3 and pool.allocate(3) == [0, 1, 2]  # device blocks first
+    assert pool.num_device_uncached(8) == 0 and pool.num_cached_free_blocks == 4
+    assert pool.evict_device(1, protect={0}) == [2]  # the oldest device leaf that is not protected
+    assert pool.block_hash(10) == 200 and pool.num_device_uncached(8) == 1  # the host block stays cached
+    assert pool.evict_device(5) == [1, 0]  # LRU order (1 was freed before 0); no other cached device block
+    assert pool.num_device_uncached(8) == 3 and pool.allocate(3) == [0, 1, 2]  # device blocks first
     pool.check_invariants()
-    assert BlockPool(range(4)).evict_preferred(2) == []  # one tier: nothing to prefer
+    assert BlockPool(range(4)).evict_device(2) == []  # one tier: nothing to prefer
 
 
 def test_promote_moves_a_host_block_into_a_device_block_and_keeps_its_chain():
     """promote: a free cached host block's hash and place in its chain go to the first free device block; the
     chain's later blocks stay registered (their parent hash is unchanged) and a lookup now finds the device block."""
-    pool = BlockPool([*range(2), *range(10, 14)], preferred_below=10)
+    pool = BlockPool(range(2), host_tier=HostTier(10, 4))
     assert pool.allocate(2) == [0, 1] and pool.allocate(2) == [10, 11]
     assert pool.cache_chain([0, 10, 11], [100, 101, 102], 0, 3) == 3  # device 0, then host 10, 11
     assert pool.promote(10) is None  # in use: it may not be written yet
@@ -350,10 +350,10 @@ def test_promote_moves_a_host_block_into_a_device_block_and_keeps_its_chain():
     assert pool.promote(10) == 1
     assert pool.lookup_chain([100, 101, 102]) == [0, 1, 11]  # the child stays hit-able through the new parent
     assert pool.block_hash(10) is None and 10 in pool.uncached_free_block_ids()
-    assert 1 in pool.cached_free_block_ids() and pool.num_preferred_cached(4) == 2
+    assert 1 in pool.cached_free_block_ids() and pool.num_device_cached(4) == 2
     assert pool.promote(11) is None  # no free device block left
     assert pool.promote(12) is None  # not cached
     pool.check_invariants()
-    assert pool.evict_preferred(1, protect={0}) == [1, 11]  # the moved block evicts like any other, descendants too
+    assert pool.evict_device(1, protect={0}) == [1, 11]  # the moved block evicts like any other, descendants too
     pool.check_invariants()
     assert BlockPool(range(4)).promote(0) is None  # one tier

@@ -2,7 +2,7 @@
 
 import pytest
 
-from moetide.core.blocks import BlockPool
+from moetide.core.blocks import BlockPool, HostTier
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import get_policy
 from moetide.core.request import Request, RequestStatus
@@ -165,7 +165,7 @@ HOST_FROM = 100  # host block ids start here; ids below are device blocks
 
 
 def make_two_tier(device_blocks, host_blocks, bound=None, max_tokens=64, evict=False):
-    pool = BlockPool([*range(device_blocks), *range(HOST_FROM, HOST_FROM + host_blocks)], preferred_below=HOST_FROM)
+    pool = BlockPool(range(device_blocks), host_tier=HostTier(HOST_FROM, host_blocks))
     kv = KVCacheManager(pool, BS, evict_device_prefixes=evict)
     config = SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=8, max_host_blocks_held=bound)
     return Scheduler(config, kv, get_policy("vllm"))
@@ -328,7 +328,7 @@ def test_a_request_that_adds_no_host_kv_is_admitted_past_the_bound():
 
 def test_host_state_blocks_count_toward_the_bound():
     """A hybrid model's per-request state blocks are read every step, like KV: those on the host are counted."""
-    pool = BlockPool([*range(2), *range(HOST_FROM, HOST_FROM + 8)], preferred_below=HOST_FROM)
+    pool = BlockPool(range(2), host_tier=HostTier(HOST_FROM, 8))
     kv = KVCacheManager(pool, BS, num_state_blocks_per_request=1)
     sched = Scheduler(SchedulerConfig(max_host_blocks_held=2), kv, get_policy("vllm"))
     sched.add_request(req("a", list(range(4)), out=5))  # a state block and a KV block: both on the device
@@ -364,14 +364,14 @@ def test_under_evict_mode_running_prompts_count_cached_device_prefixes_as_room()
 def test_an_own_device_hit_after_host_hits_is_kept_when_they_are_promoted():
     """A chain host, host, device (its context spilled, then got a device block again): moving the host hits must
     not evict the device hit after them (a review's crash: 'stale prefix hit')."""
-    pool = BlockPool([*range(3), *range(HOST_FROM, HOST_FROM + 20)], preferred_below=HOST_FROM)
+    pool = BlockPool(range(3), host_tier=HostTier(HOST_FROM, 20))
     kv = KVCacheManager(pool, BS)
     sched = Scheduler(SchedulerConfig(), kv, get_policy("vllm"))
     sched.add_request(req("occ", list(range(1000, 1012)), out=1))  # 3 device blocks, then cached
     step(sched)
     sched.add_request(req("s", list(range(8)), out=5))  # its prompt spills: 2 host blocks
     step(sched)
-    pool.evict_preferred(3)  # occ's prefix goes: s's next block is a device one
+    pool.evict_device(3)  # occ's prefix goes: s's next block is a device one
     while sched.has_work:
         step(sched)
     s_tokens = list(range(8)) + [7] * 4
@@ -392,8 +392,7 @@ def test_random_two_tier_runs_keep_the_bound_and_every_token_in_place():
     checked = promoted = 0
     for seed in range(150):
         rng = random.Random(seed)
-        pool = BlockPool([*range(rng.randint(3, 12)), *range(HOST_FROM, HOST_FROM + rng.randint(4, 24))],
-                         preferred_below=HOST_FROM)
+        pool = BlockPool(range(rng.randint(3, 12)), host_tier=HostTier(HOST_FROM, rng.randint(4, 24)))
         kv = KVCacheManager(pool, BS, evict_device_prefixes=rng.random() < 0.5)
         bound = rng.randint(1, 8)
         sched = Scheduler(SchedulerConfig(max_num_batched_tokens=rng.choice([8, 16, 64]), max_num_seqs=4,
@@ -436,7 +435,7 @@ def test_a_host_hit_in_use_makes_the_rest_of_the_prefix_count_as_prompt_to_write
     hit in use cannot be copied, so from it on the prefix would be recomputed, the device hit after it included:
     three blocks to write, with two device prefixes to evict and no host room. It waits, nothing evicted; counting
     the device hit as kept would admit it and then spill past the bound (a review's fuzz found this)."""
-    pool = BlockPool([*range(4), *range(HOST_FROM, HOST_FROM + 20)], preferred_below=HOST_FROM)
+    pool = BlockPool(range(4), host_tier=HostTier(HOST_FROM, 20))
     kv = KVCacheManager(pool, BS)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4), kv, get_policy("vllm"))
     sched.add_request(req("occ", list(range(1000, 1016)), out=1))  # 4 device blocks, then cached
@@ -444,13 +443,13 @@ def test_a_host_hit_in_use_makes_the_rest_of_the_prefix_count_as_prompt_to_write
         step(sched)
     sched.add_request(req("a", list(range(8)), out=40))
     step(sched)  # a's first chunk: a host block (alone, a is capped by the step's budget, not a threshold)
-    pool.evict_preferred(4)  # occ's prefix goes
+    pool.evict_device(4)  # occ's prefix goes
     step(sched)  # a's second chunk: a device block
     sched.config = SchedulerConfig(long_prefill_token_threshold=4)
     sched.add_request(req("occ2", list(range(2000, 2012)), out=1))
     while len(sched.running) > 1 or sched.waiting:
         step(sched)
-    assert kv.get_blocks("a") == [HOST_FROM, 0, 1] and pool.num_preferred_cached(8) == 2
+    assert kv.get_blocks("a") == [HOST_FROM, 0, 1] and pool.num_device_cached(8) == 2
     sched.config = SchedulerConfig(max_host_blocks_held=1, long_prefill_token_threshold=4)
     sched.add_request(req("b", list(range(8)) + [9], out=2))  # hits a's host block and a's device block
     out, _, _ = step(sched)

@@ -157,8 +157,8 @@ def record(scheduler, residency, name_of, steps: FixedSteps | None = None) -> De
     kv = scheduler.kv
 
     def host_blocks(request_id: str) -> int:
-        first_host = kv.pool.preferred_below
-        return 0 if first_host is None else sum(b >= first_host for b in kv.get_blocks(request_id))
+        tier = kv.pool.host_tier
+        return 0 if tier is None else tier.count(kv.get_blocks(request_id))
 
     def logged_schedule(now_s=None):
         out = schedule(now_s)

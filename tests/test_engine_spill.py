@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from moetide.cli import main  # noqa: E402
-from moetide.core.blocks import BlockPool  # noqa: E402
+from moetide.core.blocks import BlockPool, HostTier  # noqa: E402
 from moetide.core.splits import BASELINES, SPLIT_POLICIES, SeqSplit, SplitCosts, SplitPolicy  # noqa: E402
 from moetide.engine.attention import PagedAttentionBackend  # noqa: E402
 from moetide.engine.models import StepBatch  # noqa: E402
@@ -45,7 +45,7 @@ def balanced_costs(device_tokens: int, num_queries: int) -> SplitCosts:
 
 def test_pool_allocates_device_blocks_first_then_host():
     device, host = list(range(4)), list(range(100, 104))
-    pool = BlockPool([*host, *device], preferred_below=100)  # added in any order: device ids still come first
+    pool = BlockPool(device, host_tier=HostTier(100, len(host)))
     assert pool.allocate(3) == [0, 1, 2]
     assert pool.allocate(2) == [3, 100]
     pool.free([1])
@@ -59,7 +59,7 @@ def test_pool_allocates_device_blocks_first_then_host():
     pool.add_blocks([4])  # an expert region converted to KV: new device blocks also go first
     assert pool.allocate(2) == [4, 102]
     pool.check_invariants()
-    assert BlockPool([5, 1, 3]).allocate(3) == [5, 1, 3], "without preferred_below: plain FIFO"
+    assert BlockPool([5, 1, 3]).allocate(3) == [5, 1, 3], "without a host tier: plain FIFO"
 
 
 # ---- the backend: any split equals the paged backend ---------------------------------------------------------

@@ -68,7 +68,7 @@ def test_the_pool_uses_device_blocks_first():
     built = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0))
     pool, host = built.replay.scheduler.kv.pool, built.host_kv
     device = built.budget.num_blocks - ring_blocks(built.budget)
-    assert pool.num_blocks == device + host.num_host_blocks and pool.preferred_below == host.first_host_id
+    assert pool.num_blocks == device + host.num_host_blocks and pool.host_tier == host.tier
     from moetide.perf import weights_per_gpu
     from moetide.specs import get_model
 
@@ -247,10 +247,10 @@ def test_the_replay_prices_a_step_as_the_engine_does():
 
 def test_a_failed_allocation_evicts_nothing():
     """allocate_slots returns None with no effect: with both tiers full it must not evict device prefixes first."""
-    from moetide.core.blocks import BlockPool
+    from moetide.core.blocks import BlockPool, HostTier
     from moetide.core.kv_manager import KVCacheManager
 
-    pool = BlockPool([0, 1, 10], preferred_below=10)
+    pool = BlockPool([0, 1], host_tier=HostTier(10, 1))
     kv = KVCacheManager(pool, 4, evict_device_prefixes=True)
     assert kv.allocate_slots("a", 8, [1, 2]) == [0, 1]  # two full device blocks, cached under 1 and 2
     kv.free("a")

@@ -35,12 +35,14 @@ How it differs from vLLM's pool, and why:
   use leaves when its last reference goes, instead of rejoining a queue. A drained block is owned, free and never
   allocated; ``remove_blocks`` takes it, ``undrain`` puts it back. So a region in a busy pool empties as its
   requests finish, rather than waiting for a moment when every one of its blocks happens to be free.
-* **Two tiers, optionally.** With ``preferred_below`` set, every uncached free block with an id below it is
-  allocated before any other: such a block enters the *head* of the uncached queue instead of its tail. The engine
-  numbers its device blocks below its host blocks, so device KV is used first and host KV only once no uncached
-  device block is free (WriteScope's device-first placement, ``core.splits``). A free device block holding a cached
-  prefix is not evicted for it: as everywhere here, eviction is the policy's call, never allocation's, so new KV
-  spills to the host while old prefixes stay hittable in HBM. Unset, nothing changes.
+* **Two tiers, optionally.** With a ``HostTier`` (the host KV blocks' ids), host blocks have a free queue of
+  their own, and every uncached free device block is allocated before any host block. So device KV is used
+  first and host KV only once no uncached device block is free (WriteScope's device-first placement,
+  ``core.splits``). A free device block holding a cached prefix is not evicted for it: as everywhere here,
+  eviction is the policy's call, never allocation's, so new KV spills to the host while old prefixes stay hittable
+  in HBM. A freed or uncached device block goes to the head of the device queue, a host block to the tail of the
+  host queue. Without a tier, nothing changes.
+* **The hash books** (which block holds which hash, which blocks chain after which) are ``core.prefix_index``.
 
 Atomicity: ``allocate`` either returns all the blocks asked for or returns ``None`` and changes nothing — there is
 no separate "can I?" call whose answer could be stale by the time of "do it".
@@ -49,33 +51,64 @@ no separate "can I?" call whose answer could be stale by the time of "do it".
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import islice
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import islice
+
+from moetide.core.prefix_index import PrefixIndex
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """The host KV blocks of a two-tier pool: ``num_blocks`` ids from ``first_id`` on, numbered in a row so a
+    driver can map each to its slot in host memory (``index``). Device blocks are every other id the pool owns."""
+
+    first_id: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.first_id < 0 or self.num_blocks < 0:
+            raise ValueError(f"HostTier needs first_id >= 0 and num_blocks >= 0, got {self}")
+
+    def holds(self, block_id: int) -> bool:
+        return self.first_id <= block_id < self.first_id + self.num_blocks
+
+    def index(self, block_id: int) -> int:
+        """The block's slot among the host blocks (0 for ``first_id``)."""
+        return block_id - self.first_id
+
+    def ids(self) -> range:
+        return range(self.first_id, self.first_id + self.num_blocks)
+
+    def count(self, block_ids: Iterable[int]) -> int:
+        """How many of the given blocks are host blocks."""
+        first, end = self.first_id, self.first_id + self.num_blocks
+        return sum(1 for b in block_ids if first <= b < end)
 
 
 class BlockPool:
     """Reference-counted KV blocks with an LRU prefix cache and separate uncached/cached free queues."""
 
     def __init__(self, block_ids: Iterable[int], *, enable_caching: bool = True,
-                 preferred_below: int | None = None) -> None:
+                 host_tier: HostTier | None = None) -> None:
+        """``block_ids``: the device blocks; ``host_tier``'s blocks are added after them."""
         self.enable_caching = enable_caching
-        self.preferred_below = preferred_below  # ids below it are allocated first (module docstring: two tiers)
+        self.host_tier = host_tier
         self._ref_cnt: dict[int, int] = {}
-        self._uncached_free: OrderedDict[int, None] = OrderedDict()
+        self._uncached_free: OrderedDict[int, None] = OrderedDict()  # device blocks (every block without a tier)
+        self._host_free: OrderedDict[int, None] = OrderedDict()  # uncached free host blocks, allocated after them
         self._cached_free: OrderedDict[int, None] = OrderedDict()
-        self._hash_of: dict[int, int] = {}  # registered block id -> its hash
-        self._parent_of: dict[int, int | None] = {}  # registered block id -> parent's hash (None: chain head)
-        self._block_of: dict[int, int] = {}  # hash -> its first registered holder (what lookups return)
-        self._dups: dict[int, list[int]] = {}  # hash -> its later holders, in registration order (rare)
-        self._children: dict[int, set[int]] = {}  # hash -> registered block ids whose parent it is
+        self._index = PrefixIndex()
         self._draining: set[int] = set()  # blocks marked to leave (drain); those with no reference are drained
         self._drained: set[int] = set()  # draining blocks with no reference: out of both free queues
         self.num_evicted_blocks = 0  # lifetime counter, for metrics
         # Bumped whenever blocks become free or are added: a caller that failed to allocate can skip retrying
         # until it changes (the scheduler's blocked queue head).
         self.free_version = 0
-        self._no_preferred_cached_at = -1  # free_version at which evict_preferred found no candidate
+        self._no_device_cached_at = -1  # free_version at which evict_device found no candidate
         self.add_blocks(block_ids)
+        if host_tier is not None:
+            self.add_blocks(host_tier.ids())
 
     # ---- counts -------------------------------------------------------------------------------------------
     @property
@@ -84,11 +117,11 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._uncached_free) + len(self._cached_free)
+        return len(self._uncached_free) + len(self._host_free) + len(self._cached_free)
 
     @property
     def num_uncached_free_blocks(self) -> int:
-        return len(self._uncached_free)
+        return len(self._uncached_free) + len(self._host_free)
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -96,7 +129,7 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._ref_cnt) - len(self._uncached_free) - len(self._cached_free) - len(self._drained)
+        return len(self._ref_cnt) - self.num_free_blocks - len(self._drained)
 
     @property
     def num_drained_blocks(self) -> int:
@@ -106,7 +139,7 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         """Registered blocks, in use or free (duplicates included)."""
-        return len(self._hash_of)
+        return len(self._index)
 
     def block_ids(self) -> list[int]:
         return sorted(self._ref_cnt)
@@ -121,56 +154,74 @@ class BlockPool:
     def is_draining(self, block_id: int) -> bool:
         return block_id in self._draining
 
+    def is_host(self, block_id: int) -> bool:
+        return self.host_tier is not None and self.host_tier.holds(block_id)
+
     def num_free_among(self, block_ids: Iterable[int]) -> int:
         """How many of the given blocks are free (e.g. a request's protected prefix hits)."""
         ref_cnt = self._ref_cnt
         return sum(1 for b in block_ids if ref_cnt[b] == 0)
 
     def block_hash(self, block_id: int) -> int | None:
-        return self._hash_of.get(block_id)
+        return self._index.hash_of(block_id)
 
     def cached_free_block_ids(self) -> list[int]:
         """Cached-but-free blocks in eviction order (next victim first)."""
         return list(self._cached_free)
 
     def uncached_free_block_ids(self) -> list[int]:
-        """Uncached free blocks in allocation order."""
-        return list(self._uncached_free)
+        """Uncached free blocks in allocation order (device blocks first)."""
+        return [*self._uncached_free, *self._host_free]
+
+    def _uncached_queue(self, block_id: int) -> OrderedDict[int, None]:
+        tier = self.host_tier
+        return self._host_free if tier is not None and tier.holds(block_id) else self._uncached_free
+
+    def _release_uncached(self, block_id: int) -> None:
+        """An uncached block becomes free outside ``free``: a device block of a two-tier pool to the head of its
+        queue (allocated next), any other to the tail."""
+        tier = self.host_tier
+        if tier is None:
+            self._uncached_free[block_id] = None
+        elif tier.holds(block_id):
+            self._host_free[block_id] = None
+        else:
+            self._uncached_free[block_id] = None
+            self._uncached_free.move_to_end(block_id, last=False)
 
     # ---- allocation and references ------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[int] | None:
-        """Take ``num_blocks`` uncached free blocks (ref count 1 each), or return None and change nothing."""
-        if num_blocks > len(self._uncached_free):
+        """Take ``num_blocks`` uncached free blocks (ref count 1 each), device blocks first, or return None and
+        change nothing."""
+        device, host = self._uncached_free, self._host_free
+        if num_blocks > len(device) + len(host):
             return None
-        pop = self._uncached_free.popitem
         ref_cnt = self._ref_cnt
         out = []
         for _ in range(num_blocks):
-            block_id = pop(last=False)[0]
+            block_id = (device if device else host).popitem(last=False)[0]
             ref_cnt[block_id] = 1
             out.append(block_id)
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on each block (cache hits); a free block leaves its free queue."""
-        ref_cnt, hash_of = self._ref_cnt, self._hash_of
-        cached_free, uncached_free = self._cached_free, self._uncached_free
+        ref_cnt, index, cached_free = self._ref_cnt, self._index, self._cached_free
         for block_id in block_ids:
             count = ref_cnt[block_id]
             if count == 0:
-                if block_id in hash_of:
+                if block_id in index:
                     del cached_free[block_id]
                 else:
-                    del uncached_free[block_id]
+                    del self._uncached_queue(block_id)[block_id]
             ref_cnt[block_id] = count + 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given. At zero a cached block joins the tail of the LRU
-        queue; the uncached ones of this call go, in the order given, to the head of the uncached queue (a host
-        block of a two-tier pool to its tail, behind every device block)."""
-        ref_cnt, prefer = self._ref_cnt, self.preferred_below
-        hash_of, cached_free, uncached_free = self._hash_of, self._cached_free, self._uncached_free
-        draining = self._draining
+        queue; the uncached device blocks of this call go, in the order given, to the head of their queue, the
+        host ones to the tail of theirs."""
+        ref_cnt, tier, index = self._ref_cnt, self.host_tier, self._index
+        cached_free, uncached_free, draining = self._cached_free, self._uncached_free, self._draining
         self.free_version += 1
         first: list[int] = []
         for block_id in block_ids:
@@ -181,12 +232,13 @@ class BlockPool:
             if count == 0:
                 if draining and block_id in draining:
                     self._drain_free_block(block_id)
-                elif block_id in hash_of:
+                elif block_id in index:
                     cached_free[block_id] = None
+                elif tier is not None and tier.holds(block_id):
+                    self._host_free[block_id] = None
                 else:
                     uncached_free[block_id] = None
-                    if prefer is None or block_id < prefer:
-                        first.append(block_id)
+                    first.append(block_id)
         for block_id in reversed(first):
             uncached_free.move_to_end(block_id, last=False)
 
@@ -202,62 +254,25 @@ class BlockPool:
         return self.cache_chain([block_id, block_id], [parent_hash, block_hash], 1, 2) == 1
 
     def cache_chain(self, block_ids: Sequence[int], block_hashes: Sequence[int], start: int, end: int) -> int:
-        """Register blocks ``start..end-1`` of one chain (block i under hash i, parent hash i-1, none for i = 0),
-        each as ``cache_block`` describes; returns how many were registered. The scheduler's hot path."""
+        """Register blocks ``start..end-1`` of one chain (``PrefixIndex.register_chain``); a free block among them
+        moves to the cached queue. Returns how many were registered. The scheduler's hot path."""
         if not self.enable_caching:
             return 0
-        registered = 0
-        block_of, hash_of, parent_of, ref_cnt = self._block_of, self._hash_of, self._parent_of, self._ref_cnt
-        children = self._children
-        parent_hash = block_hashes[start - 1] if start else None
-        for i in range(start, end):
-            block_hash = block_hashes[i]
-            block_id = block_ids[i]
-            if parent_hash is not None and parent_hash not in block_of:
-                parent_hash = block_hash
-                continue
-            if block_id in hash_of:
-                if hash_of[block_id] == block_hash:  # (a hit registered again: already there)
-                    parent_hash = block_hash
-                    continue
-                raise ValueError(f"block {block_id} is already cached under another hash")
-            hash_of[block_id] = block_hash
-            parent_of[block_id] = parent_hash
-            if block_hash in block_of:
-                self._dups.setdefault(block_hash, []).append(block_id)
-            else:
-                block_of[block_hash] = block_id
-            if parent_hash is not None:
-                kids = children.get(parent_hash)
-                if kids is None:
-                    children[parent_hash] = {block_id}
-                else:
-                    kids.add(block_id)
+        registered = self._index.register_chain(block_ids, block_hashes, start, end)
+        ref_cnt = self._ref_cnt
+        for block_id in registered:
             if ref_cnt[block_id] == 0:
-                del self._uncached_free[block_id]
+                del self._uncached_queue(block_id)[block_id]
                 self._cached_free[block_id] = None
-                self._no_preferred_cached_at = -1  # a cached-free block appeared without a free()
-            registered += 1
-            parent_hash = block_hash
-        return registered
+                self._no_device_cached_at = -1  # a cached-free block appeared without a free()
+        return len(registered)
 
     def registered_descendants(self, block_id: int, limit: int | None = None,
                                skip: Collection[int] = ()) -> list[int]:
         """Registered blocks whose chains pass through this one: what evicting it invalidates besides itself
         (nothing while another block holds its hash). Stops after ``limit`` blocks when given; does not enter
         blocks in ``skip`` (already accounted for)."""
-        block_hash = self._hash_of.get(block_id)
-        if block_hash is None or block_hash in self._dups:
-            return []
-        stack = list(self._children.get(block_hash, ()))
-        out = []
-        while stack and (limit is None or len(out) < limit):
-            child = stack.pop()
-            if child in skip:
-                continue
-            out.append(child)
-            stack.extend(self._children.get(self._hash_of[child], ()))
-        return out
+        return self._index.descendants(block_id, limit, skip)
 
     def peek_victims(self, num_blocks: int, protect: Collection[int] = ()) -> list[int]:
         """The cached-free blocks ``evict(num_blocks, protect)`` would take first (heads of cascades), in order.
@@ -271,23 +286,11 @@ class BlockPool:
         return out
 
     def lookup(self, block_hash: int) -> int | None:
-        return self._block_of.get(block_hash)
+        return self._index.lookup(block_hash)
 
     def lookup_chain(self, block_hashes: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached prefix of ``block_hashes`` (a chain; no references taken).
-
-        Binary search: every registered block's parent hash is registered, so along one chain the registered
-        hashes form a prefix. O(log n) lookups for agent contexts of tens of thousands of blocks.
-        """
-        block_of = self._block_of
-        lo, hi = 0, len(block_hashes)  # invariant: hashes[:lo] all registered, hashes[hi:] none
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if block_hashes[mid] in block_of:
-                lo = mid + 1
-            else:
-                hi = mid
-        return [block_of[h] for h in block_hashes[:lo]]
+        """Block ids of the longest cached prefix of ``block_hashes`` (a chain; no references taken)."""
+        return self._index.lookup_chain(block_hashes)
 
     def evict(self, num_blocks: int, protect: Collection[int] = ()) -> list[int]:
         """Uncache at least ``num_blocks`` cached-free blocks (fewer only if there are not that many), head of the
@@ -310,41 +313,34 @@ class BlockPool:
                 self._uncache_chain(block_id, evicted)
         return evicted
 
-    def num_preferred_uncached(self, limit: int) -> int:
-        """Uncached free blocks below ``preferred_below``, counted up to ``limit`` (they head the queue)."""
-        bound, n = self.preferred_below, 0
-        if bound is None:
-            return 0
-        for block_id in self._uncached_free:
-            if n >= limit or block_id >= bound:
-                break
-            n += 1
-        return n
+    def num_device_uncached(self, limit: int) -> int:
+        """Uncached free device blocks of a two-tier pool, counted up to ``limit`` (0 without a tier)."""
+        return min(len(self._uncached_free), limit) if self.host_tier is not None else 0
 
-    def num_preferred_cached(self, limit: int, scan: int = 4096) -> int:
-        """Cached-free blocks below ``preferred_below`` among the ``scan`` oldest cached-free blocks, counted up to
-        ``limit``: what ``evict_preferred`` with the same ``scan`` could uncache (before protection)."""
-        bound, n = self.preferred_below, 0
-        if bound is None or limit <= 0 or self._no_preferred_cached_at == self.free_version:
+    def num_device_cached(self, limit: int, scan: int = 4096) -> int:
+        """Cached-free device blocks among the ``scan`` oldest cached-free blocks, counted up to ``limit``: what
+        ``evict_device`` with the same ``scan`` could uncache (before protection)."""
+        tier, n = self.host_tier, 0
+        if tier is None or limit <= 0 or self._no_device_cached_at == self.free_version:
             return 0
         for block_id in islice(self._cached_free, scan):
-            if block_id < bound:
+            if not tier.holds(block_id):
                 n += 1
                 if n >= limit:
                     break
         return n
 
-    def evict_preferred(self, num_blocks: int, protect: Collection[int] = (), scan: int = 4096) -> list[int]:
-        """Uncache cached-free blocks below ``preferred_below`` (device blocks in a two-tier pool), least recently
-        used first, each with its registered descendants, until ``num_blocks`` of them are uncached or the ``scan``
-        oldest cached-free blocks are exhausted (a bound on the work: the queue mixes both tiers). ``protect`` as in
-        ``evict``. Returns every block that became uncached-free, of either tier."""
-        bound, cached_free, evicted = self.preferred_below, self._cached_free, []
-        if bound is None or num_blocks <= 0 or self._no_preferred_cached_at == self.free_version:
+    def evict_device(self, num_blocks: int, protect: Collection[int] = (), scan: int = 4096) -> list[int]:
+        """Uncache cached-free device blocks of a two-tier pool, least recently used first, each with its registered
+        descendants, until ``num_blocks`` of them are uncached or the ``scan`` oldest cached-free blocks are
+        exhausted (a bound on the work: the queue mixes both tiers). ``protect`` as in ``evict``. Returns every
+        block that became uncached-free, of either tier."""
+        tier, cached_free, evicted = self.host_tier, self._cached_free, []
+        if tier is None or num_blocks <= 0 or self._no_device_cached_at == self.free_version:
             return evicted
-        candidates = [b for b in islice(cached_free, scan) if b < bound]
+        candidates = [b for b in islice(cached_free, scan) if not tier.holds(b)]
         if not candidates:  # none can appear before a block is freed again (free_version): skip the scans till then
-            self._no_preferred_cached_at = self.free_version
+            self._no_device_cached_at = self.free_version
         protected = protect if isinstance(protect, (set, frozenset)) else set(protect)
         victims = [b for b in candidates if b not in protected]
         got = 0
@@ -354,129 +350,76 @@ class BlockPool:
             if block_id in cached_free:  # not uncached already by an earlier victim's cascade
                 start = len(evicted)
                 self._uncache_chain(block_id, evicted)
-                got += sum(1 for b in evicted[start:] if b < bound)
+                got += sum(1 for b in evicted[start:] if not tier.holds(b))
         return evicted
 
     def promote(self, block_id: int) -> int | None:
-        """Move a free cached block's registration — its hash and its place in its chain — to the first uncached
-        free block below ``preferred_below`` (a device block, in a two-tier pool), and return that block; the old
-        one becomes uncached. The caller copies the content (the engine at the start of the step, the replay by
-        charging the copy). Its registered descendants stay: their parent hash is unchanged. None, changing
-        nothing, when the block is in use (a block registered this step may not be computed yet), not cached, or
-        no such free block is left."""
-        bound = self.preferred_below
-        if bound is None or self._ref_cnt.get(block_id) != 0 or block_id not in self._hash_of:
+        """Move a free cached host block's registration — its hash and its place in its chain — to the first
+        uncached free device block, and return that block; the old one becomes uncached. The caller copies the
+        content (the engine at the start of the step, the replay by charging the copy). Its registered descendants
+        stay: their parent hash is unchanged. None, changing nothing, without a tier, when the block is in use (a
+        block registered this step may not be computed yet), not cached, or no device block is free."""
+        if self.host_tier is None or self._ref_cnt.get(block_id) != 0 or block_id not in self._index:
             return None
         target = next(iter(self._uncached_free), None)
-        if target is None or target >= bound:
+        if target is None:
             return None
-        block_hash, parent_hash = self._hash_of.pop(block_id), self._parent_of.pop(block_id)
-        self._hash_of[target], self._parent_of[target] = block_hash, parent_hash
-        if self._block_of[block_hash] == block_id:
-            self._block_of[block_hash] = target
-        else:
-            dups = self._dups[block_hash]
-            dups[dups.index(block_id)] = target
-        if parent_hash is not None:
-            siblings = self._children[parent_hash]
-            siblings.discard(block_id)
-            siblings.add(target)
+        self._index.move(block_id, target)
         del self._cached_free[block_id], self._uncached_free[target]
         self._cached_free[target] = None
-        self._uncached_free[block_id] = None
-        if block_id < bound:
-            self._uncached_free.move_to_end(block_id, last=False)
-        self._no_preferred_cached_at = -1  # a cached-free device block appeared
+        self._release_uncached(block_id)
+        self._no_device_cached_at = -1  # a cached-free device block appeared
         return target
 
     def uncache(self, block_id: int) -> list[int]:
         """Unregister one block and every registered descendant, in use or free (a block in use stays with its
         holders, now private). Returns the free ones, which join the uncached queue. A block not registered: []."""
         evicted: list[int] = []
-        if block_id in self._hash_of:
+        if block_id in self._index:
             self._uncache_chain(block_id, evicted)
         return evicted
 
     def _evict_from_head(self, num_blocks: int, evicted: list[int]) -> None:
         """Unprotected eviction from the LRU head: leaves (the common case) inline, others through the cascade."""
-        cached_free, children, hash_of, block_of = self._cached_free, self._children, self._hash_of, self._block_of
-        dups = self._dups
-        uncached_free, pop_head = self._uncached_free, cached_free.popitem
-        parent_pop, append = self._parent_of.pop, evicted.append
-        prefer = self.preferred_below
+        cached_free, index, pop_head = self._cached_free, self._index, self._cached_free.popitem
+        release, append = self._release_uncached, evicted.append
         num_leaves = 0
         while len(evicted) < num_blocks and cached_free:
             block_id = pop_head(False)[0]
-            block_hash = hash_of[block_id]
-            if block_hash in children or block_hash in dups:  # back to the head, then the general path
+            if not index.is_sole_leaf(block_id):  # back to the head, then the general path
                 cached_free[block_id] = None
                 cached_free.move_to_end(block_id, last=False)
                 self._uncache_chain(block_id, evicted)
                 continue
-            del hash_of[block_id], block_of[block_hash]
-            parent_hash = parent_pop(block_id)
-            if parent_hash is not None:
-                siblings = children[parent_hash]
-                if len(siblings) == 1:
-                    del children[parent_hash]
-                else:
-                    siblings.discard(block_id)
-            uncached_free[block_id] = None
-            if prefer is not None and block_id < prefer:
-                uncached_free.move_to_end(block_id, last=False)
+            index.unregister_leaf(block_id)
+            release(block_id)
             append(block_id)
             num_leaves += 1
         self.num_evicted_blocks += num_leaves
 
     def _uncache_chain(self, block_id: int, evicted: list[int]) -> None:
-        stack = [block_id]
-        while stack:
-            block_id = stack.pop()
-            block_hash = self._hash_of.pop(block_id)
-            parent_hash = self._parent_of.pop(block_id)
-            siblings = self._children.get(parent_hash) if parent_hash is not None else None
-            if siblings is not None:  # None when the parent was uncached in this same cascade
-                siblings.discard(block_id)
-                if not siblings:
-                    del self._children[parent_hash]
-            if not self._drop_holder(block_hash, block_id):  # its last holder: the chain after it is lost
-                stack.extend(self._children.pop(block_hash, ()))
-            if self._ref_cnt[block_id] == 0:
+        ref_cnt = self._ref_cnt
+        for block_id in self._index.unregister_chain(block_id):
+            if ref_cnt[block_id] == 0:
                 del self._cached_free[block_id]
-                self._uncached_free[block_id] = None
-                if self.preferred_below is not None and block_id < self.preferred_below:
-                    self._uncached_free.move_to_end(block_id, last=False)
+                self._release_uncached(block_id)
                 evicted.append(block_id)
                 self.num_evicted_blocks += 1
 
-    def _drop_holder(self, block_hash: int, block_id: int) -> bool:
-        """Take ``block_id`` off the holders of ``block_hash``; True while another block still holds it."""
-        dups = self._dups.get(block_hash)
-        if dups is None:
-            del self._block_of[block_hash]
-            return False
-        if self._block_of[block_hash] == block_id:
-            self._block_of[block_hash] = dups.pop(0)
-        else:
-            dups.remove(block_id)
-        if not dups:
-            del self._dups[block_hash]
-        return True
-
     # ---- growth and shrink --------------------------------------------------------------------------------
     def add_blocks(self, block_ids: Iterable[int]) -> None:
-        """New block ids join the tail of the uncached free queue (preferred ids: its head, in the order given)."""
+        """New block ids join the tail of their uncached free queue (device ids of a two-tier pool: its head, in
+        the order given)."""
         new_ids = list(block_ids)
         clash = [b for b in new_ids if b in self._ref_cnt]
         if clash or len(set(new_ids)) != len(new_ids):
             raise ValueError(f"block ids already in the pool or repeated: {sorted(set(clash))[:8]}")
         for block_id in new_ids:
             self._ref_cnt[block_id] = 0
-            self._uncached_free[block_id] = None
-        prefer = self.preferred_below
-        if prefer is not None:
+            self._uncached_queue(block_id)[block_id] = None
+        if self.host_tier is not None:
             for block_id in reversed(new_ids):
-                if block_id < prefer:
+                if not self.host_tier.holds(block_id):
                     self._uncached_free.move_to_end(block_id, last=False)
         self.free_version += 1
 
@@ -489,13 +432,13 @@ class BlockPool:
             return False
         evicted: list[int] = []
         for block_id in ids:
-            if block_id in self._hash_of:
+            if block_id in self._index:
                 self._uncache_chain(block_id, evicted)
         for block_id in ids:
             if block_id in self._drained:
                 self._drained.remove(block_id)
             else:
-                del self._uncached_free[block_id]
+                del self._uncached_queue(block_id)[block_id]
             self._draining.discard(block_id)
             del ref_cnt[block_id]
         return True
@@ -515,60 +458,44 @@ class BlockPool:
 
     def undrain(self, block_ids: Iterable[int]) -> None:
         """Cancel a drain: drained blocks rejoin the uncached free queue (their cached content is gone)."""
-        prefer = self.preferred_below
         for block_id in block_ids:
             if block_id not in self._draining:
                 continue
             self._draining.remove(block_id)
             if block_id in self._drained:
                 self._drained.remove(block_id)
-                self._uncached_free[block_id] = None
-                if prefer is not None and block_id < prefer:
-                    self._uncached_free.move_to_end(block_id, last=False)
+                self._release_uncached(block_id)
         self.free_version += 1
 
     def _drain_free_block(self, block_id: int) -> None:
         """A draining block with no reference leaves its free queue (uncached first if it holds a prefix)."""
-        if block_id in self._hash_of:
+        if block_id in self._index:
             self._cached_free[block_id] = None  # (already there unless it was just released)
             self._uncache_chain(block_id, [])  # an eviction, descendants included; lands in the uncached queue
-        self._uncached_free.pop(block_id, None)  # (not there if it was just released uncached)
+        self._uncached_queue(block_id).pop(block_id, None)  # (not there if it was just released uncached)
         self._drained.add(block_id)
 
     # ---- checks -------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if the books disagree with each other."""
-        uncached, cached = set(self._uncached_free), set(self._cached_free)
-        assert not uncached & cached, f"blocks in both free queues: {sorted(uncached & cached)[:8]}"
-        drained = self._drained
+        device, host, cached = set(self._uncached_free), set(self._host_free), set(self._cached_free)
+        uncached = device | host
+        assert not device & host and not uncached & cached, "a block sits in two free queues"
+        tier = self.host_tier
+        assert all(tier is not None and tier.holds(b) for b in host), "a device block sits in the host queue"
+        assert tier is None or not any(tier.holds(b) for b in device), "a host block sits in the device queue"
+        drained, index = self._drained, self._index
         assert drained <= self._draining <= set(self._ref_cnt), "drain books name blocks the pool does not own"
         assert not drained & (uncached | cached), "a drained block is still in a free queue"
         for block_id in drained:
-            assert block_id not in self._hash_of, f"drained block {block_id} holds a hash"
+            assert block_id not in index, f"drained block {block_id} holds a hash"
         for block_id, count in self._ref_cnt.items():
             assert count >= 0, f"block {block_id} has ref count {count}"
             free = block_id in uncached or block_id in cached or block_id in drained
             assert free == (count == 0), f"block {block_id}: ref count {count} but free={free}"
             if block_id in cached:
-                assert block_id in self._hash_of, f"cached-free block {block_id} has no hash"
+                assert block_id in index, f"cached-free block {block_id} has no hash"
             if block_id in uncached:
-                assert block_id not in self._hash_of, f"uncached-free block {block_id} has a hash"
+                assert block_id not in index, f"uncached-free block {block_id} has a hash"
         assert uncached | cached <= set(self._ref_cnt), "free queue holds a block the pool does not own"
-        if self.preferred_below is not None:
-            tiers = [b >= self.preferred_below for b in self._uncached_free]
-            assert tiers == sorted(tiers), "a preferred uncached free block sits behind a non-preferred one"
-        num_dups = sum(len(d) for d in self._dups.values())
-        assert len(self._block_of) + num_dups == len(self._hash_of) == len(self._parent_of), "hash maps differ"
-        for block_hash, dups in self._dups.items():
-            assert dups and self._block_of[block_hash] not in dups, f"duplicate holders of {block_hash} are off"
-        for block_id, block_hash in self._hash_of.items():
-            assert (self._block_of[block_hash] == block_id or block_id in self._dups.get(block_hash, ())), (
-                f"hash of block {block_id} maps elsewhere")
-            parent_hash = self._parent_of[block_id]
-            if parent_hash is not None:
-                assert parent_hash in self._block_of, f"block {block_id}'s parent hash is not registered"
-                assert block_id in self._children[parent_hash], f"block {block_id} missing from its parent's children"
-        for parent_hash, children in self._children.items():
-            assert children, f"empty child set under {parent_hash}"
-            for child in children:
-                assert self._parent_of[child] == parent_hash, f"child {child} has another parent"
+        index.check_invariants()

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from moetide.core.blocks import HostTier
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.request import Request
 
@@ -38,10 +39,10 @@ class HostAdmission:
     """The bound's rule over one ``KVCacheManager`` with a two-tier pool (module docstring)."""
 
     def __init__(self, kv: KVCacheManager) -> None:
-        if kv.pool.preferred_below is None:
-            raise ValueError("a bound on host KV needs a two-tier pool (BlockPool(preferred_below=...))")
+        if kv.pool.host_tier is None:
+            raise ValueError("a bound on host KV needs a two-tier pool (BlockPool(host_tier=...))")
         self.kv = kv
-        self.first_host: int = kv.pool.preferred_below
+        self.tier: HostTier = kv.pool.host_tier
         self.num_promoted = 0  # host prefix hits past the bound copied to device blocks
         self.num_dropped = 0  # ... recomputed instead: from a host hit in use on
 
@@ -49,18 +50,18 @@ class HostAdmission:
               out: SchedulerOutput) -> list[int] | None:
         """The prefix hits with which ``request`` can be admitted beside ``running`` under ``bound`` host blocks
         held; None: it waits. Evictions are added to ``out.num_evicted_blocks``, copies to ``out.promoted``."""
-        kv, first_host = self.kv, self.first_host
+        kv, holds = self.kv, self.tier.holds
         bs = kv.block_size
         running_pending = sum(max(-(-r.num_tokens // bs) - kv.num_held_blocks(r.request_id), 0) for r in running)
         evict = self._evictions(request, hits, running_pending, bound)
         if evict is None:
-            cut = next((i for i, b in enumerate(hits) if b >= first_host), None)
+            cut = next((i for i, b in enumerate(hits) if holds(b)), None)
             if cut is not None:  # as _promote will do: its free host hits take device blocks, and from the
                 # first host hit in use on the prefix is recomputed, so only device hits before that are kept
                 pool = kv.pool
                 end = next((i for i in range(cut, len(hits))
-                            if hits[i] >= first_host and not pool.is_free(hits[i])), len(hits))
-                device_hits = [b for b in hits[:end] if b < first_host]
+                            if holds(hits[i]) and not pool.is_free(hits[i])), len(hits))
+                device_hits = [b for b in hits[:end] if not holds(b)]
                 evict = self._evictions(request, device_hits, running_pending, bound, protect=hits)
             if evict is not None:  # promotion takes uncached device blocks: evict now, in either mode
                 self._evict_device(evict, hits, out)
@@ -73,7 +74,7 @@ class HostAdmission:
         return hits
 
     def _evict_device(self, num_blocks: int, protect: list[int], out: SchedulerOutput) -> None:
-        out.num_evicted_blocks += len(self.kv.pool.evict_preferred(num_blocks, protect=protect))
+        out.num_evicted_blocks += len(self.kv.pool.evict_device(num_blocks, protect=protect))
 
     def _promote(self, hits: list[int], cut: int, out: SchedulerOutput) -> list[int]:
         """Hits from ``cut`` on, moved to the device: each free host hit's registration goes to a free device block
@@ -81,11 +82,11 @@ class HostAdmission:
         free device block is left, the remaining hits stay where they are (recomputing them would only write them
         to the host again). A host hit in use by another request may not be written yet, so it cannot be copied:
         from it on the prefix is uncached, with the rest of its chain, and recomputed."""
-        pool, first_host = self.kv.pool, self.first_host
+        pool, holds = self.kv.pool, self.tier.holds
         kept = hits[:cut]
         for i in range(cut, len(hits)):
             block_id = hits[i]
-            if block_id < first_host:
+            if not holds(block_id):
                 kept.append(block_id)
                 continue
             if not pool.is_free(block_id):
@@ -107,14 +108,14 @@ class HostAdmission:
         None if evicting every one it may is not enough. ``running_pending``: the running requests' prompt blocks
         still to allocate. ``alone``: as many as keep its own prompt off the host. ``protect``: the request's hits,
         when ``hits`` is a part of them (never evicted)."""
-        kv, first_host = self.kv, self.first_host
+        kv, holds = self.kv, self.tier.holds
         pool = kv.pool
         own = -(-request.num_tokens // kv.block_size) - len(hits) + kv.num_state_blocks_per_request
         pending = running_pending + own
-        device = pool.num_preferred_uncached(pending)
-        free_device_hits = pool.num_free_among(b for b in (hits if protect is None else protect) if b < first_host)
-        evictable = max(pool.num_preferred_cached(max(pending - device, 0) + free_device_hits) - free_device_hits, 0)
-        host_hits = len(hits) - sum(1 for b in hits if b < first_host)
+        device = pool.num_device_uncached(pending)
+        free_device_hits = pool.num_free_among(b for b in (hits if protect is None else protect) if not holds(b))
+        evictable = max(pool.num_device_cached(max(pending - device, 0) + free_device_hits) - free_device_hits, 0)
+        host_hits = len(hits) - sum(1 for b in hits if not holds(b))
         # e evictions: the total stays within the bound when held + host hits + (pending - device - e) <= bound;
         # the request adds nothing when it has no host hit and every pending block fits on the device
         options = [max(pending - device, 0)] if host_hits == 0 or alone else []

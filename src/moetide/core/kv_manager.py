@@ -51,15 +51,14 @@ class KVCacheManager:
                                   or mamba.block_size != block_size):
             raise ValueError("mamba states replace num_state_blocks_per_request and share the pool and block size")
         self.mamba = mamba
-        # Two-tier pool (``BlockPool.preferred_below``): by default new KV spills to the host once no uncached device
+        # Two-tier pool (``BlockPool.host_tier``): by default new KV spills to the host once no uncached device
         # block is free, and cached device prefixes stay. With this set, the least recently used cached device
-        # prefixes are evicted first (``BlockPool.evict_preferred``, never the request's own hits), so running
+        # prefixes are evicted first (``BlockPool.evict_device``, never the request's own hits), so running
         # contexts stay on the device and only what no longer fits there spills.
         self.evict_device_prefixes = evict_device_prefixes
-        # Two-tier pool: how many host blocks (ids from ``preferred_below``) each request holds, state blocks
-        # included, and their total. A block shared by two requests counts twice: each attends it every step (the
-        # scheduler's host bound).
-        self._host_from = pool.preferred_below
+        # Two-tier pool: how many host blocks each request holds, state blocks included, and their total. A block
+        # shared by two requests counts twice: each attends it every step (the scheduler's host bound).
+        self._host_tier = pool.host_tier
         self._num_host: dict[str, int] = {}
         self.num_host_blocks_held = 0
         self._blocks: dict[str, list[int]] = {}
@@ -153,13 +152,13 @@ class KVCacheManager:
             request_id, num_new_tokens, num_computed_tokens, len(new_computed_blocks)
         )
         if self.evict_device_prefixes and 0 < num_new <= self.pool.num_uncached_free_blocks:  # it will succeed
-            short = num_new - self.pool.num_preferred_uncached(num_new)
+            short = num_new - self.pool.num_device_uncached(num_new)
             if short > 0:  # device blocks before host ones: the least recently used device prefixes go first
-                self.pool.evict_preferred(short, protect=new_computed_blocks)
+                self.pool.evict_device(short, protect=new_computed_blocks)
         new_blocks = self.pool.allocate(num_new)
         if new_blocks is None:
             return None
-        if self._host_from is not None:  # state blocks included: they are read every step too
+        if self._host_tier is not None:  # state blocks included: they are read every step too
             self._count_host(request_id, new_computed_blocks, new_blocks)
         if mamba is not None:  # the groups' blocks first, as vLLM's coordinator allocates them
             if request_id not in self._blocks:
@@ -186,8 +185,7 @@ class KVCacheManager:
         return new_blocks
 
     def _count_host(self, request_id: str, *block_lists: Sequence[int]) -> None:
-        first = self._host_from
-        n = sum(1 for blocks in block_lists for b in blocks if b >= first)  # type: ignore[operator]
+        n = sum(self._host_tier.count(blocks) for blocks in block_lists)  # type: ignore[union-attr]
         if n:
             self._num_host[request_id] = self._num_host.get(request_id, 0) + n
             self.num_host_blocks_held += n
@@ -265,9 +263,8 @@ class KVCacheManager:
         holders: dict[int, int] = {}
         for request_id, blocks in self._blocks.items():
             assert len(set(blocks)) == len(blocks), f"request {request_id!r} holds a block twice: {blocks}"
-            if self._host_from is not None:
-                held = [*blocks, *self._state_blocks.get(request_id, ())]
-                num_host = sum(1 for b in held if b >= self._host_from)
+            if self._host_tier is not None:
+                num_host = self._host_tier.count([*blocks, *self._state_blocks.get(request_id, ())])
                 assert self._num_host.get(request_id, 0) == num_host, f"request {request_id!r}: host count is off"
         assert self.num_host_blocks_held == sum(self._num_host.values()), "host block total is off"
         mamba = [self.mamba.blocks(rid) for rid in self._blocks] if self.mamba is not None else []

@@ -135,7 +135,7 @@ class Scheduler:
         self.num_evicted_blocks = 0
         self.num_host_bound_waits = 0  # admissions deferred by max_host_blocks_held
         # two-tier pool: the rule of config.max_host_blocks_held (read each admission, so the bound may change)
-        self.host_admission = HostAdmission(kv) if kv.pool.preferred_below is not None else None
+        self.host_admission = HostAdmission(kv) if kv.pool.host_tier is not None else None
         self._blocked: BlockedAdmission | None = None
         self._threshold = config.long_prefill_token_threshold  # this step's (schedule() drops it for a lone request)
 

@@ -15,7 +15,7 @@ given; per-expert touch rates); they need ``max_offload_ratio`` > 0 (0.15 by def
 
 Host KV (``kv_host_bytes`` > 0, WriteScope's engine half): that many bytes of whole KV blocks in host memory
 (``engine.host_kv``; pinned on CUDA), numbered after every arena id and added to the same pool, which allocates
-device blocks first (``BlockPool(preferred_below=...)``); the arena sees only its own ids. Attention is then the
+device blocks first (``BlockPool(host_tier=...)``); the arena sees only its own ids. Attention is then the
 split backend (``engine.split_backend``) under the named split policy, on ``perf``'s costs for ``split_gpu`` and
 ``split_host`` (or a ``split_costs`` callable). With host KV the device KV budget may be 0: every block is a host
 block. Without it nothing changes: the paged backend, the arena's blocks only.
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from moetide.core.arena import Arena
-from moetide.core.blocks import BlockPool
+from moetide.core.blocks import BlockPool, HostTier
 from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, PressurePolicy, get_policy, start_offload
@@ -289,10 +289,9 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
         pool = BlockPool(arena.kv_block_ids(), enable_caching=caching)
         arena.attach_pool(pool)
     else:
-        first_host = host_kv.first_block_id
-        pool = BlockPool([*arena.kv_block_ids(), *host_kv.block_ids], enable_caching=caching,
-                         preferred_below=first_host)
-        arena.attach_pool(ArenaPoolView(pool, first_host))
+        pool = BlockPool(arena.kv_block_ids(), enable_caching=caching,
+                         host_tier=HostTier(host_kv.first_block_id, host_kv.num_blocks))
+        arena.attach_pool(ArenaPoolView(pool))
     state_layout = StateLayout.of(shapes, kv_layout.dtype)
     kv = KVCacheManager(pool, config.block_size,
                         num_state_blocks_per_request=state_layout.num_blocks(kv_layout.block_bytes),

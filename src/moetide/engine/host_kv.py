@@ -12,9 +12,9 @@ two happens is a per-step choice of the split policy; nothing is ever copied to 
 
 Block ids. Host blocks are numbered after every id the arena can ever hand out
 (``first_block_id = arena.config.num_block_ids``), so an id alone says where a block lives, for good: below
-``first_block_id`` it is in the arena, at or above it on the host. The engine's one ``BlockPool`` holds both kinds
-with ``preferred_below=first_block_id``, so device blocks are always allocated first and host blocks only once no
-uncached device block is free (``core.blocks``: two tiers; a cached device prefix is not evicted for new KV).
+``first_block_id`` it is in the arena, at or above it on the host. The engine's one ``BlockPool`` holds both kinds,
+the host ones as its ``HostTier(first_block_id, num_blocks)``, so device blocks are always allocated first and host
+blocks only once no uncached device block is free (``core.blocks``: two tiers; a cached device prefix is not evicted for new KV).
 ``ArenaPoolView`` shows the arena only its own ids.
 
 How this differs from ``core.splits.BlockPlacement``: there, once a sequence has one host block, all its later
@@ -135,11 +135,11 @@ class StagingRing:
 
 
 class ArenaPoolView:
-    """The arena's view of a pool that also holds host blocks: ``block_ids`` lists only the arena's own ids
-    (below ``first_host_block_id``); growth and shrink pass straight through (they only ever name arena ids)."""
+    """The arena's view of a pool that also holds host blocks: ``block_ids`` lists only the arena's own ids (the
+    pool's device blocks); growth and shrink pass straight through (they only ever name arena ids)."""
 
-    def __init__(self, pool, first_host_block_id: int) -> None:
-        self.pool, self.first_host_block_id = pool, first_host_block_id
+    def __init__(self, pool) -> None:
+        self.pool = pool
 
     def add_blocks(self, block_ids: Iterable[int]) -> None:
         self.pool.add_blocks(block_ids)
@@ -148,5 +148,5 @@ class ArenaPoolView:
         return self.pool.remove_blocks(block_ids)
 
     def block_ids(self) -> list[int]:
-        first = self.first_host_block_id
-        return [b for b in self.pool.block_ids() if b < first]
+        is_host = self.pool.is_host
+        return [b for b in self.pool.block_ids() if not is_host(b)]

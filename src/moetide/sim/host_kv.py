@@ -2,8 +2,8 @@
 
 With ``--kv-host-gib G`` the replay's pool gets a host tier, built as the engine builds its own
 (``engine.host_kv``): host block ids come after every id the device can ever use, and the pool is made with
-``preferred_below=`` the first of them, so device blocks are allocated first and host blocks only once no
-uncached device block is free (``core.blocks``, "Two tiers": a device block holding a cached prefix is not evicted
+that ``HostTier``, so device blocks are allocated first and host blocks only once no uncached device block is
+free (``core.blocks``, "Two tiers": a device block holding a cached prefix is not evicted
 for new KV, which spills instead). A request that would have been preempted for want of KV now gets host blocks
 instead; prefix hits on host blocks are used where they lie.
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
+from moetide.core.blocks import HostTier
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.split_planner import SplitStepper
 from moetide.core.splits import SeqResidency, SplitCosts
@@ -114,8 +115,8 @@ class HostKV:
         self._flags: dict[str, tuple[list[int], list[bool], int]] = {}
 
     @property
-    def host_block_ids(self) -> range:
-        return range(self.first_host_id, self.first_host_id + self.num_host_blocks)
+    def tier(self) -> HostTier:
+        return HostTier(self.first_host_id, self.num_host_blocks)
 
     def _costs(self, device_tokens: int, num_queries: int) -> SplitCosts:
         """``split_coefficients``, of which only g depends on the device-resident tokens: the rest is kept per
@@ -140,14 +141,14 @@ class HostKV:
         block list is one list that only grows while the request holds it (``KVCacheManager``; a preempted
         request gets a new one), so its flags are extended, not rebuilt: agent contexts hold thousands of blocks.
         Only the requests of this step are remembered."""
-        first, known, out = self.first_host_id, self._flags, []
+        holds, known, out = self.tier.holds, self._flags, []
         self._flags = {}
         for request_id, context in contexts:
             blocks = kv.get_blocks(request_id)
             cached = known.get(request_id)
             flags, num_host = (cached[1], cached[2]) if cached is not None and cached[0] is blocks else ([], 0)
             if len(flags) < len(blocks):
-                new = [b >= first for b in blocks[len(flags):]]
+                new = [holds(b) for b in blocks[len(flags):]]
                 flags.extend(new)
                 num_host += sum(new)
             self._flags[request_id] = (blocks, flags, num_host)

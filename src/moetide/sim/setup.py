@@ -204,8 +204,8 @@ def build_replay(
     if host_kv is None:
         pool = BlockPool(range(budget.num_blocks), enable_caching=config.enable_prefix_caching)
     else:  # device ids first (the ring's share of the budget left out), then the host tier's (sim.host_kv)
-        pool = BlockPool([*range(host_kv.num_device_blocks), *host_kv.host_block_ids],
-                         enable_caching=config.enable_prefix_caching, preferred_below=host_kv.first_host_id)
+        pool = BlockPool(range(host_kv.num_device_blocks), enable_caching=config.enable_prefix_caching,
+                         host_tier=host_kv.tier)
     mamba = mamba_states(model, config, pool, budget, host_kv)
     kv = KVCacheManager(pool, config.block_size,
                         num_state_blocks_per_request=0 if mamba else budget.state_blocks_per_request,

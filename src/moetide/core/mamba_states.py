@@ -103,6 +103,9 @@ class MambaStates:
         self.num_groups = num_groups
         self.retention_interval = retention_interval
         self._tables: dict[str, list[_Table]] = {}
+        # request -> the fewest computed tokens at which ``remove_skipped`` could release anything (``_due_at``);
+        # below it the call is a no-op, which is most decode steps. Dropped whenever a table changes.
+        self._due: dict[str, int] = {}
         self._allocated: set[str] = set()
         self._cached_this_step: set[int] = set()
 
@@ -131,15 +134,32 @@ class MambaStates:
     def remove_skipped(self, request_id: str, num_computed_tokens: int) -> None:
         """Release the states the request no longer needs (``remove_skipped_blocks``), group by group: the slots
         before the one holding token ``num_computed_tokens - 1`` (tail first), then the previous state."""
-        for t in self._tables.get(request_id, ()):
+        if num_computed_tokens < self._due.get(request_id, 0):
+            return
+        tables = self._tables.get(request_id, ())
+        for t in tables:
             older, previous, t.num_retired = self._stale(t, num_computed_tokens)
             if older:
                 self.pool.free([t.real.pop(i) for i in older])
             if previous is not None:
                 self.pool.free([t.real.pop(previous)])
+        if tables:
+            self._due[request_id] = min(self._due_at(t) for t in tables)
+
+    def _due_at(self, t: _Table) -> int:
+        """The fewest computed tokens at which ``_stale`` finds anything in this table as it stands: an older slot
+        needs ``(n - 1) // block_size`` past ``num_retired``, the previous state ``cdiv(n, block_size) - 1`` past
+        its slot."""
+        bs = self.block_size
+        due = (t.num_retired + 1) * bs + 1
+        if t.last_state is not None and t.last_state in t.real:
+            due = min(due, (t.last_state + 1) * bs + 1)
+        return due
 
     def num_stale(self, request_id: str, num_computed_tokens: int) -> int:
         """How many blocks ``remove_skipped`` with these tokens would release (0: nothing is due)."""
+        if num_computed_tokens < self._due.get(request_id, 0):
+            return 0
         n = 0
         for t in self._tables.get(request_id, ()):
             older, previous, _ = self._stale(t, num_computed_tokens)
@@ -173,6 +193,7 @@ class MambaStates:
     def take_hits(self, request_id: str, hit_states: Sequence[int], num_hit_blocks: int) -> None:
         """A new request's table: nulls, then its hit's state in slot ``num_hit_blocks - 1`` (referenced)."""
         tables = self._tables[request_id] = [_Table() for _ in range(self.num_groups)]
+        self._due.pop(request_id, None)
         if num_hit_blocks:
             self.pool.touch(hit_states)
             for t, block_id in zip(tables, hit_states):
@@ -183,6 +204,7 @@ class MambaStates:
         """Grow each group's table to ``num_tokens`` tokens with the blocks ``num_new_blocks`` counted, in group
         order (``MambaManager.allocate_new_blocks``)."""
         tables = self._tables.setdefault(request_id, [_Table() for _ in range(self.num_groups)])
+        self._due.pop(request_id, None)
         num_required = cdiv(num_tokens, self.block_size)
         was_allocated = request_id in self._allocated
         it = iter(new_blocks)
@@ -232,6 +254,7 @@ class MambaStates:
     def free(self, request_id: str) -> None:
         """Release a finished or preempted request's states, group by group, each table tail first."""
         self._allocated.discard(request_id)
+        self._due.pop(request_id, None)
         for t in self._tables.pop(request_id, ()):
             if t.real:
                 self.pool.free([t.real[i] for i in sorted(t.real, reverse=True)])

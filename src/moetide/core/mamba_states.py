@@ -108,15 +108,24 @@ class MambaStates:
         self._due: dict[str, int] = {}
         self._allocated: set[str] = set()
         self._cached_this_step: set[int] = set()
+        # attention block hashes after which some group's state was registered: a superset of those with a state
+        # still cached (the pool evicts states on its own), pruned when a lookup finds none left
+        self._state_after: set[int] = set()
 
     # ---- lookups --------------------------------------------------------------------------------------------
     def hit_blocks(self, block_hashes: Sequence[int], num_attention_hits: int) -> int:
         """Of a full-attention hit of ``num_attention_hits`` blocks, the longest prefix whose state is cached in
         every group (vLLM's right-to-left search)."""
-        lookup = self.pool.lookup
+        lookup, candidates = self.pool.lookup, self._state_after
         for i in range(num_attention_hits - 1, -1, -1):
-            if all(lookup(state_hash(block_hashes[i], g)) is not None for g in range(self.num_groups)):
+            block_hash = block_hashes[i]
+            if block_hash not in candidates:
+                continue
+            found = [lookup(state_hash(block_hash, g)) is not None for g in range(self.num_groups)]
+            if all(found):
                 return i + 1
+            if not any(found):
+                candidates.discard(block_hash)
         return 0
 
     def hit_states(self, block_hash: int) -> list[int]:
@@ -244,12 +253,14 @@ class MambaStates:
                 key = state_hash(block_hashes[i], g)
                 if self.pool.cache_block(block_id, key, None):
                     self._cached_this_step.add(key)
+                    self._state_after.add(block_hashes[i])
             t.num_cached = max(t.num_cached, num_full)
             if tail is not None and tail in t.real and tail < len(block_hashes):
                 key = state_hash(block_hashes[tail], g)
                 if self.pool.block_hash(t.real[tail]) != key:
                     self.pool.cache_block(t.real[tail], key, None)
                 self._cached_this_step.add(key)
+                self._state_after.add(block_hashes[tail])
 
     def free(self, request_id: str) -> None:
         """Release a finished or preempted request's states, group by group, each table tail first."""

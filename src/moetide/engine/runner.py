@@ -143,7 +143,7 @@ class StepOutput:
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None  # None while it runs; else as ``RequestOutput.finish_reason``, or "abort"
+    finish_reason: str | None  # None while it runs; else as ``RequestOutput.finish_reason``
 
 
 class Sampler:
@@ -158,7 +158,7 @@ class Sampler:
         self._params[request_id] = params
         if not params.greedy:
             seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
-            self._generators[request_id] = torch.Generator().manual_seed(seed)
+            self._generators[request_id] = torch.Generator().manual_seed(seed % 2**64)  # any int, as vLLM's
 
     def remove(self, request_id: str) -> None:
         self._params.pop(request_id, None)

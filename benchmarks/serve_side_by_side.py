@@ -4,8 +4,9 @@ Both servers are started here, each pinned to the same core (``taskset``), and s
 bench-serve client runs in this process on another core. Each round replays the same slice (same prompts, same
 arrival times) against one server, then the other (A, B, A, B, ...), after ``--warmup`` rounds each that are not
 reported. One JSON line per timed round per server (vLLM's metric names), then one line per metric with the median
-of each side, the spread (min, max) and the ratio moetide / vllm of the medians — withheld ("overlap") when the two
-sides' ranges overlap, since then the ratio is not a measurement.
+of each side, the spread (min, max), the ratio moetide / vllm of the medians — withheld ("overlap") when the two
+sides' ranges overlap, since then it is not a measurement — and the paired ratios (round i of moetide over round i
+of vllm, run back to back under the same load: min, median, max).
 
     .venv/bin/python benchmarks/serve_side_by_side.py --model /tmp/tiny --trace TRACE \\
         --vllm-python /work/venv-vllm/bin/python --max-requests 20 --length-scale 0.0625 --max-input-tokens 512 \\
@@ -118,9 +119,13 @@ def main() -> int:
             lo_b, hi_b = min(sides["vllm"]), max(sides["vllm"])
             median_a, median_b = statistics.median(sides["moetide"]), statistics.median(sides["vllm"])
             overlap = lo_a <= hi_b and lo_b <= hi_a
+            paired = sorted(a / b for a, b in zip(sides["moetide"], sides["vllm"]) if b)
             print(json.dumps({"metric": metric, "moetide": median_a, "moetide_min": lo_a, "moetide_max": hi_a,
                               "vllm": median_b, "vllm_min": lo_b, "vllm_max": hi_b,
-                              "ratio": "overlap" if overlap or not median_b else median_a / median_b}), flush=True)
+                              "ratio": "overlap" if overlap or not median_b else median_a / median_b,
+                              "paired_min": paired[0] if paired else None,
+                              "paired_median": statistics.median(paired) if paired else None,
+                              "paired_max": paired[-1] if paired else None}), flush=True)
     finally:
         for process in servers.values():
             process.terminate()

@@ -32,6 +32,7 @@ from moetide.engine.models.hooks import (
     StepBatch,
     StepContext,
 )
+from moetide.engine.models.ops import linear
 from moetide.engine.models.moe import MLP, SparseMoE  # MLP re-exported: the model files import it from here
 from moetide.specs.hf_config import ConfigReader
 
@@ -173,7 +174,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: StepContext, rope: Rope) -> Tensor:
         T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_proj.weight)  # [T, (Hq (·2) + 2·Hkv) · D]
+        qkv = linear(x, self.qkv_proj.weight)  # [T, (Hq (·2) + 2·Hkv) · D]
         gate = None
         if self.joint_qk:
             heads = qkv.view(T, Hq + 2 * Hkv, D)
@@ -198,7 +199,7 @@ class Attention(nn.Module):
         out = ctx.attention.attend(self.layer_id, q, k, v, ctx.batch, D**-0.5).reshape(T, -1)  # [T, Hq * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, self.o_proj.weight)
+        return linear(out, self.o_proj.weight)
 
     def _norm_qk(self, qk: Tensor) -> Tensor:
         """q_norm on the q heads and k_norm on the k heads of [T, Hq + Hkv, D], in one pass (plain RMSNorm)."""
@@ -272,7 +273,7 @@ class MoECausalLM(nn.Module):
         if not all_logits and ctx.batch.num_tokens != len(ctx.batch.seq_ids):  # else each token is a last one
             x = x[ctx.batch.last_token_indices(x.device)]  # [B, H]
         x = self.norm(x)
-        return F.linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     # ---- per-sequence state --------------------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ flash-linear-attention and causal-conv1d kernels):
   state [Hv, Dk, Dv]; output RMSNorm-ed per value head and gated by SiLU(z) (``GatedRMSNorm``), then out_proj.
   The rule runs chunked (transformers' ``torch_chunk_gated_delta_rule``) for multi-token pieces and recurrent
   (``torch_recurrent_gated_delta_rule``) for one-token pieces; sequences with the same number of new tokens in a
-  step are batched together.
+  step are batched together. One-token pieces on the CPU (fp32 or bf16) run conv, norms and rule in one native
+  call that updates each sequence's state where it lies (``engine.native.gdn_decode``; equal to fp32
+  round-off), instead of stacking the states and copying them back.
 - Every RMSNorm except the gated one is zero-centered: it scales by (1 + weight).
 - MoE as Qwen3-MoE plus a shared expert scaled by sigmoid(shared_expert_gate(x)).
 Released checkpoints also carry multi-token-prediction weights (``mtp.*``); inference ignores them, like
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moetide.engine import native
 from moetide.engine.models.common import (
     MLP,
     Attention,
@@ -37,6 +40,7 @@ from moetide.engine.models.common import (
     SparseMoE,
 )
 from moetide.engine.models.hooks import LinearStateShape, StepBatch, StepContext
+from moetide.engine.models.ops import linear
 from moetide.engine.models.qwen3_moe import Qwen3MoeEngineConfig
 from moetide.specs import LINEAR_ATTENTION
 from moetide.specs.hf_config import ConfigReader, model_from_hf_dict
@@ -187,10 +191,10 @@ class GatedDeltaNet(nn.Module):
         """x [T, H] -> mixed [q|k|v] [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv]. The projections are grouped
         per key head: [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] and [b (r), a (r)] with r = Hv / Hk."""
         T, r = x.shape[0], self.num_v_heads // self.num_k_heads
-        qkvz = self.in_proj_qkvz(x).view(T, self.num_k_heads, -1)
+        qkvz = linear(x, self.in_proj_qkvz.weight).view(T, self.num_k_heads, -1)
         q, k, v, z = torch.split(qkvz, [self.head_k_dim, self.head_k_dim, r * self.head_v_dim,
                                         r * self.head_v_dim], dim=-1)
-        b, a = torch.split(self.in_proj_ba(x).view(T, self.num_k_heads, 2 * r), [r, r], dim=-1)
+        b, a = torch.split(linear(x, self.in_proj_ba.weight).view(T, self.num_k_heads, 2 * r), [r, r], dim=-1)
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return mixed, z.reshape(T, self.num_v_heads, self.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
 
@@ -205,13 +209,17 @@ class GatedDeltaNet(nn.Module):
         for token_idx, seqs in _groups_by_length(ctx.batch, x.device):
             core[token_idx] = self._run_group(mixed[token_idx], beta[token_idx], g[token_idx], seqs, ctx)
         out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(out.view(T, -1))
+        return linear(out.view(T, -1), self.out_proj.weight)
 
     def _run_group(self, mixed: Tensor, beta: Tensor, g: Tensor, seqs: list[tuple[int, int]],
                    ctx: StepContext) -> Tensor:
         """B sequences with Ts new tokens each (rows sequence-major) -> core output [B*Ts, Hv, Dv]."""
         B, Ts, r = len(seqs), mixed.shape[0] // len(seqs), self.num_v_heads // self.num_k_heads
         states = [ctx.linear_states.state(self.layer_id, seq_id) for seq_id, _ in seqs]
+        if Ts == 1 and native.worth_it(mixed, B * self.num_v_heads * self.head_k_dim * self.head_v_dim * 3,
+                                       native.EXPERT_DTYPES) and all(native.gdn_state_readable(s) for s in states):
+            return native.gdn_decode(mixed, self.conv1d.weight, states, [computed == 0 for _, computed in seqs], g,
+                                     beta, self.num_k_heads, self.head_k_dim, self.head_v_dim)
         conv0 = torch.stack([s.conv if computed else torch.zeros_like(s.conv)
                              for s, (_, computed) in zip(states, seqs)])  # [B, C, kernel-1]
         rec0 = torch.stack([s.recurrent if computed else torch.zeros_like(s.recurrent)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c"))
 _ABI_VERSION = 9
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
@@ -111,6 +111,10 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_moe_grouped_f32.restype = ctypes.c_int
         lib.moetide_moe_grouped_bf16.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, i64, p, p, p]
         lib.moetide_moe_grouped_bf16.restype = ctypes.c_int
+        lib.moetide_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, p]
+        lib.moetide_linear.restype = None
+        lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, p, p, i64, i64, i64, i64, p, p]
+        lib.moetide_gdn_decode.restype = None
         lib.moetide_paged_decode_attention_f32.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
                                                            ctypes.c_float, p, p, p, p, p]
         lib.moetide_paged_decode_attention_f32.restype = ctypes.c_int
@@ -191,6 +195,65 @@ def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor,
                     fscratch.data_ptr())
     if status:  # the kernel checks the indices before it touches memory
         raise ValueError(f"expert_ids must lie in [0, {E})")
+    return out
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``F.linear(x, weight)`` without bias for x [T, K] and weight [N, K] (packed rows), both fp32 or both bf16
+    (``moe.c``: fp32 sums, rounded once in bf16, as torch's): at decode sizes a weight-streaming GEMV that reads
+    the weights near the core's memory bandwidth, where torch's one-thread GEMV reaches about half of it."""
+    lib = _library()
+    T, K = x.shape
+    N = weight.shape[0]
+    if (lib is None or x.dtype not in EXPERT_DTYPES or weight.dtype != x.dtype or weight.shape != (N, K)
+            or weight.stride() != (K, 1) or x.device.type != "cpu" or weight.device.type != "cpu"):
+        raise ValueError("linear needs the native library and fp32 or bf16 CPU tensors of one dtype, packed rows")
+    x = x.contiguous()
+    y = torch.empty(T, N, dtype=x.dtype)
+    bf16 = x.dtype == torch.bfloat16
+    scratch = torch.empty(T * (K + N) if bf16 else 0, dtype=torch.float32)
+    pointers = torch.empty(T, dtype=torch.int64)
+    lib.moetide_linear(x.data_ptr(), T, K, bf16, weight.data_ptr(), N, y.data_ptr(), scratch.data_ptr(),
+                       pointers.data_ptr())
+    return y
+
+
+def gdn_state_readable(state) -> bool:
+    """Whether ``gdn_decode`` can update this ``LinearState`` in place: contiguous CPU tensors, fp32 recurrent."""
+    return (state.conv.is_contiguous() and state.recurrent.is_contiguous() and state.conv.device.type == "cpu"
+            and state.recurrent.dtype == torch.float32)
+
+
+def gdn_decode(mixed: Tensor, conv_weight: Tensor, states: list, fresh: list[bool], g: Tensor, beta: Tensor,
+               num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
+    """One Gated DeltaNet decode step (``gdn.c``): mixed [B, C] (q | k | v before the conv) fp32 or bf16;
+    conv_weight [C, kernel] (or [C, 1, kernel]) of that dtype; ``states`` each sequence's ``LinearState``
+    (conv [C, kernel-1] of that dtype, recurrent [Hv, Dk, Dv] fp32, contiguous), updated in place, read as zeros
+    where ``fresh``; g, beta [B, Hv] -> the rule's output [B, Hv, Dv] in mixed's dtype."""
+    lib = _library()
+    B, C = mixed.shape
+    w = conv_weight.reshape(C, -1).contiguous()
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    Hv = g.shape[1]
+    if lib is None or mixed.dtype not in EXPERT_DTYPES or w.dtype != mixed.dtype or len(states) != B:
+        raise ValueError("gdn_decode needs the native library, fp32 or bf16 activations and conv weights of one "
+                         "dtype, and one state per sequence")
+    for st in states:
+        if (st.conv.dtype != mixed.dtype or st.recurrent.dtype != torch.float32 or not st.conv.is_contiguous()
+                or not st.recurrent.is_contiguous() or st.conv.shape != (C, w.shape[1] - 1)
+                or st.recurrent.shape != (Hv, head_k_dim, head_v_dim) or st.conv.device.type != "cpu"):
+            raise ValueError(f"gdn_decode: a state must be a contiguous conv [{C}, {w.shape[1] - 1}] in "
+                             f"{mixed.dtype} and recurrent [{Hv}, {head_k_dim}, {head_v_dim}] fp32 on the CPU")
+    mixed = mixed.contiguous()
+    conv_ptrs = torch.tensor([st.conv.data_ptr() for st in states], dtype=torch.int64)
+    rec_ptrs = torch.tensor([st.recurrent.data_ptr() for st in states], dtype=torch.int64)
+    fresh_t = torch.tensor(fresh, dtype=torch.int64)
+    out = torch.empty(B, Hv, head_v_dim, dtype=mixed.dtype)
+    scratch = torch.empty(C + 2 * head_v_dim, dtype=torch.float32)
+    lib.moetide_gdn_decode(mixed.data_ptr(), B, C, mixed.dtype == torch.bfloat16, w.data_ptr(), w.shape[1],
+                           conv_ptrs.data_ptr(), rec_ptrs.data_ptr(), fresh_t.data_ptr(), g.data_ptr(),
+                           beta.data_ptr(), num_k_heads, Hv, head_k_dim, head_v_dim, out.data_ptr(),
+                           scratch.data_ptr())
     return out
 
 

@@ -1,0 +1,112 @@
+/* moetide's native Gated DeltaNet decode step (Qwen3-Next's linear attention, one new token per sequence), called
+   through ctypes (engine/native/__init__.py).
+
+   Why: at decode the layer's torch path is a few dozen small ops per step — a depthwise conv1d over a stacked
+   window (in bf16 alone a third of a Qwen3-Next step on the CPU), l2 norms, the recurrent delta rule over
+   [Hv, Dk, Dv] states gathered into one tensor and copied back. Here each sequence's conv and recurrent state is
+   updated in place where it lies (no stack, no copy back), in two passes over the recurrent state per head.
+
+   Arithmetic as transformers' torch fallback (torch_causal_conv1d_update, torch_recurrent_gated_delta_rule):
+   the conv sums in fp32 and rounds to the model dtype, SiLU rounds again; q and k are l2-normalized in fp32
+   (eps 1e-6) and q is scaled by Dk^-0.5; state = state * exp(g); delta = (v - state^T k) * beta;
+   state += k delta^T; out = state^T q; out rounds to the model dtype. Sums run in another order: equal to fp32
+   round-off. A token's result does not depend on the other sequences of the step. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float gdn_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t gdn_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load_any(const void *p, int64_t i, int bf16) {
+    return bf16 ? gdn_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_any(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = gdn_f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+static inline float to_dtype(float v, int bf16) { return bf16 ? gdn_bf16_to_f32(gdn_f32_to_bf16(v)) : v; }
+
+static void l2norm_scaled(float *x, int64_t n, float scale) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.f / sqrtf(ss + 1e-6f);
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * inv * scale;
+}
+
+/* B sequences, one token each. mixed [B, C] (C = 2·Hk·Dk + Hv·Dv: q, k, v) in the model dtype (bf16 != 0: bf16,
+   else fp32); conv_w [C, kernel] model dtype; conv_states[s] [C, kernel-1] model dtype and rec_states[s]
+   [Hv, Dk, Dv] fp32, updated in place (zeros first where fresh[s]); g, beta [B, Hv] fp32; value head h reads key
+   head h / (Hv / Hk). out [B, Hv, Dv] model dtype. scratch holds C + 2 Dv floats. */
+void moetide_gdn_decode(const void *mixed, int64_t B, int64_t C, int64_t bf16, const void *conv_w, int64_t kernel,
+                        void *const *conv_states, float *const *rec_states, const int64_t *fresh, const float *g,
+                        const float *beta, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, void *out,
+                        float *scratch) {
+    const int64_t km1 = kernel - 1, esz = bf16 ? 2 : 4, group = Hv / Hk, key_dim = Hk * Dk;
+    float *act = scratch, *kv = scratch + C, *o = kv + Dv;
+    for (int64_t s = 0; s < B; s++) {
+        void *cs = conv_states[s];
+        float *rs = rec_states[s];
+        if (fresh[s]) {
+            memset(cs, 0, (size_t)(C * km1 * esz));
+            memset(rs, 0, (size_t)(Hv * Dk * Dv) * sizeof(float));
+        }
+        const char *xs = (const char *)mixed + s * C * esz;
+        for (int64_t c = 0; c < C; c++) {  /* causal conv over [state, x], SiLU; the state shifts in x */
+            const float x = load_any(xs, c, (int)bf16);
+            float acc = 0.f;
+            for (int64_t j = 0; j < km1; j++)
+                acc += load_any(conv_w, c * kernel + j, (int)bf16) * load_any(cs, c * km1 + j, (int)bf16);
+            acc = to_dtype(acc + load_any(conv_w, c * kernel + km1, (int)bf16) * x, (int)bf16);
+            act[c] = to_dtype(acc / (1.f + expf(-acc)), (int)bf16);
+            for (int64_t j = 0; j + 1 < km1; j++)
+                store_any(cs, c * km1 + j, load_any(cs, c * km1 + j + 1, (int)bf16), (int)bf16);
+            if (km1 > 0) store_any(cs, c * km1 + km1 - 1, x, (int)bf16);
+        }
+        const float scale = 1.f / sqrtf((float)Dk);
+        for (int64_t h = 0; h < Hk; h++) {
+            l2norm_scaled(act + h * Dk, Dk, scale);  /* q */
+            l2norm_scaled(act + key_dim + h * Dk, Dk, 1.f);  /* k */
+        }
+        for (int64_t h = 0; h < Hv; h++) {
+            const float *q = act + (h / group) * Dk, *k = act + key_dim + (h / group) * Dk;
+            const float *v = act + 2 * key_dim + h * Dv;
+            const float decay = expf(g[s * Hv + h]), b = beta[s * Hv + h];
+            float *S = rs + h * Dk * Dv;
+            for (int64_t d = 0; d < Dv; d++) kv[d] = 0.f;
+            for (int64_t i = 0; i < Dk; i++) {  /* pass 1: kv = (decay S)^T k, S not yet written */
+                const float ki = k[i], *row = S + i * Dv;
+                for (int64_t d = 0; d < Dv; d++) kv[d] += (row[d] * decay) * ki;
+            }
+            for (int64_t d = 0; d < Dv; d++) kv[d] = (v[d] - kv[d]) * b;  /* delta */
+            for (int64_t d = 0; d < Dv; d++) o[d] = 0.f;
+            for (int64_t i = 0; i < Dk; i++) {  /* pass 2: S = decay S + k delta^T; out = S^T q */
+                const float ki = k[i], qi = q[i];
+                float *row = S + i * Dv;
+                for (int64_t d = 0; d < Dv; d++) {
+                    const float updated = row[d] * decay + ki * kv[d];
+                    row[d] = updated;
+                    o[d] += updated * qi;
+                }
+            }
+            for (int64_t d = 0; d < Dv; d++) store_any(out, (s * Hv + h) * Dv + d, o[d], (int)bf16);
+        }
+    }
+}

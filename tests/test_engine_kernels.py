@@ -76,3 +76,67 @@ def test_the_moe_block_takes_the_native_kernel_except_for_a_prefill(monkeypatch)
         assert not moe.native_takes(x, moe.NATIVE_PAIRS_PER_EXPERT * 8 + 1, gate_up, down)
         assert not moe.native_takes(x.float(), 8, gate_up, down)  # activations and weights of two dtypes
     assert not moe.native_takes(x, 8, gate_up, down)  # autograd on: the kernels have no backward
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_rows", "k", "n"), [(1, 512, 768), (3, 40, 9), (8, 72, 33)])
+def test_native_linear_equals_torch(dtype, num_rows, k, n):
+    generator = torch.Generator().manual_seed(k)
+    x = torch.randn(num_rows, k, generator=generator).to(dtype)
+    weight = torch.randn(n, k, generator=generator).to(dtype)
+    out, expected = native.linear(x, weight), torch.nn.functional.linear(x, weight)
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7  # fp32 round-off; bf16: one rounding of the sum
+    scale = float(expected.float().abs().max())
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance * scale)
+    assert torch.equal(native.linear(x[-1:], weight), out[-1:])  # a row's result whatever rows share the call
+
+
+def gdn_layer(dtype):
+    """A Qwen3-Next Gated DeltaNet layer with random weights (2 key heads, 4 value heads of 16)."""
+    from types import SimpleNamespace
+
+    from moetide.engine.models.qwen3_next import GatedDeltaNet
+
+    config = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                             linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=48, rms_norm_eps=1e-6)
+    layer = GatedDeltaNet(config, layer_id=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return layer.to(dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_gdn_decode_equals_the_torch_rule_and_updates_the_states_in_place(dtype, monkeypatch):
+    from moetide.engine.models.hooks import DictLinearStateStore, StepBatch, StepContext
+
+    layer = gdn_layer(dtype)
+    shapes = {0: layer.state_shape()}
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randn(3 * 5, 48, generator=generator).to(dtype)  # 3 sequences, 5 tokens of context each
+    step = torch.randn(3, 48, generator=generator).to(dtype)
+    results, calls, kernel = {}, [], native.gdn_decode
+    monkeypatch.setattr(native, "gdn_decode", lambda *args: calls.append(len(args[2])) or kernel(*args))
+    for path in ("native", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(native, "worth_it", lambda *args, **kwargs: False)
+        store = DictLinearStateStore(shapes, dtype)
+        with torch.inference_mode():
+            layer(prompt, StepContext(StepBatch.of([(s, 5, 0) for s in range(3)]), None, store), None)
+            out = layer(step, StepContext(StepBatch.of([(s, 1, 5) for s in range(3)]), None, store), None)
+            fresh = layer(step[:1], StepContext(StepBatch.of([(7, 1, 0)]), None, store), None)  # a 1-token prompt
+        results[path] = (out, fresh, [store.state(0, s) for s in range(3)])
+        assert calls == [3, 1]  # the two decode steps, none of the prefill
+    (out, fresh, states), (ref_out, ref_fresh, ref_states) = results["native"], results["torch"]
+    # the projections feeding the rule are native too (``models.ops.linear``), so even the conv state's raw inputs
+    # agree to round-off only
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -6
+    pairs = [(out, ref_out), (fresh, ref_fresh)] + [(t, r) for s, rs in zip(states, ref_states)
+                                                    for t, r in ((s.conv, rs.conv), (s.recurrent, rs.recurrent))]
+    for a, b in pairs:
+        torch.testing.assert_close(a.float(), b.float(), rtol=tolerance, atol=tolerance * float(b.float().abs().max()))
+    assert not torch.equal(states[0].recurrent, torch.zeros_like(states[0].recurrent))  # written in place

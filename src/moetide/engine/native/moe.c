@@ -59,9 +59,9 @@ static inline float wval(const void *w, int64_t i, int bf16) {
 /* Y[t * ldy + r] = W[r, :n] . xs[t][:n] for r < rows, t < m. W's rows are ldw elements apart, fp32 or bf16
    (bf16 != 0); xs are fp32 rows. One weight row at a time, front to back (one sequential stream, which the
    hardware prefetcher reads near the core's memory bandwidth: twice what interleaving four rows got), applied to
-   three tokens per pass from L1; rows in ~16 KiB blocks, so past the first 12 tokens they come from L2. Every (r, t) sums alike for any m (see the file comment): four
-   8-lane accumulators taking 8-element chunks in turn, reduced as hsum((a0 + a1) + (a2 + a3)), then the last
-   n % 8 elements one by one. */
+   three tokens per pass from L1; rows in ~16 KiB blocks, so past the first 12 tokens they come from L2. Every
+   (r, t) sums alike for any m (see the file comment): four 8-lane accumulators taking 8-element chunks in turn,
+   reduced as hsum((a0 + a1) + (a2 + a3)), then the last n % 8 elements one by one. */
 #ifdef MOE_AVX2
 #define FMA4(A, X, i)                                                                                         \
     A##0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps((X) + (i)), A##0);                                             \

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Final, Literal, Protocol
 
 from moetide.core.experts import ExpertKey, check_expert_key
+from moetide.units import cdiv
 
 DEFAULT_PAGE_BYTES: Final = 2 * 1024 * 1024  # CUDA virtual-memory mapping granularity
 KV: Final = "kv"  # the owner of a page that belongs to the KV pool
@@ -112,7 +113,7 @@ class ArenaConfig:
     # ---- derived layout -----------------------------------------------------------------------------------
     @property
     def pages_per_expert(self) -> int:
-        return -(-self.expert_bytes // self.page_bytes)
+        return cdiv(self.expert_bytes, self.page_bytes)
 
     @property
     def num_expert_pages(self) -> int:
@@ -135,7 +136,7 @@ class ArenaConfig:
 
     @property
     def pages_per_block(self) -> int:
-        return -(-self.kv_block_bytes // self.page_bytes)
+        return cdiv(self.kv_block_bytes, self.page_bytes)
 
     @property
     def blocks_per_group(self) -> int:
@@ -154,7 +155,7 @@ class ArenaConfig:
 
     @property
     def num_initial_kv_blocks(self) -> int:
-        first_group = -(-self.num_expert_pages // self.pages_per_block)
+        first_group = cdiv(self.num_expert_pages, self.pages_per_block)
         return max(0, self.num_groups - first_group) * self.blocks_per_group
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from moetide.core.blocks import BlockPool
 from moetide.core.experts import ExpertKey, ExpertResidency, ExpertResidencyConfig
+from moetide.units import cdiv
 
 STAGING_BUFFER_LAYERS = 2  # the layer computing and the next one being filled
 
@@ -31,7 +32,7 @@ def staging_room_bytes(config: ExpertResidencyConfig, max_num_offloaded: int) ->
     """Device bytes the staging buffers need at the cap: ``STAGING_BUFFER_LAYERS`` buffers of the most experts
     one layer can have offloaded (offloads are spread evenly over the layers, so that is the cap's share of a
     layer, rounded up)."""
-    per_layer = -(-max_num_offloaded // config.num_layers)
+    per_layer = cdiv(max_num_offloaded, config.num_layers)
     return STAGING_BUFFER_LAYERS * per_layer * config.expert_bytes
 
 

@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from moetide.units import cdiv
+
 ExpertKey = tuple[int, int]  # (MoE layer index, routed expert index)
 
 _MIN_SCALE: Final = 1e-150  # fold the lazy decay scale into the counts below this
@@ -180,7 +182,7 @@ class ExpertResidency:
         if num_bytes is not None:
             if num_bytes < 0:
                 raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
-            wanted = min(wanted, -(-num_bytes // self.config.expert_bytes))
+            wanted = min(wanted, cdiv(num_bytes, self.config.expert_bytes))
         return wanted
 
     def _cold_order(self, layer: int) -> list[int]:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from moetide.core.blocks import HostTier
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.request import Request
+from moetide.units import cdiv
 
 if TYPE_CHECKING:
     from moetide.core.scheduler import SchedulerOutput
@@ -52,7 +53,7 @@ class HostAdmission:
         held; None: it waits. Evictions are added to ``out.num_evicted_blocks``, copies to ``out.promoted``."""
         kv, holds = self.kv, self.tier.holds
         bs = kv.block_size
-        running_pending = sum(max(-(-r.num_tokens // bs) - kv.num_held_blocks(r.request_id), 0) for r in running)
+        running_pending = sum(max(cdiv(r.num_tokens, bs) - kv.num_held_blocks(r.request_id), 0) for r in running)
         evict = self._evictions(request, hits, running_pending, bound)
         if evict is None:
             cut = next((i for i, b in enumerate(hits) if holds(b)), None)
@@ -110,7 +111,7 @@ class HostAdmission:
         when ``hits`` is a part of them (never evicted)."""
         kv, holds = self.kv, self.tier.holds
         pool = kv.pool
-        own = -(-request.num_tokens // kv.block_size) - len(hits) + kv.num_state_blocks_per_request
+        own = cdiv(request.num_tokens, kv.block_size) - len(hits) + kv.num_state_blocks_per_request
         pending = running_pending + own
         device = pool.num_device_uncached(pending)
         free_device_hits = pool.num_free_among(b for b in (hits if protect is None else protect) if not holds(b))

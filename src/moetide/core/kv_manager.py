@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from moetide.core.blocks import BlockPool
-from moetide.core.mamba_states import MambaStates, cdiv
+from moetide.core.mamba_states import MambaStates
+from moetide.units import cdiv
 
 
 # with a host tier, when no uncached device block is free: keep cached device prefixes and spill new KV, or evict

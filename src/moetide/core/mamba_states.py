@@ -35,14 +35,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from moetide.units import cdiv
+
 if TYPE_CHECKING:
     from moetide.core.blocks import BlockPool
 
 _STATE_TAG = 0x4D414D42  # "MAMB": keeps a state's hash apart from its block's KV hash
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def state_hash(block_hash: int, group: int) -> int:

@@ -33,12 +33,13 @@ from torch import Tensor
 from moetide.engine.host_kv import HostKVStorage
 from moetide.engine.models import LinearState, LinearStateShape, StepBatch
 from moetide.engine.storage import ArenaStorage, dtype_bytes
+from moetide.units import cdiv
 
 ALIGN_BYTES = 64
 
 
 def _align(n: int) -> int:
-    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+    return cdiv(n, ALIGN_BYTES) * ALIGN_BYTES
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -78,7 +79,7 @@ class StateLayout:
         return cls(fields, offset)
 
     def num_blocks(self, block_bytes: int) -> int:
-        return -(-self.total_bytes // block_bytes) if self.total_bytes else 0
+        return cdiv(self.total_bytes, block_bytes) if self.total_bytes else 0
 
 
 class BlockLinearStateStore:

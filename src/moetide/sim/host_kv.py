@@ -37,6 +37,7 @@ from moetide.perf.attention import AttentionCostModel, HostKVLayout
 from moetide.perf.calibrate import offload_efficiency_for_host
 from moetide.perf.offload import SeqTokens, attention_phase, gpu_fixed_s, split_coefficients
 from moetide.specs import get_host
+from moetide.units import cdiv
 
 if TYPE_CHECKING:
     from moetide.sim.setup import ReplayConfig
@@ -56,7 +57,7 @@ class SeqKV:
     @classmethod
     def of(cls, flags: list[bool], context: int, block_size: int, num_host: int | None = None) -> SeqKV:
         """``num_host``: how many of ``flags`` are True, when the caller keeps that count (else it is summed)."""
-        used = -(-context // block_size)
+        used = cdiv(context, block_size)
         if num_host is None:
             num_host = sum(flags)
         host_blocks = num_host - sum(flags[used:])  # the held blocks past the context are few
@@ -192,7 +193,7 @@ class HostKV:
 
 def ring_blocks(budget: MemoryBudget) -> int:
     """Device KV blocks the staging ring of a host KV tier takes from the budget."""
-    return -(-HostKVLayout().ring_bytes // budget.charged_block_bytes)
+    return cdiv(HostKVLayout().ring_bytes, budget.charged_block_bytes)
 
 
 def active_host_blocks(config: ReplayConfig, budget: MemoryBudget) -> int | None:
@@ -218,7 +219,7 @@ def build_host_kv(model, gpu, config: ReplayConfig, budget: MemoryBudget) -> Hos
                         f"(after the {HostKVLayout().ring_bytes / 2**20:.0f} MiB staging ring) of "
                         f"{budget.charged_block_bytes:,} B; raise --kv-host-gib or the KV budget")
     routed = weights_per_gpu(model, tp=config.tp).routed_expert_bytes
-    first_host_id = budget.num_blocks + -(-routed // budget.charged_block_bytes) + 1  # past the expert line's ids
+    first_host_id = budget.num_blocks + cdiv(routed, budget.charged_block_bytes) + 1  # past the expert line's ids
     try:
         attention = AttentionCostModel(model, gpu, host, layout=HostKVLayout(block_size=config.block_size),
                                        offload=offload_efficiency_for_host(config.cpu))

@@ -83,6 +83,7 @@ from collections.abc import Sequence
 
 from moetide.core.pressure.base import Action, EvictPrefix, OffloadExperts, Preempt, PressurePolicy, PressureView
 from moetide.core.pressure.vamp_params import DecayedRate, StepStats, VampParams
+from moetide.units import cdiv
 
 __all__ = ["DecayedRate", "StepStats", "VampParams", "VampPolicy"]
 
@@ -219,7 +220,7 @@ class VampPolicy(PressurePolicy):
 
     def _experts_for(self, line, num_blocks: int) -> int:
         """Experts whose KV bytes (net of the staging buffer) hold ``num_blocks`` blocks."""
-        return -(-num_blocks * line.block_bytes // line.kv_bytes_per_expert)
+        return cdiv(num_blocks * line.block_bytes, line.kv_bytes_per_expert)
 
     def _review(self, line, now_s: float) -> None:
         """Once per ``horizon_s``, move the allowed line by at most one window (see the module docstring)."""
@@ -319,7 +320,7 @@ class VampPolicy(PressurePolicy):
         if need > self._window():
             return
         bs = self.params.block_size
-        num_blocks = -(-victim.num_computed_tokens // bs)
+        num_blocks = cdiv(victim.num_computed_tokens, bs)
         kept = len(view.pool.lookup_chain(victim.block_hashes[:num_blocks]))
         seconds = sum(self.params.block_prefill_s(j) for j in range(kept, num_blocks))
         if seconds:

@@ -1,0 +1,12 @@
+"""Byte units and the ceiling division, shared by every layer (stdlib only, like ``errors``).
+
+Blocks, pages and experts are counted in whole units everywhere ("how many blocks hold n tokens"), and one
+spelling of that rounding keeps the drivers' counts from drifting apart.
+"""
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers, exact at any size (no float)."""
+    return -(-a // b)

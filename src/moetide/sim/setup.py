@@ -334,7 +334,7 @@ def _routing_shares(config: ReplayConfig, model) -> tuple[float, ...] | None:
 
 # vamp prices staging over the step mix of the last ~10 horizons of step time, not one: while admissions are
 # blocked the recent mix is decode-only and staging looks cheap, yet the KV a growth frees brings back the prefill
-# chunks that touch every offloaded expert (one horizon grew the line into collapses; docs/vamp.md)
+# chunks that touch every offloaded expert, and a line grown on the decode-only price collapses (docs/vamp.md)
 STAGING_MIX_HORIZONS = 10
 
 

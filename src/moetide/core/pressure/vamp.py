@@ -67,7 +67,7 @@ too).
 
 ``vamp-reclaim`` also reviews its line every ``reclaim_check_s`` and lowers the allowance by the last region once
 the pool has had room to spare for ``reclaim_hold_s`` — uncached free blocks beyond the region's own of at least
-``reclaim_watermark`` of the pool (the issue's "free KV stays above a watermark"): the last window's measured
+``reclaim_watermark`` of the pool (free KV that stays above a watermark): the last window's measured
 worth cannot see that giving it back tips a cache near its cliff over it, while a pool with room to spare is not
 near it.
 

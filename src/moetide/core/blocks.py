@@ -17,15 +17,10 @@ How it differs from vLLM's pool, and why:
 * **Eviction order.** The cached queue is in LRU order of release. Requests release their blocks tail first
   (``KVCacheManager.free`` reverses the block table, as vLLM does), so the tail of a chain is evicted before its
   head and a shared system prompt outlives the conversations built on it.
-* **Invalidation down the chain.** A chain's hashes cover their parents, so once block i is gone, blocks i+1…
-  can never be hit again. vLLM leaves them cached until they drift to the head of the queue; here evicting a
-  block unregisters every registered descendant at once (iteratively — agent chains run to tens of thousands of
-  blocks). Invariant: every registered block's parent hash is registered (or is the chain root).
-* **Duplicates, as vLLM keeps them.** Two requests that share a prefix and chunk-prefill at once each compute the
-  blocks past their common hit, so one hash can be registered by several blocks (vLLM does not de-duplicate, so
-  that block tables stay append-only). A lookup returns the first holder still registered (vLLM's
-  ``BlockHashToBlockMap.get_one_block``); a freed duplicate is a cached block like any other, queued by LRU; the
-  hash, and so every block chained after it, stays registered until its last holder is evicted.
+* **Invalidation down the chain, and duplicates** (``core.prefix_index``, which holds the hash books). Evicting a
+  block unregisters every registered descendant at once, since none could be hit again (vLLM leaves them until
+  they drift to the queue's head). One hash may be held by several blocks, as vLLM keeps them; it stays registered
+  until its last holder goes. A freed duplicate is a cached block like any other, queued by LRU.
 * **Never-cached blocks are reused last in, first out.** A freed block without a hash goes to the head of the
   uncached queue (vLLM's ``free_blocks`` prepends them, for locality), a cached one to the tail of its LRU queue.
 * **Growth and shrink by given ids.** The arena (``core.arena``) decides which block ids exist; the pool adds and
@@ -42,7 +37,6 @@ How it differs from vLLM's pool, and why:
   eviction is the policy's call, never allocation's, so new KV spills to the host while old prefixes stay hittable
   in HBM. A freed or uncached device block goes to the head of the device queue, a host block to the tail of the
   host queue. Without a tier, nothing changes.
-* **The hash books** (which block holds which hash, which blocks chain after which) are ``core.prefix_index``.
 
 Atomicity: ``allocate`` either returns all the blocks asked for or returns ``None`` and changes nothing — there is
 no separate "can I?" call whose answer could be stale by the time of "do it".
@@ -52,38 +46,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
 from itertools import islice
 
+from moetide.core.host_tier import HostTier
 from moetide.core.prefix_index import PrefixIndex
 
-
-@dataclass(frozen=True)
-class HostTier:
-    """The host KV blocks of a two-tier pool: ``num_blocks`` ids from ``first_id`` on, numbered in a row so a
-    driver can map each to its slot in host memory (``index``). Device blocks are every other id the pool owns."""
-
-    first_id: int
-    num_blocks: int
-
-    def __post_init__(self) -> None:
-        if self.first_id < 0 or self.num_blocks < 0:
-            raise ValueError(f"HostTier needs first_id >= 0 and num_blocks >= 0, got {self}")
-
-    def holds(self, block_id: int) -> bool:
-        return self.first_id <= block_id < self.first_id + self.num_blocks
-
-    def index(self, block_id: int) -> int:
-        """The block's slot among the host blocks (0 for ``first_id``)."""
-        return block_id - self.first_id
-
-    def ids(self) -> range:
-        return range(self.first_id, self.first_id + self.num_blocks)
-
-    def count(self, block_ids: Iterable[int]) -> int:
-        """How many of the given blocks are host blocks."""
-        first, end = self.first_id, self.first_id + self.num_blocks
-        return sum(1 for b in block_ids if first <= b < end)
+__all__ = ["BlockPool", "HostTier"]
 
 
 class BlockPool:

@@ -455,3 +455,29 @@ def test_a_host_hit_in_use_makes_the_rest_of_the_prefix_count_as_prompt_to_write
     out, _, _ = step(sched)
     assert plan(out) == [("a", 1)] and sched.num_host_bound_waits == 1
     assert sched.num_host_hits_dropped == 0 and out.num_evicted_blocks == 0 and host_held(sched) == 1
+
+
+def test_abort_frees_a_running_a_waiting_and_a_preempted_request_and_the_rest_go_on():
+    """A client that leaves: its request goes from whichever queue holds it, with every block it held; the
+    requests behind it are admitted as if it had never come, and its blocks' cached prefixes stay hittable."""
+    sched = make(6, max_tokens=64)
+    sched.add_request(req("old", list(range(8)), out=8))
+    sched.add_request(req("new", list(range(100, 108)), out=8))
+    sched.add_request(req("queued", list(range(200, 216)), out=2))
+    step(sched)  # old and new prefill (2 blocks each); queued needs 4 + 1: it waits
+    assert sched.abort_request("queued").request_id == "queued"
+    sched.kv.check_invariants()
+    while not sched.num_preemptions:
+        step(sched)
+    assert [r.request_id for r in sched.waiting] == ["new"]  # preempted: back in the waiting queue
+    preempted = sched.abort_request("new")
+    assert preempted.status is RequestStatus.FINISHED and not sched.waiting
+    sched.kv.check_invariants()
+    running = sched.abort_request("old")
+    assert running.request_id == "old" and not sched.has_work
+    sched.kv.check_invariants()
+    assert sched.kv.pool.num_used_blocks == 0 and sched.kv.pool.num_free_blocks == 6
+    assert sched.abort_request("old") is None and sched.abort_request("never") is None
+    sched.add_request(req("again", list(range(8)), out=1))
+    out, _, _ = step(sched)
+    assert plan(out) == [("again", 4)], "old's prompt blocks are hit: 4 of its 8 tokens are recomputed"

@@ -25,8 +25,7 @@ requests attend each step: a waiting request that would take it past the bound w
 does, once evicting cached device prefixes and moving its own host hits onto the device cannot make room
 (``core.host_admission``). Without a bound, every spilled context is attended every step, and a large tier buys
 shorter queues with slower steps (docs/writescope.md, "An admission bound").
-Sessions (conversations, agent runs) are tracked by id: when each last spoke and how many requests it has in
-flight — what a policy needs to guess whether a cached prefix will be reused.
+A request leaves by finishing (``update``), by failing to fit even alone, or by ``abort_request``.
 """
 
 from __future__ import annotations
@@ -155,6 +154,21 @@ class Scheduler:
             self.now_s = now_s
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is — waiting, preempted or running — and free its blocks, as vLLM's
+        ``finish_requests(..., FINISHED_ABORTED)`` does (a client that left). Call between steps. Returns the
+        request, or None when no request with that id is in the queues (finished already, or never added)."""
+        for queue in (self.running, self.waiting):
+            request = next((r for r in queue if r.request_id == request_id), None)
+            if request is not None:
+                queue.remove(request)
+                self.kv.free(request_id)
+                request.status = RequestStatus.FINISHED
+                if self._blocked is not None and self._blocked.request is request:
+                    self._blocked = None
+                return request
+        return None
 
     @property
     def has_work(self) -> bool:

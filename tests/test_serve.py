@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -23,7 +24,8 @@ PROMPTS = ["Prefix caching keeps", "The quick brown fox", "hello"]
 def server(tiny_checkpoint):
     from moetide.commands.serve import serve_in_thread
 
-    live = serve_in_thread(tiny_checkpoint("qwen3_moe"), "--threads", "1", "--max-num-queued-reqs", "4")
+    live = serve_in_thread(tiny_checkpoint("qwen3_moe"), "--threads", "1", "--max-num-queued-reqs", "4",
+                           "--max-num-seqs", "2")
     yield live
     live.stop()
 
@@ -87,7 +89,8 @@ def test_chat_applies_the_template_and_equals_the_engine_on_its_tokens(server, c
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
 
 
-def test_concurrent_requests_batch_together_and_answer_as_alone(server, client):
+def test_concurrent_requests_queue_and_batch_and_answer_as_alone(server, client):
+    """Three at once with two sequences a step: one waits in the scheduler's queue, then joins the batch."""
     alone = {p: client.completions.create(model=server.model, prompt=p, max_tokens=16, temperature=0,
                                           extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS}
     together: dict[str, str] = {}
@@ -98,11 +101,15 @@ def test_concurrent_requests_batch_together_and_answer_as_alone(server, client):
                                                      extra_body={"ignore_eos": True}).choices[0].text
 
     threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
+    most_waiting = 0
     for thread in threads:
         thread.start()
+    while any(thread.is_alive() for thread in threads):
+        most_waiting = max(most_waiting, server.loop.metrics.num_waiting)
+        time.sleep(0.002)
     for thread in threads:
         thread.join(60)
-    assert together == alone
+    assert together == alone and most_waiting >= 1
 
 
 def test_seeded_sampling_repeats_and_n_gives_distinct_choices(server, client):

@@ -70,7 +70,7 @@ def test_the_policy_prices_offload_with_the_staging_the_replay_charges():
     from moetide.core.expert_line import ExpertLine
     from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
     from moetide.perf import StepTimeModel
-    from moetide.sim.setup import StepTimeWithStaging
+    from moetide.sim.step_time import StepTimeWithStaging
 
     m, gpu = get_model("qwen3-next-80b-a3b"), get_gpu("h200")
     staging = model(routing_zipf_s=1.0)

@@ -20,15 +20,16 @@ from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
-from moetide.perf.routing_profile import read_rank_shares
-from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingConfig, StagingModel
+from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingModel
 from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv
 from moetide.sim.host_kv import ring_blocks  # noqa: F401 (API: tests import it from here)
 from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
+from moetide.sim.step_time import (STAGING_MIX_HORIZONS, StepTimeWithStaging, reference_decode, staging_config,
+                                    vamp_params)
 from moetide.sim.vllm_defaults import (MAMBA_CACHE_MODES, VLLM_VERSIONS, mamba_states, vllm_defaults,
                                        vllm_serving_defaults)
-from moetide.specs import get_gpu, get_host, get_model
+from moetide.specs import get_gpu, get_model
 from moetide.workloads.base import Workload
 
 
@@ -212,10 +213,10 @@ def build_replay(
                         evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict", mamba=mamba)
     step_model = StepTimeModel(model, gpu, tp=config.tp)
     line = ExpertLine(residency, pool, block_bytes=budget.charged_block_bytes, first_block_id=budget.num_blocks)
-    staging = StagingModel(model, gpu, tp=config.tp, config=_staging_config(config, model))
+    staging = StagingModel(model, gpu, tp=config.tp, config=staging_config(config, model))
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers,
                                     mix_tau_s=config.vamp_horizon_s * STAGING_MIX_HORIZONS,
-                                    reference_step=_reference_decode(config, step_model),
+                                    reference_step=reference_decode(config, step_model),
                                     track_mix=config.policy.lower() in NEEDS_VAMP_PARAMS)
     policy = _policy(config, lambda: vamp_coefficients or vamp_params(config, step_model, step_time))
     start_offload(policy, line)
@@ -223,119 +224,6 @@ def build_replay(
     replay = Replay(workload, scheduler, step_time, progress=progress,
                     offloaded_ratio=lambda: line.residency.offloaded_ratio, host_kv=host_kv)
     return BuiltReplay(replay, budget, config, line, step_time, host_kv)
-
-
-class StepTimeWithStaging:
-    """Modeled step time plus the exposed staging of the experts offloaded at that moment; counts staged bytes.
-
-    It also keeps the recent step mix — steps grouped by the bit length of their token count, each group's
-    weighted count, tokens and staging-free modeled time, weights decaying as e^(−age/``mix_tau_s``) over step
-    time — so that ``vamp`` prices an offload with the very staging model charged here, over the steps that
-    actually run (``core.pressure.vamp_params.StepStats``). Before any step it prices a reference decode step. Only a
-    policy that reads it needs the mix: ``track_mix=False`` skips it (the replay's other policies)."""
-
-    NUM_GROUPS = 24  # token counts up to 2^23 per step
-
-    def __init__(self, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine, num_layers: int, *,
-                 mix_tau_s: float = 300.0, reference_step: tuple[int, float] = (32, 0.014),
-                 track_mix: bool = True) -> None:
-        self.step_model, self.staging, self.line, self.num_layers = step_model, staging, line, num_layers
-        self.track_mix = track_mix
-        self.staged_bytes = 0.0
-        self.busy = 0.0
-        self.mix_tau_s = mix_tau_s
-        self.reference_step = reference_step
-        self._origin = 0.0  # a step's weight is e^((busy − origin) / tau); rescaled before it overflows
-        self._count = [0.0] * self.NUM_GROUPS
-        self._tokens = [0.0] * self.NUM_GROUPS
-        self._base_s = [0.0] * self.NUM_GROUPS
-        self._shares: dict[int, float] = {}
-        self._shares_at = -1.0
-
-    def __call__(self, num_tokens: int, num_seqs: int, num_decode: int, kv_read: int, pairs: int) -> float:
-        base = self.step_model.step_time_s(num_tokens, num_seqs, num_decode, kv_read, pairs)
-        duration = base
-        if self.line.residency.num_offloaded:
-            staged, exposed = self.staging.step(num_tokens, self.line.offloaded_per_layer, base / self.num_layers)
-            self.staged_bytes += staged
-            duration += exposed
-        self.busy += duration
-        if not self.track_mix:
-            return duration
-        x = (self.busy - self._origin) / self.mix_tau_s
-        if x > 600.0:
-            self._rescale()
-            x = 0.0
-        w = math.exp(x)
-        g = min(num_tokens.bit_length(), self.NUM_GROUPS - 1)
-        self._count[g] += w
-        self._tokens[g] += w * num_tokens
-        self._base_s[g] += w * base
-        return duration
-
-    def _rescale(self) -> None:
-        f = math.exp(-(self.busy - self._origin) / self.mix_tau_s)
-        for acc in (self._count, self._tokens, self._base_s):
-            acc[:] = [v * f for v in acc]
-        self._origin = self.busy
-
-    # ---- StepStats (what vamp reads) ------------------------------------------------------------------------
-    def busy_s(self) -> float:
-        return self.busy
-
-    def staging_share(self, num_offloaded: int) -> float:
-        """Exposed staging seconds per second of (staging-free) step time over the recent mix, with
-        ``num_offloaded`` experts spread evenly over the MoE layers."""
-        if self._shares_at != self.busy:
-            self._shares.clear()
-            self._shares_at = self.busy
-        share = self._shares.get(num_offloaded)
-        if share is None:
-            share = self._shares[num_offloaded] = self._share(num_offloaded)
-        return share
-
-    def _share(self, num_offloaded: int) -> float:
-        if num_offloaded <= 0:
-            return 0.0
-        groups = [(c, t / c, b / c) for c, t, b in zip(self._count, self._tokens, self._base_s) if c > 0]
-        if not groups:
-            tokens, base = self.reference_step
-            groups = [(1.0, tokens, base)]
-        layers = self.staging.num_moe_layers
-        per_layer, extra = divmod(num_offloaded, layers)
-        overlap = self.staging.config.effective_overlap_layers
-        exposed_s = base_s = 0.0
-        for count, tokens, base in groups:
-            window = overlap * base / self.num_layers
-            tokens = max(round(tokens), 1)
-            exposed = (layers - extra) * self.staging.layer(tokens, per_layer, window)[1]
-            if extra:
-                exposed += extra * self.staging.layer(tokens, per_layer + 1, window)[1]
-            exposed_s += count * exposed
-            base_s += count * base
-        return exposed_s / base_s
-
-
-def _staging_config(config: ReplayConfig, model) -> StagingConfig:
-    on_cpu = config.cold_experts == CPU
-    tflops = config.cpu_matmul_tflops
-    return StagingConfig(mode=config.staging_mode, routing_zipf_s=config.routing_zipf_s,
-                         routing_shares=_routing_shares(config, model), host_link_shared_by=config.host_link_shared_by,
-                         cold_experts=config.cold_experts, host=get_host(config.cpu) if on_cpu else None,
-                         gpus_per_socket=config.gpus_per_socket,
-                         cpu_matmul_flops_per_s=None if tflops is None else tflops * 1e12)
-
-
-def _routing_shares(config: ReplayConfig, model) -> tuple[float, ...] | None:
-    if config.routing_profile is None:
-        return None
-    return read_rank_shares(config.routing_profile, model.num_experts, model.num_experts_per_tok)
-
-
-# vamp prices staging over the step mix of the last ~10 horizons of step time, not one: while admissions are
-# blocked the recent mix is decode-only and staging looks cheap, yet the KV a growth frees brings back the prefill
-# chunks that touch every offloaded expert, and a line grown on the decode-only price collapses (docs/vamp.md)
-STAGING_MIX_HORIZONS = 10
 
 
 def _staging_room(residency: ExpertResidency, config: ReplayConfig) -> int:
@@ -352,31 +240,6 @@ def _policy(config: ReplayConfig, coefficients: Callable[[], VampParams]):
         except ValueError as exc:
             raise UserError(str(exc)) from None
     return get_policy(config.policy, params=coefficients())
-
-
-REFERENCE_CONTEXT_TOKENS = 16384  # context of the reference decode step (priced until steps have run)
-REFERENCE_DECODE_BATCH = 32
-LONG_CONTEXT_TOKENS = 131072  # second point of the linear re-prefill fit (agent contexts: p50 ~104K, WEKA)
-
-
-def _reference_decode(config: ReplayConfig, step_model: StepTimeModel) -> tuple[int, float]:
-    batch, ctx = min(config.max_num_seqs, REFERENCE_DECODE_BATCH), REFERENCE_CONTEXT_TOKENS
-    return batch, step_model.step_time_s(batch, batch, batch, batch * (ctx + 1), batch * (ctx + 1))
-
-
-def vamp_params(config: ReplayConfig, step_model: StepTimeModel, step_time: StepTimeWithStaging):
-    """VAMP's coefficients from the perf model (modeled seconds). Re-prefill of one token at context x is
-    a + b·x: a full chunk's time per token at context 0 and at ``LONG_CONTEXT_TOKENS`` (attention's work and KV
-    reads grow linearly with the context, so two points fit the model's own curve)."""
-    chunk = config.max_num_batched_tokens
-
-    def per_token_s(ctx: int) -> float:
-        return step_model.step_time_s(chunk, 1, 0, ctx + chunk, chunk * ctx + chunk * (chunk + 1) // 2) / chunk
-
-    at_zero = per_token_s(0)
-    per_context = max(per_token_s(LONG_CONTEXT_TOKENS) - at_zero, 0.0) / LONG_CONTEXT_TOKENS
-    return VampParams(prefill_s_per_token=at_zero, prefill_s_per_token_per_context=per_context, steps=step_time,
-                      block_size=config.block_size, horizon_s=config.vamp_horizon_s)
 
 
 def run_replay(

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from moetide.core.pressure import PressurePolicy
-from moetide.core.request import Request, RequestStatus
+from moetide.core.request import Request
 from moetide.core.scheduler import SchedulerOutput
 from moetide.engine.build import EngineConfig, EngineParts, build_engine
 from moetide.engine.models import StepBatch, StepContext
@@ -286,19 +286,10 @@ class Engine:
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        """Drop a request wherever it is (waiting, preempted or running) and free its blocks; False if it is not
-        in flight. Call between steps. The core scheduler has no abort of its own, so this removes the request
-        from its public queues and frees its blocks through ``KVCacheManager.free``, as a finish does."""
-        request = self._requests.get(request_id)
-        if request is None:
+        """Drop a request wherever it is (waiting, preempted or running) and free its blocks
+        (``Scheduler.abort_request``); False if it is not in flight. Call between steps."""
+        if self._requests.get(request_id) is None or self.scheduler.abort_request(request_id) is None:
             return False
-        sched = self.scheduler
-        if request.status is RequestStatus.RUNNING:
-            sched.running.remove(request)
-        else:
-            sched.waiting.remove(request)
-        sched.kv.free(request_id)
-        request.status = RequestStatus.FINISHED
         self._forget(request_id)
         return True
 

@@ -140,3 +140,24 @@ def test_native_gdn_decode_equals_the_torch_rule_and_updates_the_states_in_place
     for a, b in pairs:
         torch.testing.assert_close(a.float(), b.float(), rtol=tolerance, atol=tolerance * float(b.float().abs().max()))
     assert not torch.equal(states[0].recurrent, torch.zeros_like(states[0].recurrent))  # written in place
+
+
+@needs_native
+def test_native_decode_attention_reads_a_bf16_cache_as_sdpa_does():
+    from moetide.engine.attention import attend_gathered, gather_kv
+
+    generator = torch.Generator().manual_seed(5)
+    num_rows, b, L, Hq, Hkv, D = 64, 3, 21, 8, 2, 64
+    k_rows, v_rows = (torch.randn(num_rows, Hkv, D, generator=generator).to(torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([L, 1, 9])
+    key_rows = torch.randint(0, num_rows, (b, L), generator=generator)
+    key_rows = torch.where(torch.arange(L) < lengths[:, None], key_rows, key_rows[:, :1])
+    q = torch.randn(b, Hq, D, generator=generator).to(torch.bfloat16)
+    keys, values = gather_kv(k_rows, v_rows, key_rows.flatten(), b, L)
+    mask = (torch.arange(L) < lengths[:, None])[:, None, None, :]
+    expected = attend_gathered(q[:, None], keys, values, mask, 0.125)[:, 0]
+    out = native.paged_decode_attention(q, k_rows, v_rows, key_rows, lengths, 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=2 ** -7)
+    with pytest.raises(ValueError, match="fp32 CPU tensors"):  # a bf16 cache with an fp32 query is refused
+        native.paged_decode_attention(q.float(), k_rows, v_rows, key_rows, lengths, 0.125)

@@ -12,8 +12,8 @@ them into index tensors once per step; each full-attention layer then
    ``index_select`` each over the arena's row views, ``ArenaStorage.kv_rows``; the row indices are built once
    per step and shared by every layer) into ``[context, Hkv, D]`` and run causal attention with torch's
    ``scaled_dot_product_attention`` (GQA heads as transformers' ``repeat_kv``; the same kernel transformers'
-   default ``sdpa`` attention calls), one call per group. A group of decode tokens on the CPU in fp32 instead
-   reads its keys and values where they lie, in one native call (``engine.native.paged_decode_attention``: no
+   default ``sdpa`` attention calls), one call per group. A group of decode tokens on the CPU in fp32 or bf16
+   instead reads its keys and values where they lie, in one native call (``engine.native.paged_decode_attention``: no
    gather, no mask; equal to SDPA to fp32 round-off), unless the native kernels are unavailable.
 
 Sequences are attended in groups: all one-token (decode) sequences of the step together, padded to the longest
@@ -128,7 +128,8 @@ class PagedAttentionBackend:
             raise RuntimeError("PagedAttentionBackend.attend() before prepare() for this step")
         a = self._attn_index[layer_id]
         k_rows, v_rows = self.storage.kv_rows(a)
-        if plan.direct is not None and plan.direct[1] == 1 and native.decode_worth_it(q, plan.groups[0].num_keys):
+        if (plan.direct is not None and plan.direct[1] == 1 and k_rows.dtype == q.dtype
+                and native.decode_worth_it(q, plan.groups[0].num_keys, native.EXPERT_DTYPES)):
             group = plan.groups[0]  # a pure decode step: each token's K/V written into its slot, then attended
             b, Hq, D = q.shape
             return native.paged_decode_attention(q, k_rows, v_rows, group.key_rows.view(b, group.num_keys),
@@ -147,7 +148,8 @@ class PagedAttentionBackend:
     def _attend_group(q: Tensor, k_rows: Tensor, v_rows: Tensor, group: _Group, scale: float) -> Tensor:
         """One group's attention: decode reads the pages in place (native), anything else gathers first."""
         b, num_q, Hq, D = q.shape
-        if num_q == 1 and native.decode_worth_it(q, group.num_keys):  # decode: read the pages in place
+        if (num_q == 1 and k_rows.dtype == q.dtype  # decode: read the pages in place
+                and native.decode_worth_it(q, group.num_keys, native.EXPERT_DTYPES)):
             key_rows = group.key_rows.view(b, group.num_keys)
             return native.paged_decode_attention(q.view(b, Hq, D), k_rows, v_rows, key_rows, group.lengths,
                                                  scale).view(q.shape)

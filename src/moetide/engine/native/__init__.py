@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c"))
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
@@ -115,9 +115,9 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_linear.restype = None
         lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, p, p, i64, i64, i64, i64, p, p]
         lib.moetide_gdn_decode.restype = None
-        lib.moetide_paged_decode_attention_f32.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
-                                                           ctypes.c_float, p, p, p, p, p]
-        lib.moetide_paged_decode_attention_f32.restype = ctypes.c_int
+        lib.moetide_paged_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
+                                                       ctypes.c_float, p, p, p, p, i64, p]
+        lib.moetide_paged_decode_attention.restype = ctypes.c_int
         lib.moetide_rms_norm_rope_f32.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, p, i64,
                                                   p, p]
         lib.moetide_rms_norm_rope_f32.restype = None
@@ -143,9 +143,10 @@ def worth_it(x: Tensor, macs: int, dtypes: tuple[torch.dtype, ...] = (torch.floa
     return torch.get_num_threads() == 1 or macs <= _SINGLE_THREAD_MACS
 
 
-def decode_worth_it(q: Tensor, num_keys: int) -> bool:
-    """``worth_it`` for decode attention of one query per sequence (q [b, (1,) Hq, D]) over ``num_keys`` keys each."""
-    return worth_it(q, 2 * q.numel() * num_keys)
+def decode_worth_it(q: Tensor, num_keys: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """``worth_it`` for decode attention of one query per sequence (q [b, (1,) Hq, D]) over ``num_keys`` keys each
+    (``dtypes``: also ``EXPERT_DTYPES`` where a bf16 KV cache is read the same way)."""
+    return worth_it(q, 2 * q.numel() * num_keys, dtypes)
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -260,8 +261,9 @@ def gdn_decode(mixed: Tensor, conv_weight: Tensor, states: list, fresh: list[boo
 def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: Tensor, lengths: Tensor,
                            scale: float, new_kv: tuple[Tensor, Tensor] | None = None,
                            lse: Tensor | None = None) -> Tensor:
-    """q [b, Hq, D] fp32, one query per sequence at the end of its context; k_rows, v_rows [rows, Hkv, D] views
-    (same strides; unit stride along D); key_rows [b, L] int64 rows of each sequence's keys, the first
+    """q [b, Hq, D] fp32 or bf16, one query per sequence at the end of its context; k_rows, v_rows [rows, Hkv, D]
+    views (same strides; unit stride along D; fp32, or bf16 with a bf16 q: rows widened to fp32 as they are read,
+    the output rounded to bf16 once); key_rows [b, L] int64 rows of each sequence's keys, the first
     ``lengths[s]`` of them valid -> [b, Hq, D]. ``new_kv`` ([b, Hkv, D] each): written first into each
     sequence's last row (its decode token's slot), all of them before any sequence attends. ``lse`` ([b, Hq]
     fp32, contiguous): filled with each row's log-sum-exp (natural log, -inf for a sequence with no key; a split
@@ -274,7 +276,13 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     if k_rows.shape[1:] != (Hkv, D) or v_rows.shape[1:] != (Hkv, D):
         raise ValueError(f"K/V rows {list(k_rows.shape)} / {list(v_rows.shape)} do not match q's head dim {D}")
     num_rows = min(k_rows.shape[0], v_rows.shape[0])  # a row index must be valid in both views
-    _require_f32("paged_decode_attention", q, k_rows, v_rows)
+    bf16 = k_rows.dtype == torch.bfloat16 and v_rows.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
+    dtype = q.dtype
+    if bf16:
+        q = q.float()
+    _require_f32("paged_decode_attention", q, *(() if bf16 else (k_rows, v_rows)))
+    if k_rows.device.type != "cpu" or v_rows.device.type != "cpu":
+        raise ValueError(f"paged_decode_attention takes CPU tensors, got K/V rows on {k_rows.device}")
     q, key_rows, lengths = q.contiguous(), key_rows.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
     L = key_rows.shape[1]
     if key_rows.shape[0] != b or lengths.shape != (b,):
@@ -287,17 +295,15 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     if lse is not None and (lse.shape != (b, Hq) or not lse.is_contiguous()):
         raise ValueError(f"lse must be a contiguous [b, Hq] = {[b, Hq]} tensor, got {list(lse.shape)}")
     _require_f32("paged_decode_attention", lse)
-    out, scratch = torch.empty_like(q), q.new_empty(Hq * (L + D + 3))
-    status = lib.moetide_paged_decode_attention_f32(q.data_ptr(), b, Hq, Hkv, D, k_rows.data_ptr(),
-                                                    v_rows.data_ptr(), num_rows, k_rows.stride(0),
-                                                    k_rows.stride(1), key_rows.data_ptr(),
-                                                    lengths.data_ptr(), L, scale,
-                                                    _ptr(k_new), _ptr(v_new), out.data_ptr(), _ptr(lse),
-                                                    scratch.data_ptr())
+    out, scratch = torch.empty_like(q), q.new_empty(Hq * (L + D + 3) + 5 * Hkv * D)
+    status = lib.moetide_paged_decode_attention(q.data_ptr(), b, Hq, Hkv, D, k_rows.data_ptr(), v_rows.data_ptr(),
+                                                num_rows, k_rows.stride(0), k_rows.stride(1), key_rows.data_ptr(),
+                                                lengths.data_ptr(), L, scale, _ptr(k_new), _ptr(v_new),
+                                                out.data_ptr(), _ptr(lse), bf16, scratch.data_ptr())
     if status:  # the kernel checks the indices before it touches memory
         raise ValueError(f"key_rows must lie in [0, {num_rows})" if status == 1
                          else f"lengths must lie in [0, {L}]")
-    return out
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Tensor | None] = (None, None),

@@ -1,5 +1,6 @@
-/* moetide's native CPU kernels for decode-sized steps (fp32), called through ctypes (engine/native/__init__.py);
-   the MoE experts are in moe.c, built into the same library.
+/* moetide's native CPU kernels for decode-sized steps (fp32; decode attention also over a bf16 KV cache), called
+   through ctypes (engine/native/__init__.py); the MoE experts and dense projections are in moe.c, the Gated
+   DeltaNet step in gdn.c, all built into one library.
 
    Why: at decode sizes (a few tokens, hidden 256) each torch op costs a few microseconds of dispatch, and a MoE
    layer or a paged attention is tens of ops; these do the same arithmetic in one call, reading the arena in place
@@ -10,6 +11,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -69,7 +71,7 @@ static void axpy(float *y, float a, const float *x, int64_t n) {
 /* Ask for the cache lines of one KV row (all heads) a few rows before they are read: a sequence's blocks lie
    anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. */
 #define PREFETCH_ROWS 8
-static void prefetch_row(const float *row, int64_t num_bytes) {
+static void prefetch_row(const void *row, int64_t num_bytes) {
     for (int64_t o = 0; o < num_bytes; o += 64) __builtin_prefetch((const char *)row + o);
 }
 
@@ -80,23 +82,42 @@ static void axpy4(float *y, const float *a, const float *x0, const float *x1, co
     for (int64_t i = 0; i < n; i++) y[i] += ((a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]));
 }
 
-int moetide_abi_version(void) { return 9; }
+int moetide_abi_version(void) { return 10; }
+
+/* A K or V row (all heads) of the arena's views as fp32: in place for fp32, widened into buf ([Hkv, D] packed)
+   for bf16. */
+static inline const void *kv_at(const void *base, int64_t row, int64_t row_stride, int64_t esz) {
+    return (const char *)base + row * row_stride * esz;
+}
+
+static const float *kv_row(const void *base, int64_t row, int64_t row_stride, int64_t Hkv, int64_t head_stride,
+                           int64_t D, int64_t bf16, float *buf) {
+    if (!bf16) return (const float *)kv_at(base, row, row_stride, 4);
+    const uint16_t *r = (const uint16_t *)kv_at(base, row, row_stride, 2);
+    for (int64_t h = 0; h < Hkv; h++)
+        for (int64_t d = 0; d < D; d++) {
+            const uint32_t u = (uint32_t)r[h * head_stride + d] << 16;
+            memcpy(buf + h * D + d, &u, 4);
+        }
+    return buf;
+}
 
 /* Decode attention over paged KV, read in place: b sequences, one query each. q [b, Hq, D] contiguous; key j of
    sequence s is row key_rows[s*L + j] (j < lengths[s]) of the K and V views, whose rows are row_stride elements
    apart and whose heads are head_stride apart; query head h reads KV head h / (Hq / Hkv). Softmax in fp32 with the
-   max subtracted. out [b, Hq, D] contiguous; scratch holds Hq (L + D + 3) floats.
+   max subtracted. out [b, Hq, D] contiguous; scratch holds Hq (L + D + 3) + 5 Hkv D floats.
    A sequence of length 0 gets zeros.
    With k_new and v_new ([b, Hkv, D] contiguous, else NULL), every sequence's new key and value are first written
    into its last row, key_rows[s*L + lengths[s] - 1] (the decode token's own slot), before any sequence attends.
    With lse ([b, Hq], else NULL), each row's log-sum-exp of its scaled scores (natural log; -inf with no key),
-   what a split merge needs. Returns 1 if a row index used is outside [0, num_rows), 2 if a length is outside
-   [0, L] — having touched nothing; else 0. */
-int moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, int64_t Hkv, int64_t D,
-                                       float *k_base, float *v_base, int64_t num_rows, int64_t row_stride,
-                                       int64_t head_stride, const int64_t *key_rows, const int64_t *lengths,
-                                       int64_t L, float scale, const float *k_new, const float *v_new, float *out,
-                                       float *lse, float *scratch) {
+   what a split merge needs. With bf16 != 0 the K/V views (and k_new, v_new) hold bf16: each row read is widened
+   to fp32 (scratch) and the arithmetic is the same; q, out and lse stay fp32. Returns 1 if a row index used is
+   outside [0, num_rows), 2 if a length is outside [0, L] — having touched nothing; else 0. */
+int moetide_paged_decode_attention(const float *q, int64_t b, int64_t Hq, int64_t Hkv, int64_t D, void *k_base,
+                                   void *v_base, int64_t num_rows, int64_t row_stride, int64_t head_stride,
+                                   const int64_t *key_rows, const int64_t *lengths, int64_t L, float scale,
+                                   const void *k_new, const void *v_new, float *out, float *lse, int64_t bf16,
+                                   float *scratch) {
     for (int64_t s = 0; s < b; s++) {  /* checked before anything is read or written */
         if (lengths[s] < 0 || lengths[s] > L) return 2;
         for (int64_t j = 0; j < lengths[s]; j++)
@@ -104,19 +125,18 @@ int moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, in
     }
     const int64_t group = Hq / Hkv;
     float *scores = scratch, *acc = scratch + Hq * L, *m = acc + Hq * D, *sum = m + Hq, *pv = sum + Hq;
+    float *wide = pv + Hq;  /* 5 widened rows (bf16): one K, four V */
+    const int64_t esz = bf16 ? 2 : 4, hs = bf16 ? D : head_stride;  /* hs: head stride of a row as read */
     for (int64_t s = 0; k_new != 0 && s < b; s++) {  /* every new K/V first: one may be in another's context */
         const int64_t n = lengths[s];
         if (n == 0) continue;
         for (int64_t h = 0; h < Hkv; h++) {
-            float *k_slot = k_base + key_rows[s * L + n - 1] * row_stride + h * head_stride;
-            float *v_slot = v_base + key_rows[s * L + n - 1] * row_stride + h * head_stride;
-            for (int64_t d = 0; d < D; d++) {
-                k_slot[d] = k_new[(s * Hkv + h) * D + d];
-                v_slot[d] = v_new[(s * Hkv + h) * D + d];
-            }
+            const int64_t at = (key_rows[s * L + n - 1] * row_stride + h * head_stride) * esz;
+            memcpy((char *)k_base + at, (const char *)k_new + (s * Hkv + h) * D * esz, (size_t)(D * esz));
+            memcpy((char *)v_base + at, (const char *)v_new + (s * Hkv + h) * D * esz, (size_t)(D * esz));
         }
     }
-    const int64_t row_bytes = Hkv * head_stride * (int64_t)sizeof(float);
+    const int64_t row_bytes = Hkv * head_stride * esz;
     for (int64_t s = 0; s < b; s++) {  /* key rows outer: each K and V row is read once, whole, for every head */
         const int64_t n = lengths[s];
         const int64_t *rows = key_rows + s * L;
@@ -127,10 +147,10 @@ int moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, in
             sum[h] = 0.f;
         }
         for (int64_t j = 0; j < n; j++) {
-            if (j + PREFETCH_ROWS < n) prefetch_row(k_base + rows[j + PREFETCH_ROWS] * row_stride, row_bytes);
-            const float *kj = k_base + rows[j] * row_stride;
+            if (j + PREFETCH_ROWS < n) prefetch_row(kv_at(k_base, rows[j + PREFETCH_ROWS], row_stride, esz), row_bytes);
+            const float *kj = kv_row(k_base, rows[j], row_stride, Hkv, head_stride, D, bf16, wide);
             for (int64_t g = 0; g < Hkv; g++)  /* the group's query heads are D apart: a 4-row gemv */
-                gemv(qs + g * group * D, D, kj + g * head_stride, D, group, pv + g * group);
+                gemv(qs + g * group * D, D, kj + g * hs, D, group, pv + g * group);
             for (int64_t h = 0; h < Hq; h++) {
                 const float x = pv[h] * scale;
                 scores[h * L + j] = x;
@@ -140,11 +160,14 @@ int moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, in
         int64_t j = 0;
         for (; j + 4 <= n; j += 4) {  /* four V rows at a time: each head's accumulator read once per four */
             for (int64_t r = j + PREFETCH_ROWS; r < j + PREFETCH_ROWS + 4 && r < n; r++)
-                prefetch_row(v_base + rows[r] * row_stride, row_bytes);
-            const float *v0 = v_base + rows[j] * row_stride, *v1 = v_base + rows[j + 1] * row_stride,
-                        *v2 = v_base + rows[j + 2] * row_stride, *v3 = v_base + rows[j + 3] * row_stride;
+                prefetch_row(kv_at(v_base, rows[r], row_stride, esz), row_bytes);
+            const int64_t w = Hkv * D;
+            const float *v0 = kv_row(v_base, rows[j], row_stride, Hkv, head_stride, D, bf16, wide + w),
+                        *v1 = kv_row(v_base, rows[j + 1], row_stride, Hkv, head_stride, D, bf16, wide + 2 * w),
+                        *v2 = kv_row(v_base, rows[j + 2], row_stride, Hkv, head_stride, D, bf16, wide + 3 * w),
+                        *v3 = kv_row(v_base, rows[j + 3], row_stride, Hkv, head_stride, D, bf16, wide + 4 * w);
             for (int64_t h = 0; h < Hq; h++) {
-                const int64_t off = (h / group) * head_stride;
+                const int64_t off = (h / group) * hs;
                 const float *sh = scores + h * L + j;
                 float p4[4];
                 for (int r = 0; r < 4; r++) p4[r] = expf(sh[r] - m[h]);
@@ -153,11 +176,11 @@ int moetide_paged_decode_attention_f32(const float *q, int64_t b, int64_t Hq, in
             }
         }
         for (; j < n; j++) {
-            const float *vj = v_base + rows[j] * row_stride;
+            const float *vj = kv_row(v_base, rows[j], row_stride, Hkv, head_stride, D, bf16, wide + Hkv * D);
             for (int64_t h = 0; h < Hq; h++) {
                 const float p = expf(scores[h * L + j] - m[h]);
                 sum[h] += p;
-                axpy(acc + h * D, p, vj + (h / group) * head_stride, D);
+                axpy(acc + h * D, p, vj + (h / group) * hs, D);
             }
         }
         for (int64_t h = 0; h < Hq; h++) {

@@ -1,8 +1,8 @@
 """Runs of predictable steps that replay may execute without the per-request, per-step scheduling work.
 
-``Scheduler.max_decode_run`` covers steps in which every running request decodes. This module covers the other
-common shape of a loaded agent workload: one request prefilling a long prompt in full chunks, behind running
-requests that each decode one token. Such a step is fixed by a handful of numbers, so replay executes k of them
+``max_decode_run`` certifies runs of steps in which every running request decodes, and ``advance_decode`` applies
+them. The rest of this module covers the other common shape of a loaded agent workload: one request prefilling a
+long prompt in full chunks, behind running requests that each decode one token. Such a step is fixed by a handful of numbers, so replay executes k of them
 with O(1) work per step for the decoders and applies their k tokens at the end (``finish``), as
 ``advance_decode`` does.
 
@@ -30,6 +30,47 @@ from dataclasses import dataclass
 
 from moetide.core.request import Request
 from moetide.core.scheduler import Scheduler
+
+
+def max_decode_run(sched: Scheduler) -> int:
+    """How many next steps are certain to be plain decode steps of exactly the running requests, each
+    emitting one token, with no allocation, admission, finish or preemption. 0 when not certain.
+
+    Replay uses it to skip the per-step bookkeeping while nothing can change; ``advance_decode(sched, k)`` then
+    leaves every request exactly as k calls of schedule()/update() would (checked by a test)."""
+    running = sched.running
+    if not running or len(running) > sched.config.max_num_batched_tokens:
+        return 0
+    if sched.policy.reads_every_step:
+        return 0  # the policy keeps per-step state (vamp-reclaim's clock): step normally
+    if sched.waiting and len(running) < sched.config.max_num_seqs:
+        if not sched.waiting_head_blocked(sched.config.max_num_batched_tokens - len(running)):
+            return 0  # the head might be admitted: step normally
+    block_size, mamba = sched.kv.block_size, sched.kv.mamba
+    k = None
+    for request in running:
+        if request.num_computed_tokens + 1 != request.num_tokens:
+            return 0  # still prefilling
+        if mamba is not None and mamba.num_stale(request.request_id, request.num_computed_tokens):
+            return 0  # the next step releases an old state block: step normally
+        room = sched.kv.num_held_blocks(request.request_id) * block_size - request.num_computed_tokens
+        left = request.max_output_tokens - request.num_output_tokens - 1  # the finishing step runs normally
+        limit = room if room < left else left
+        if k is None or limit < k:
+            k = limit
+    return max(k or 0, 0)
+
+def advance_decode(sched: Scheduler, num_steps: int, requests: list[Request] | None = None) -> None:
+    """Apply ``num_steps`` decode steps (as certified by ``max_decode_run``, or ``core.runs`` for the decoders
+    of a prefill run) to ``requests``, every running request by default."""
+    kv = sched.kv
+    for request in sched.running if requests is None else requests:
+        request.append_outputs(num_steps)
+        request.computed_to(request.num_computed_tokens, request.num_computed_tokens + num_steps)
+        kv.allocate_slots(request.request_id, 0, request.block_hashes,
+                          num_computed_tokens=request.num_computed_tokens,
+                          num_prompt_tokens=request.num_prompt_tokens,
+                          shared_prefix_boundary=request.shared_prefix_boundary)
 
 
 @dataclass
@@ -79,4 +120,4 @@ def step(sched: Scheduler, run: PrefillRun) -> bool:
 
 def finish(sched: Scheduler, run: PrefillRun, num_steps: int) -> None:
     """Give each decoder the ``num_steps`` tokens of the run."""
-    sched.advance_decode(num_steps, run.decoders)
+    advance_decode(sched, num_steps, run.decoders)

@@ -174,6 +174,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def waiting_head_blocked(self, budget: int) -> bool:
+        """Whether admitting the head of the waiting queue with ``budget`` tokens left would fail as the last
+        failed admission did (``BlockedAdmission``): nothing has been freed since and the budget is no larger."""
+        blocked = self._blocked
+        return (blocked is not None and bool(self.waiting)
+                and blocked.holds(self.waiting[0], self.kv.pool.free_version, budget))
+
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self, now_s: float | None = None) -> SchedulerOutput:
         if now_s is not None:
@@ -238,8 +245,7 @@ class Scheduler:
         caching, bound = self.config.enable_prefix_caching, self.config.max_host_blocks_held
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            blocked = self._blocked
-            if blocked is not None and self.running and blocked.holds(request, self.kv.pool.free_version, budget):
+            if self.running and self.waiting_head_blocked(budget):
                 break
             hits: list[int] = []
             num_computed = 0
@@ -371,49 +377,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)
-
-    # ---- runs of identical decode steps (replay fast path) -----------------------------------------------
-    def max_decode_run(self) -> int:
-        """How many next steps are certain to be plain decode steps of exactly the running requests, each
-        emitting one token, with no allocation, admission, finish or preemption. 0 when not certain.
-
-        Replay uses it to skip the per-step bookkeeping while nothing can change; ``advance_decode(k)`` then
-        leaves every request exactly as k calls of schedule()/update() would (checked by a test)."""
-        running = self.running
-        if not running or len(running) > self.config.max_num_batched_tokens:
-            return 0
-        if self.policy.reads_every_step:
-            return 0  # the policy keeps per-step state (vamp-reclaim's clock): step normally
-        if self.waiting and len(running) < self.config.max_num_seqs:
-            blocked = self._blocked
-            budget = self.config.max_num_batched_tokens - len(running)
-            if blocked is None or not blocked.holds(self.waiting[0], self.kv.pool.free_version, budget):
-                return 0  # the head might be admitted: step normally
-        block_size, mamba = self.kv.block_size, self.kv.mamba
-        k = None
-        for request in running:
-            if request.num_computed_tokens + 1 != request.num_tokens:
-                return 0  # still prefilling
-            if mamba is not None and mamba.num_stale(request.request_id, request.num_computed_tokens):
-                return 0  # the next step releases an old state block: step normally
-            room = self.kv.num_held_blocks(request.request_id) * block_size - request.num_computed_tokens
-            left = request.max_output_tokens - request.num_output_tokens - 1  # the finishing step runs normally
-            limit = room if room < left else left
-            if k is None or limit < k:
-                k = limit
-        return max(k or 0, 0)
-
-    def advance_decode(self, num_steps: int, requests: list[Request] | None = None) -> None:
-        """Apply ``num_steps`` decode steps (as certified by ``max_decode_run``, or ``core.runs`` for the decoders
-        of a prefill run) to ``requests``, every running request by default."""
-        kv = self.kv
-        for request in self.running if requests is None else requests:
-            request.append_outputs(num_steps)
-            request.computed_to(request.num_computed_tokens, request.num_computed_tokens + num_steps)
-            kv.allocate_slots(request.request_id, 0, request.block_hashes,
-                              num_computed_tokens=request.num_computed_tokens,
-                              num_prompt_tokens=request.num_prompt_tokens,
-                              shared_prefix_boundary=request.shared_prefix_boundary)
 
     # ---- consume a step's result --------------------------------------------------------------------------
     def update(

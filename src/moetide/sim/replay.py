@@ -140,7 +140,7 @@ class Replay:
         """Run the decode steps the scheduler certifies as identical, up to the next send; same times and
         tokens as stepping one by one, without the per-step scheduling work."""
         sched = self.scheduler
-        k_max = sched.max_decode_run()
+        k_max = runs.max_decode_run(sched)
         if k_max < 2:
             return 0
         running = sched.running
@@ -171,7 +171,7 @@ class Replay:
             kv_read += num_seqs
             k += 1
         metrics.decode_run(running, ends)
-        sched.advance_decode(k)
+        runs.advance_decode(sched, k)
         return k
 
     def _prefill_run(self) -> int:

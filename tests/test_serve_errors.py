@@ -158,3 +158,17 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_by_the_signal(tiny
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_port_in_use_is_one_clear_error_before_the_engine_is_built(tiny_checkpoint, capsys):
+    import socket
+
+    from moetide.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tiny_checkpoint("qwen3_moe")), "--host", "127.0.0.1",
+                     "--port", str(port)]) == 2
+    assert f"--port {port}: cannot listen there" in capsys.readouterr().err

@@ -101,11 +101,24 @@ def serve_in_thread(model: str, *argv: str):
     return run_in_thread(app, loop, args)
 
 
+def _check_port(host: str, port: int) -> None:
+    """Fail before the engine is built (seconds), not after, when the address is taken."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        raise UserError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
     except ImportError:
         raise UserError("serve needs FastAPI and uvicorn: pip install 'moetide[serve]'") from None
+    _check_port(args.host, args.port)
     app, _loop = build_app(args)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0

@@ -60,7 +60,8 @@ def test_a_closed_stdout_ends_quietly():
 
 
 def test_ctrl_c_twice_is_one_line_and_exit_130(tmp_path):
-    proc = subprocess.Popen([*MOETIDE, "replay"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*MOETIDE, "replay"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as at a terminal
     time.sleep(4)  # inside the replay of the built-in sessions (tens of seconds)
     os.kill(proc.pid, signal.SIGINT)
     os.kill(proc.pid, signal.SIGINT)

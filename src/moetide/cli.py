@@ -50,11 +50,13 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _verb_of(argv: list[str] | None) -> str | None:
+    return next((word for word in (sys.argv[1:] if argv is None else argv) if not word.startswith("-")), None)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """Arguments, with an unknown one reported by the verb's parser (its usage, ``moetide VERB: error: ...``)."""
-    words = sys.argv[1:] if argv is None else argv
-    verb = next((word for word in words if not word.startswith("-")), None)
-    args, extra = build_parser(verb).parse_known_args(argv)
+    args, extra = build_parser(_verb_of(argv)).parse_known_args(argv)
     if extra:
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
@@ -67,18 +69,22 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    verb = "moetide"
+    from moetide.commands.options import drop_warnings, flush_warnings
+
+    verb = f"moetide {_verb_of(argv)}" if _verb_of(argv) in VERBS else "moetide"
     try:
         args = _parse(argv)
-        verb = f"moetide {args.verb}"
         code = int(args._run(args) or 0)
+        flush_warnings()
         sys.stdout.flush()
         return code
     except UserError as exc:
+        drop_warnings()  # the error is the one line to act on
         print(f"{verb}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the goodbye
+        flush_warnings()
         print(f"{verb}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

@@ -44,6 +44,7 @@ from moetide.commands.options import (
     bytes_text,
     check_output_path,
     checkpoint_dir,
+    flush_warnings,
     human_output,
     write_json_output,
 )
@@ -197,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = [tokenizer.encode(text) for text in texts]
     check_lengths(texts, prompt_ids, args.max_tokens, max_model_len(args, config))
     engine = build_engine(args, ignore_eos=args.ignore_eos)
+    flush_warnings()
     if args.routing_out:
         engine.parts.experts.record_totals()
     result = engine.generate(prompt_ids, args.max_tokens, temperature=args.temperature, seed=args.seed)

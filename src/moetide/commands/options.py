@@ -60,13 +60,26 @@ def bytes_text(num_bytes: float) -> str:
 # ---- deprecated spellings -----------------------------------------------------------------------------------
 
 _WARNED: set[str] = set()
+_PENDING: list[str] = []
 
 
 def warn_once(key: str, message: str) -> None:
-    """One warning per process and key on stderr, in the CLI's words."""
+    """One warning per process and key, held until the run starts (``flush_warnings``): a command that stops on a
+    ``UserError`` prints that one line only."""
     if key not in _WARNED:
         _WARNED.add(key)
-        print(f"moetide: warning: {message}", file=sys.stderr)
+        _PENDING.append(f"moetide: warning: {message}")
+
+
+def flush_warnings() -> None:
+    """The held warnings on stderr; verbs call it once their input is checked, ``cli.main`` after every run."""
+    for line in _PENDING:
+        print(line, file=sys.stderr)
+    _PENDING.clear()
+
+
+def drop_warnings() -> None:
+    _PENDING.clear()
 
 
 class _Deprecated(argparse.Action):
@@ -83,6 +96,8 @@ class _Deprecated(argparse.Action):
                 number = float(values)
             except ValueError:
                 parser.error(f"argument {option_string}: a number, got {values!r}")
+            if not number >= 0:
+                raise UserError(f"{option_string} must be >= 0, got {values}")
             unit = option_string.rsplit("-", 1)[-1]
             new = f"{self.new_flag} {values}{unit[:-2].upper()}iB" if unit.endswith("ib") else self.new_flag
             values = number * self.scale

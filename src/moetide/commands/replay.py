@@ -21,6 +21,7 @@ from moetide.commands.options import (
     add_workload_arguments,
     bytes_text,
     check_outputs,
+    flush_warnings,
     human_output,
     write_json_output,
 )
@@ -296,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from(args, args.policy)
     check_outputs(args)
     workload = load(args)
+    flush_warnings()
     progress = ProgressBar("replay")
     result, metrics = run_replay(workload, config, progress)
     progress.close()

@@ -3,7 +3,7 @@
 import pytest
 
 from moetide.core.blocks import BlockPool
-from moetide.core.expert_line import ExpertLine, staging_room_bytes
+from moetide.core.expert_line import ByteLayout, ExpertLine, staging_room_bytes
 from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.hashing import hash_token_blocks
 from moetide.core.kv_manager import KVCacheManager
@@ -16,10 +16,12 @@ BLOCK_BYTES = 100
 EXPERT_BYTES = 200  # one offloaded expert gives two blocks
 
 
-def make_line(pool, max_ratio=0.25, **line_options):
+def make_line(pool, max_ratio=0.25):
     residency = ExpertResidency(ExpertResidencyConfig(num_layers=2, num_experts=4, expert_bytes=EXPERT_BYTES,
                                                       max_offload_ratio=max_ratio))
-    return ExpertLine(residency, pool, block_bytes=BLOCK_BYTES, first_block_id=1000, **line_options)
+    layout = ByteLayout(pool, block_bytes=BLOCK_BYTES, kv_bytes_per_expert=residency.config.expert_bytes,
+                        first_block_id=1000)
+    return ExpertLine(residency, layout)
 
 
 class FakeSteps:

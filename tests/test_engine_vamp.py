@@ -1,5 +1,5 @@
 """``--policy vamp`` in the engine: the core's VAMP policy priced with the engine's measurements
-(``engine.vamp``), and vamp-reclaim's way back (``ArenaExpertLine.reclaim_last``).
+(``engine.vamp``), and vamp-reclaim's way back (``ExpertLine.reclaim_last`` over ``ArenaLayout``).
 
 The scheduler's clock is a step counter here (``StepClock``), so when the policy reviews its line does not depend on
 this machine's speed; what it weighs (measured prefill, copy and step seconds) does, and the tests assert only what

@@ -67,7 +67,7 @@ def test_auto_mode_is_never_worse_than_touched_or_segment(zipf_s):
 
 def test_the_policy_prices_offload_with_the_staging_the_replay_charges():
     from moetide.core.blocks import BlockPool
-    from moetide.core.expert_line import ExpertLine
+    from moetide.core.expert_line import ByteLayout, ExpertLine
     from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
     from moetide.perf import StepTimeModel
     from moetide.sim.step_time import StepTimeWithStaging
@@ -75,7 +75,8 @@ def test_the_policy_prices_offload_with_the_staging_the_replay_charges():
     m, gpu = get_model("qwen3-next-80b-a3b"), get_gpu("h200")
     staging = model(routing_zipf_s=1.0)
     residency = ExpertResidency(ExpertResidencyConfig(num_layers=48, num_experts=512, expert_bytes=3 * MIB))
-    line = ExpertLine(residency, BlockPool([]), block_bytes=6_684_672, first_block_id=0)
+    line = ExpertLine(residency, ByteLayout(BlockPool([]), block_bytes=6_684_672,
+                                            kv_bytes_per_expert=residency.config.expert_bytes, first_block_id=0))
     timer = StepTimeWithStaging(StepTimeModel(m, gpu, tp=2), staging, line, m.num_layers, mix_tau_s=1e9)
     decode, prefill = (16, 16, 16, 16 * 65537, 16 * 65537), (8192, 1, 0, 65536 + 8192, 8192 * 65536 + 8192 * 8193 // 2)
     for _ in range(50):  # a mix of decode batches and prefill chunks at 64K context

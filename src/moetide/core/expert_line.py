@@ -1,14 +1,22 @@
-"""The movable line between expert weights and the KV pool, as books: what ``OffloadExperts`` carries out.
+"""The movable line between expert weights and the KV pool, as one ledger both drivers use: what
+``OffloadExperts`` carries out.
 
 Offloading a region marks its experts offloaded (``core.experts``: they are now served from a host copy) and hands
-the bytes they occupied to the KV pool as new block ids; no resident KV block moves or changes id. Reclaim goes
-the other way, last region first, and only when every block the region produced is free (a free block holding a
-cached prefix is dropped from the cache; a block in use blocks the reclaim).
+the device memory they occupied to the KV pool as new block ids; no resident KV block moves or changes id. Reclaim
+goes the other way, last region first, and only when every block the region produced is free (a free block holding
+a cached prefix is dropped from the cache; a block in use blocks the reclaim).
 
-This ledger converts at byte granularity: region bytes accumulate and every whole ``block_bytes`` becomes one block,
-the remainder carrying to the next region. That is what vLLM's per-layer KV layout gets from 2 MiB pages (whole
-layer-blocks per page); the engine keeps exact page books with ``core.arena`` instead. Block ids given out are
-``first_block_id, first_block_id + 1, …`` in conversion order.
+``ExpertLine`` keeps the books every driver needs — the residency, the regions in conversion order, the per-layer
+offload counts the staging models read, the counters — and asks a ``LineLayout`` how experts become blocks. Two
+views of the same ledger:
+
+* ``ByteLayout`` (the replay): region bytes accumulate and every whole ``block_bytes`` becomes one block, the
+  remainder carrying to the next region — what vLLM's per-layer KV layout gets from 2 MiB pages (whole
+  layer-blocks per page). Block ids are ``first_block_id, first_block_id + 1, …`` in conversion order.
+* ``core.arena.ArenaLayout`` (the engine): exact page books; a region's home pages become KV pages.
+
+What a driver does besides the books (the engine switches its expert provider to the host copies and writes the
+weights back on reclaim) is a ``WeightMover``, a no-op by default.
 
 An offloaded expert yields its whole bytes to the pool (``kv_bytes_per_expert``), as the engine's arena gives its
 whole pages. Staging needs device room of its own — ``STAGING_BUFFER_LAYERS`` layers' worth of offloaded experts
@@ -20,6 +28,7 @@ activations: the engine's staging buffers are tensors of their own, and the repl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from moetide.core.blocks import BlockPool
 from moetide.core.experts import ExpertKey, ExpertResidency, ExpertResidencyConfig
@@ -36,63 +45,144 @@ def staging_room_bytes(config: ExpertResidencyConfig, max_num_offloaded: int) ->
     return STAGING_BUFFER_LAYERS * per_layer * config.expert_bytes
 
 
-class ExpertLine:
-    """Residency plus the pool's growth from offloaded experts (LIFO reclaim)."""
+class LineLayout(Protocol):
+    """How offloaded experts' device memory becomes KV blocks: one view of the ledger."""
 
-    def __init__(self, residency: ExpertResidency, pool: BlockPool, *, block_bytes: int, first_block_id: int) -> None:
+    block_bytes: int  # one KV block's device bytes (what vamp prices a block at)
+    kv_bytes_per_expert: int  # device bytes one offloaded expert yields to KV
+
+    def blocks_gained(self, num_experts: int) -> int:
+        """Blocks ``num_experts`` more offloaded experts would add to the pool."""
+        ...
+
+    def convert(self, region: tuple[ExpertKey, ...]) -> list[int]:
+        """Give the region's memory to the pool; return the new block ids (may raise, having changed nothing)."""
+        ...
+
+    def reclaim(self, region: tuple[ExpertKey, ...], block_ids: Sequence[int]) -> bool:
+        """Take the region's blocks out of the pool if all are free; else change nothing and return False."""
+        ...
+
+    def region_blocks(self, region: tuple[ExpertKey, ...], block_ids: Sequence[int]) -> list[int]:
+        """The blocks a reclaim of the region would take (``block_ids``: those its conversion gave)."""
+        ...
+
+    def kv_room(self, pool: BlockPool) -> tuple[int, int]:
+        """(uncached free, all) device KV blocks: the room a reclaim watermark reads."""
+        ...
+
+
+class WeightMover:
+    """What a driver does with the weights when the line moves; the replay has none to move."""
+
+    def mark_offloaded(self, keys: Sequence[ExpertKey]) -> None:
+        """The experts are now served from their host copies."""
+
+    def mark_resident(self, keys: Sequence[ExpertKey]) -> None:
+        """The experts' device copies are back (written into their home memory)."""
+
+
+class ByteLayout:
+    """The replay's view: byte-granular conversion, the remainder carried to the next region (module docstring)."""
+
+    def __init__(self, pool: BlockPool, *, block_bytes: int, kv_bytes_per_expert: int, first_block_id: int) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-        self.residency = residency
-        self.pool = pool
-        self.block_bytes = block_bytes
-        self.kv_bytes_per_expert = residency.config.expert_bytes
+        self.pool, self.block_bytes, self.kv_bytes_per_expert = pool, block_bytes, kv_bytes_per_expert
         self.first_block_id = first_block_id
         self._converted_bytes = 0
-        self._regions: list[tuple[tuple[ExpertKey, ...], range]] = []  # conversion order, for LIFO reclaim
-        self.num_offloads = 0
-        self.num_reclaims = 0
-        self.offloaded_per_layer = [0] * residency.config.num_layers  # read by staging models every step
 
     @property
     def num_converted_blocks(self) -> int:
         return self._converted_bytes // self.block_bytes
 
     def blocks_gained(self, num_experts: int) -> int:
-        """Blocks the pool would gain from offloading ``num_experts`` more experts."""
         converted = self._converted_bytes + num_experts * self.kv_bytes_per_expert
         return converted // self.block_bytes - self.num_converted_blocks
 
-    def offload(self, region: Sequence[ExpertKey]) -> list[int]:
-        region = tuple(region)
-        self.residency.mark_offloaded(region)  # validates and enforces the cap before anything changes
+    def convert(self, region: tuple[ExpertKey, ...]) -> list[int]:
         start = self.first_block_id + self.num_converted_blocks
-        self._converted_bytes += len(region) * self.kv_bytes_per_expert
-        new_ids = range(start, self.first_block_id + self.num_converted_blocks)
+        new_ids = range(start, start + self.blocks_gained(len(region)))
         self.pool.add_blocks(new_ids)
-        self._regions.append((region, new_ids))
-        for layer, _ in region:
-            self.offloaded_per_layer[layer] += 1
-        self.num_offloads += 1
+        self._converted_bytes += len(region) * self.kv_bytes_per_expert
         return list(new_ids)
 
+    def reclaim(self, region: tuple[ExpertKey, ...], block_ids: Sequence[int]) -> bool:
+        if not self.pool.remove_blocks(block_ids):
+            return False
+        self._converted_bytes -= len(region) * self.kv_bytes_per_expert
+        return True
+
+    def region_blocks(self, region: tuple[ExpertKey, ...], block_ids: Sequence[int]) -> list[int]:
+        return list(block_ids)
+
     def kv_room(self, pool: BlockPool) -> tuple[int, int]:
-        """(uncached free, all) blocks of the pool: the device room a reclaim watermark reads (the whole pool is
-        device KV here; the engine's line counts its arena's blocks only)."""
+        """The whole pool is device KV in the replay's line (a host tier does not move it)."""
         return pool.num_uncached_free_blocks, pool.num_blocks
 
-    def last_region(self) -> tuple[tuple[ExpertKey, ...], range] | None:
-        return self._regions[-1] if self._regions else None
+
+class ExpertLine:
+    """Residency plus the pool's growth from offloaded experts, LIFO reclaim, in the layout's terms."""
+
+    def __init__(self, residency: ExpertResidency, layout: LineLayout, weights: WeightMover | None = None) -> None:
+        self.residency, self.layout = residency, layout
+        self.weights = weights if weights is not None else WeightMover()
+        self._regions: list[tuple[tuple[ExpertKey, ...], list[int]]] = []  # conversion order, for LIFO reclaim
+        self.num_offloads = 0
+        self.num_reclaims = 0
+        self.num_new_blocks = 0  # blocks conversions have given the pool (reclaims do not subtract)
+        self.offloaded_per_layer = [0] * residency.config.num_layers  # read by staging models every step
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes
+
+    @property
+    def kv_bytes_per_expert(self) -> int:
+        return self.layout.kv_bytes_per_expert
+
+    def blocks_gained(self, num_experts: int) -> int:
+        """Blocks the pool would gain from offloading ``num_experts`` more experts."""
+        return self.layout.blocks_gained(num_experts)
+
+    def kv_room(self, pool: BlockPool) -> tuple[int, int]:
+        return self.layout.kv_room(pool)
+
+    def offload(self, region: Sequence[ExpertKey]) -> list[int]:
+        """Offload the region and give its memory to the pool; the new block ids. The residency validates the
+        region and enforces the cap before anything changes; a layout that raises leaves the books as they were."""
+        keys = tuple((layer, expert) for layer, expert in region)
+        self.residency.mark_offloaded(keys)
+        try:
+            new_ids = self.layout.convert(keys)
+        except Exception:
+            self.residency.mark_resident(keys)
+            raise
+        self.weights.mark_offloaded(keys)
+        if keys:
+            self._regions.append((keys, new_ids))
+        for layer, _ in keys:
+            self.offloaded_per_layer[layer] += 1
+        self.num_offloads += 1
+        self.num_new_blocks += len(new_ids)
+        return new_ids
+
+    def last_region(self) -> tuple[tuple[ExpertKey, ...], list[int]] | None:
+        if not self._regions:
+            return None
+        region, ids = self._regions[-1]
+        return region, self.layout.region_blocks(region, ids)
 
     def reclaim_last(self) -> bool:
         """Give the last offloaded region back to its experts if all its blocks are free; else change nothing."""
         if not self._regions:
             return False
         region, ids = self._regions[-1]
-        if not self.pool.remove_blocks(ids):
+        if not self.layout.reclaim(region, ids):
             return False
         self._regions.pop()
-        self._converted_bytes -= len(region) * self.kv_bytes_per_expert
         self.residency.mark_resident(region)
+        self.weights.mark_resident(region)
         for layer, _ in region:
             self.offloaded_per_layer[layer] -= 1
         self.num_reclaims += 1
@@ -101,9 +191,6 @@ class ExpertLine:
     def check_invariants(self) -> None:
         self.residency.check_invariants()
         assert sum(len(r) for r, _ in self._regions) == self.residency.num_offloaded, "regions and residency differ"
-        given = [b for _, ids in self._regions for b in ids]
-        assert len(given) == self.num_converted_blocks, "converted bytes and blocks given differ"
-        assert set(given) <= set(self.pool.block_ids()), "a converted block left the pool"
         counts = [0] * len(self.offloaded_per_layer)
         for layer, _ in self.residency.all_offloaded():
             counts[layer] += 1

@@ -30,15 +30,16 @@ from pathlib import Path
 
 import torch
 
-from moetide.core.arena import Arena
+from moetide.core.arena import Arena, ArenaLayout
 from moetide.core.blocks import BlockPool, HostTier
+from moetide.core.expert_line import ExpertLine
 from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, PressurePolicy, get_policy, start_offload
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.engine.attention import PagedAttentionBackend
-from moetide.engine.experts import ArenaExpertLine, StagedExpertProvider
+from moetide.engine.experts import StagedExpertProvider
 from moetide.engine.host_kv import ArenaPoolView, HostKVStorage
 from moetide.engine.loader import load_model
 from moetide.engine.models import MoECausalLM
@@ -145,7 +146,7 @@ class EngineParts:
     attention: PagedAttentionBackend | SplitAttentionBackend
     linear_states: BlockLinearStateStore | None
     experts: StagedExpertProvider
-    expert_line: ArenaExpertLine
+    expert_line: ExpertLine
     residency: ExpertResidency
     scheduler: Scheduler
     eos_token_ids: frozenset[int]
@@ -304,7 +305,7 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
     model.to(device)
     provider = StagedExpertProvider(storage, residency, host, host_max_rows=config.cold_expert_max_rows
                                     if config.cold_experts == "cpu" else 0)
-    line = ArenaExpertLine(arena, residency, provider)
+    line = ExpertLine(residency, ArenaLayout(arena), weights=provider)
     chosen, step_stats = _policy(policy, policy_params, config, model, provider, residency, costs)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                           max_num_seqs=config.max_num_seqs,

@@ -1,8 +1,8 @@
 """Expert weights for the engine: resident experts from their arena pages, offloaded ones staged from host copies;
-and the engine's ``ExpertLine``, which carries out the scheduler's ``OffloadExperts`` actions.
+the ``core.expert_line.WeightMover`` of the engine's line (``ExpertLine`` over ``ArenaLayout``).
 
 Who decides what: ``core.experts.ExpertResidency`` decides which experts are offloaded (a policy's
-``OffloadExperts`` action, or the engine's static offload at start, both through ``ArenaExpertLine.offload``)
+``OffloadExperts`` action, or the engine's static offload at start, both through ``ExpertLine.offload``)
 and ``core.arena.Arena`` decides which pages become which KV blocks. This module only serves weights accordingly
 and records the router's choices into the residency (``record_routing``, once per step in ``end_step``), so
 its cold-first choice sees real routing. It makes no memory decision.
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from moetide.core.arena import Arena
+from moetide.core.expert_line import WeightMover
 from moetide.core.experts import ExpertKey, ExpertResidency
 from moetide.engine.models import ExpertWeights
 from moetide.engine.storage import ArenaStorage, ExpertLayout
@@ -94,7 +94,7 @@ class ExpertStager:
             raise RuntimeError(f"expert {expert_id} was not staged: route() must announce it first") from None
 
 
-class StagedExpertProvider:
+class StagedExpertProvider(WeightMover):
     """``ExpertProvider``: routing statistics into ``ExpertResidency``; weights from home pages or staging."""
 
     def __init__(self, storage: ArenaStorage, residency: ExpertResidency, host: Tensor, *,
@@ -229,62 +229,3 @@ class TouchRates:
         """([M][E] touches per step of at most ``host_max_rows`` rows, [M][E] rows per step they brought)."""
         weight = self._weight or 1.0
         return (self._host / weight).tolist(), (self._host_rows / weight).tolist()
-
-
-class ArenaExpertLine:
-    """The engine's ``ExpertLine`` (``core.scheduler``): ``offload(region)`` marks the region offloaded in the
-    residency (which enforces ``max_offload_ratio``; nothing changes if it refuses), switches the provider to the
-    host copies, and gives the region's home pages to KV through the arena, which adds the new blocks to the pool.
-    Returns the new block ids. Resident KV bytes do not move: the arena only relabels pages. ``reclaim_last()``
-    gives the last converted region back (LIFO) when all its blocks are free, rewriting its experts into their
-    home pages from the host copies. What ``vamp`` reads of a line (``block_bytes``, ``kv_bytes_per_expert``,
-    ``blocks_gained``, ``last_region``) comes from the arena's layout."""
-
-    def __init__(self, arena: Arena, residency: ExpertResidency, provider: StagedExpertProvider) -> None:
-        self.arena, self.residency, self.provider = arena, residency, provider
-        self.num_new_blocks = 0
-        self.num_reclaims = 0
-        config = arena.config
-        self.block_bytes = config.kv_block_bytes
-        self.kv_bytes_per_expert = config.pages_per_expert * config.page_bytes  # home pages, padding included
-
-    def blocks_gained(self, num_experts: int) -> int:
-        """Blocks ``num_experts`` more converted experts would add: exact when a block fits in a page (every
-        converted page is a group of its own); when a block spans pages, the whole groups their pages make (a
-        group straddling two experts appears only once both are converted, so this can be off by one)."""
-        config = self.arena.config
-        pages = num_experts * config.pages_per_expert
-        return pages * config.blocks_per_group if config.pages_per_block == 1 else pages // config.pages_per_block
-
-    def kv_room(self, pool) -> tuple[int, int]:
-        """(uncached free, all) KV blocks of the arena — host KV blocks in the same pool are not device room."""
-        ids = self.arena.kv_block_ids()
-        room = sum(1 for b in ids if pool.is_free(b) and pool.block_hash(b) is None and not pool.is_draining(b))
-        return room, len(ids)
-
-    def last_region(self) -> tuple[tuple[ExpertKey, ...], list[int]] | None:
-        regions = self.arena.converted_regions()
-        return (regions[-1], self.arena.blocks_of_region(regions[-1])) if regions else None
-
-    def reclaim_last(self) -> bool:
-        """Give the last converted region back to its experts if every block in its pages is free; else change
-        nothing."""
-        last = self.last_region()
-        if last is None or not self.arena.reclaim(last[0]):
-            return False
-        self.residency.mark_resident(last[0])
-        self.provider.mark_resident(last[0])
-        self.num_reclaims += 1
-        return True
-
-    def offload(self, region: tuple[tuple[int, int], ...]) -> list[int]:
-        keys = [tuple(key) for key in region]
-        self.residency.mark_offloaded(keys)  # validates and enforces the cap, or raises having changed nothing
-        try:
-            new_ids = self.arena.convert_experts_to_kv(keys)
-        except Exception:
-            self.residency.mark_resident(keys)
-            raise
-        self.provider.mark_offloaded(keys)
-        self.num_new_blocks += len(new_ids)
-        return new_ids

@@ -10,7 +10,7 @@ evicted, whom to preempt, which expert region becomes KV — and the engine carr
 Built once per ``Engine``: the arena (``core.arena``: every routed expert in its home pages, then the KV pages of
 the budget) and its storage tensor (``engine.storage``), a ``BlockPool`` over exactly the arena's KV block ids,
 the ``KVCacheManager`` (with per-request state blocks for hybrid models, ``engine.state``), the
-``ExpertResidency`` and the ``Scheduler`` with the named pressure policy and the engine's ``ArenaExpertLine``.
+``ExpertResidency`` and the ``Scheduler`` with the named pressure policy and the engine's ``ExpertLine``.
 Static offload (``static_offload=True``, or a policy whose ``offload_at_start`` says so, as ``static-offload``'s
 does) offloads ``max_offload_ratio`` of the routed-expert bytes at start (``core.pressure.start_offload``)
 through the same expert line a policy's ``OffloadExperts`` action uses.

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 
 from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import DEVICE_PREFIXES, KVCacheManager
-from moetide.core.expert_line import ExpertLine, staging_room_bytes
+from moetide.core.expert_line import ByteLayout, ExpertLine, staging_room_bytes
 from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, OFFLOADING_POLICIES, VampParams, get_policy, start_offload
 from moetide.core.scheduler import Scheduler, SchedulerConfig
@@ -212,7 +212,9 @@ def build_replay(
                         num_state_blocks_per_request=0 if mamba else budget.state_blocks_per_request,
                         evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict", mamba=mamba)
     step_model = StepTimeModel(model, gpu, tp=config.tp)
-    line = ExpertLine(residency, pool, block_bytes=budget.charged_block_bytes, first_block_id=budget.num_blocks)
+    line = ExpertLine(residency, ByteLayout(pool, block_bytes=budget.charged_block_bytes,
+                                            kv_bytes_per_expert=residency.config.expert_bytes,
+                                            first_block_id=budget.num_blocks))
     staging = StagingModel(model, gpu, tp=config.tp, config=staging_config(config, model))
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers,
                                     mix_tau_s=config.vamp_horizon_s * STAGING_MIX_HORIZONS,

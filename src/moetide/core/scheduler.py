@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from moetide.core.expert_line import ExpertLine
 from moetide.core.host_admission import HostAdmission
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.mamba_states import aligned_chunk
@@ -108,20 +108,13 @@ class BlockedAdmission:
         return head is self.request and free_version == self.free_version and budget >= self.budget
 
 
-class ExpertLineBackend(Protocol):
-    """What carries out ``OffloadExperts`` (``core.expert_line`` in replay, the engine's arena-backed line in the
-    engine); absent when the line never moves."""
-
-    def offload(self, region: Sequence[tuple[int, int]]) -> list[int]: ...
-
-
 class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
         kv: KVCacheManager,
         policy: PressurePolicy,
-        expert_line: ExpertLineBackend | None = None,
+        expert_line: ExpertLine | None = None,
     ) -> None:
         self.config = config
         self.kv = kv

@@ -175,6 +175,8 @@ class _Api:
         if bound is not None and self.loop.num_in_flight + len(plans) * body.n > bound:
             raise ServeError("The engine is currently busy and cannot accept new requests. Please try again later "
                              "or on a different instance.", HTTPStatus.SERVICE_UNAVAILABLE)
+        if self.loop.error is not None or not self.loop.is_alive():
+            raise ServeError("the engine has stopped (see the server's log)", HTTPStatus.SERVICE_UNAVAILABLE)
         stop = body.stop_strings()
         choices = [_Choice(self.loop.submit(prompt, self.params(body, max_tokens, j)), ChoiceText(self.tokenizer, stop))
                    for prompt, max_tokens in plans for j in range(body.n)]

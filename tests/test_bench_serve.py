@@ -135,3 +135,21 @@ def test_a_slice_of_the_recorded_mooncake_trace_replays(server, tmp_path, capsys
     report = json.loads(out.read_text())
     assert report["completed"] == 4 and max(report["input_lens"]) <= 256 and max(report["output_lens"]) <= 8
     server.idle()
+
+
+def test_closed_loop_sessions_send_each_turn_after_the_previous_one_completes(server, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench-serve", "--url", server.url, "--sessions", "2", "--length-scale", "0.01",
+                 "--max-input-tokens", "256", "--max-output-tokens", "4", "--time-scale", "0.001",
+                 "--json", str(out)]) == 0  # no TRACE: the built-in agent sessions (closed loop)
+    report = json.loads(out.read_text())
+    assert report["failed"] == 0 and report["completed"] == len(report["request_ids"]) > 2
+    turns: dict[str, list[int]] = {}
+    for i, request_id in enumerate(report["request_ids"]):
+        turns.setdefault(request_id.split("/")[0], []).append(i)
+    assert len(turns) == 2
+    for indices in turns.values():
+        for before, after in zip(indices, indices[1:]):
+            done = report["start_times"][before] + report["e2els"][before]
+            assert report["start_times"][after] >= done
+    server.idle()

@@ -132,17 +132,17 @@ def test_a_slower_cpu_is_learned_by_writescope_only():
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(kv_host_gib=-1.0), "--kv-host-gib must be"),
+    (dict(kv_host_gib=-1.0), "--kv-host-memory must be"),
     (dict(kv_host_gib=8.0, tp=2), "use --tp 1"),
     (dict(kv_host_gib=8.0, policy="vamp"), "not modeled yet"),
     (dict(split_policy="half"), "--split-policy must be one of"),
-    (dict(split_fixed_ratio=1.5), "--fixed-ratio must be in"),
+    (dict(split_fixed_ratio=1.5), "--split-fixed-ratio must be in"),
     (dict(cpu_slowdown=0.0), "--cpu-slowdown must be"),
     (dict(kv_host_gib=8.0, cold_experts="cpu"), "not modeled; use --cold-experts fetch"),
     (dict(device_prefixes="drop"), "--device-prefixes must be one of"),
-    (dict(kv_host_active_gib=1.0), "give --kv-host-gib too"),
-    (dict(kv_host_gib=8.0, kv_host_active_gib=9.0), r"must be in \(0, --kv-host-gib = 8\]"),
-    (dict(kv_host_gib=8.0, kv_host_active_gib=0.0), "--kv-host-active-gib must be in"),
+    (dict(kv_host_active_gib=1.0), "give --kv-host-memory too"),
+    (dict(kv_host_gib=8.0, kv_host_active_gib=9.0), r"must be in \(0, --kv-host-memory = 8\]"),
+    (dict(kv_host_gib=8.0, kv_host_active_gib=0.0), "--kv-host-active-memory must be in"),
 ])
 def test_bad_host_kv_settings_are_one_line_errors(options, message):
     """The config names its fields (a ValueError); the CLI says the same in its flags."""

@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from moetide.engine.runner import Engine, SamplingParams  # noqa: E402
+from moetide.engine.runner import Engine  # noqa: E402
+from moetide.engine.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8] * 5, [9, 10, 11], [12] * 30]
 

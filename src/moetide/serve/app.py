@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from moetide.engine.runner import SamplingParams
+from moetide.engine.sampling import SamplingParams
 from moetide.serve.loop import EngineLoop, RequestHandle
 from moetide.serve.metrics import CONTENT_TYPE, ServerMetrics
 from moetide.serve.protocol import (ChatCompletionRequest, CompletionRequest, ServeError, completion_prompts,

@@ -9,7 +9,7 @@ geometric means over the same rows. ``--contention`` adds one line per setup for
 the CPU twice as slow as modeled (another user on the host), writescope without feedback against writescope with
 it (``--feedback-steps`` 20). The paper's figures are in ``PAPER``; docs/writescope.md prints both side by side.
 
-    python benchmarks/writescope_paper.py                   # the main grid (72 lines, ~1 min)
+    python benchmarks/writescope_paper.py                   # the main grid (72 lines, ~2 min)
     python benchmarks/writescope_paper.py --contention      # plus the two-user lines
 """
 

@@ -153,3 +153,40 @@ def test_closed_loop_sessions_send_each_turn_after_the_previous_one_completes(se
             done = report["start_times"][before] + report["e2els"][before]
             assert report["start_times"][after] >= done
     server.idle()
+
+
+@pytest.mark.parametrize("stream", [
+    b'data: {"error": "model overloaded"}\n\ndata: [DONE]\n\n',
+    b'data: {"choices": [{"text": "a"}]}\n\ndata: {"error": {"message": "engine failed"}}\n\n',
+    b'data: [1, 2]\n\n',
+])
+def test_whatever_a_server_streams_every_request_gets_a_result(stream):
+    """An error chunk (a string or an object, before or after a token) or a chunk that is not an object fails
+    that request with the server's words; the run goes on and every turn has a result."""
+    import http.server
+    import threading
+
+    from moetide.serve.bench_client import Target, replay
+    from moetide.serve.bench_prompts import BenchSession, BenchTurn
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(stream)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        turns = tuple(BenchTurn(str(i), [5, 6, 7], 4, 0.0, 0.0) for i in range(3))
+        results, _ = replay([BenchSession("s", 0.0, turns)], "closed", Target(f"http://127.0.0.1:{httpd.server_port}",
+                                                                            "m"), 1.0)
+    finally:
+        httpd.shutdown()
+    assert [r.request_id for r in results] == ["0", "1", "2"]
+    assert not any(r.success for r in results) and all(r.error for r in results)

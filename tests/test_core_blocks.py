@@ -357,3 +357,19 @@ def test_promote_moves_a_host_block_into_a_device_block_and_keeps_its_chain():
     assert pool.evict_device(1, protect={0}) == [1, 11]  # the moved block evicts like any other, descendants too
     pool.check_invariants()
     assert BlockPool(range(4)).promote(0) is None  # one tier
+
+
+def test_host_blocks_in_use_count_a_shared_block_once():
+    """The pool's host-in-use count is distinct blocks held (what a server reports), not holders."""
+    pool = BlockPool(range(1), host_tier=HostTier(10, 3))
+    assert pool.allocate(3) == [0, 10, 11] and pool.num_host_blocks_in_use == 2
+    pool.cache_block(10, 7, None)
+    pool.touch([10])  # a second request hits the host block
+    assert pool.num_host_blocks_in_use == 2
+    pool.free([10])
+    assert pool.num_host_blocks_in_use == 2  # still held once
+    pool.free([10, 11])
+    assert pool.num_host_blocks_in_use == 0 and pool.num_cached_free_blocks == 1
+    pool.touch([10])  # a hit on the cached, free host block
+    assert pool.num_host_blocks_in_use == 1
+    pool.check_invariants()

@@ -67,6 +67,8 @@ def num_aborted(server) -> float:
     ({"prompt": "hello " * MAX_MODEL_LEN, "max_tokens": 4}, "max_tokens"),
     ({"prompt": "hello", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ({"prompt": [10**9], "max_tokens": 4}, "prompt"),
+    ({"prompt": "hello", "max_tokens": 4, "stop": ""}, "stop"),
+    ({"prompt": "hello", "max_tokens": 4, "stop": ["lo", ""]}, "stop"),
 ])
 def test_bad_completion_input_is_400_with_an_openai_error_body(server, client, body, param):
     status, answer = post(server, "/v1/completions", body)

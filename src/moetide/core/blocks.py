@@ -69,6 +69,7 @@ class BlockPool:
         self._index = PrefixIndex()
         self._draining: set[int] = set()  # blocks marked to leave (drain); those with no reference are drained
         self._drained: set[int] = set()  # draining blocks with no reference: out of both free queues
+        self._num_host_in_use = 0  # host blocks with a reference (a shared one counts once)
         self.num_evicted_blocks = 0  # lifetime counter, for metrics
         # Bumped whenever blocks become free or are added: a caller that failed to allocate can skip retrying
         # until it changes (the scheduler's blocked queue head).
@@ -98,6 +99,12 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return len(self._ref_cnt) - self.num_free_blocks - len(self._drained)
+
+    @property
+    def num_host_blocks_in_use(self) -> int:
+        """Host blocks of a two-tier pool that some request holds, each once however many share it (0 without a
+        tier): what a server reports as host KV in use."""
+        return self._num_host_in_use
 
     @property
     def num_drained_blocks(self) -> int:
@@ -167,17 +174,23 @@ class BlockPool:
         ref_cnt = self._ref_cnt
         out = []
         for _ in range(num_blocks):
-            block_id = (device if device else host).popitem(last=False)[0]
+            if device:
+                block_id = device.popitem(last=False)[0]
+            else:
+                block_id = host.popitem(last=False)[0]
+                self._num_host_in_use += 1
             ref_cnt[block_id] = 1
             out.append(block_id)
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on each block (cache hits); a free block leaves its free queue."""
-        ref_cnt, index, cached_free = self._ref_cnt, self._index, self._cached_free
+        ref_cnt, index, cached_free, tier = self._ref_cnt, self._index, self._cached_free, self.host_tier
         for block_id in block_ids:
             count = ref_cnt[block_id]
             if count == 0:
+                if tier is not None and tier.holds(block_id):
+                    self._num_host_in_use += 1
                 if block_id in index:
                     del cached_free[block_id]
                 else:
@@ -198,11 +211,14 @@ class BlockPool:
                 raise ValueError(f"block {block_id} freed more times than it was taken")
             ref_cnt[block_id] = count
             if count == 0:
+                host = tier is not None and tier.holds(block_id)
+                if host:
+                    self._num_host_in_use -= 1
                 if draining and block_id in draining:
                     self._drain_free_block(block_id)
                 elif block_id in index:
                     cached_free[block_id] = None
-                elif tier is not None and tier.holds(block_id):
+                elif host:
                     self._host_free[block_id] = None
                 else:
                     uncached_free[block_id] = None
@@ -466,4 +482,6 @@ class BlockPool:
             if block_id in uncached:
                 assert block_id not in index, f"uncached-free block {block_id} has a hash"
         assert uncached | cached <= set(self._ref_cnt), "free queue holds a block the pool does not own"
+        in_use = sum(1 for b, count in self._ref_cnt.items() if count and tier is not None and tier.holds(b))
+        assert in_use == self._num_host_in_use, f"host blocks in use: counted {self._num_host_in_use}, held {in_use}"
         index.check_invariants()

@@ -274,7 +274,7 @@ class Engine:
         sched, provider = self.scheduler, self.parts.experts
         pool = sched.kv.pool
         host_total = self.parts.host_kv.num_blocks if self.parts.host_kv is not None else 0
-        host_used = sched.kv.num_host_blocks_held
+        host_used = pool.num_host_blocks_in_use  # (kv.num_host_blocks_held counts a shared block per holder)
         device_total = pool.num_blocks - host_total
         return EngineMetrics(
             num_running=len(sched.running), num_waiting=len(sched.waiting),

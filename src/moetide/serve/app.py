@@ -191,6 +191,9 @@ class _Api:
             return Response(status_code=499)
         finally:
             self._abort_unfinished(choices)
+        if any(c.finish_reason == "error" for c in choices):
+            raise ServeError("the engine failed while serving the request (see the server's log)",
+                             HTTPStatus.INTERNAL_SERVER_ERROR)
         failed = [c for c in choices if c.finish_reason == "failed"]
         if failed:
             raise ServeError("the request needs more KV cache than the server's budget holds "
@@ -237,6 +240,10 @@ class _Api:
                 if finish == "failed":
                     yield _sse(error_body("the request needs more KV cache than the server's budget holds",
                                           HTTPStatus.BAD_REQUEST))
+                    break
+                if finish == "error":
+                    yield _sse(error_body("the engine failed while serving the request (see the server's log)",
+                                          HTTPStatus.INTERNAL_SERVER_ERROR))
                     break
                 yield _sse(head.chunk(index, piece, finish))
                 open_choices -= finish is not None

@@ -20,7 +20,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from moetide.serve.bench_prompts import BenchSession, BenchTurn
@@ -94,6 +94,13 @@ def send(target: Target, turn: BenchTurn) -> RequestResult:
             if data == b"[DONE]":
                 break
             chunk = json.loads(data)
+            if not isinstance(chunk, dict):
+                raise ValueError(f"a stream chunk that is not a JSON object: {data[:200]!r}")
+            if chunk.get("error"):
+                error = chunk["error"]
+                message = error.get("message", error) if isinstance(error, dict) else error
+                result.success, result.error = False, str(message)
+                break
             if chunk.get("choices"):
                 now = time.perf_counter()
                 if not result.success:
@@ -101,15 +108,13 @@ def send(target: Target, turn: BenchTurn) -> RequestResult:
                 else:
                     result.itl_s.append(now - last)
                 last = now
-            elif chunk.get("usage"):
+            elif isinstance(chunk.get("usage"), dict):
                 result.output_tokens = chunk["usage"].get("completion_tokens") or 0
                 result.prompt_len = chunk["usage"].get("prompt_tokens") or result.prompt_len
-            elif chunk.get("error"):
-                result.error = str(chunk["error"].get("message", chunk["error"]))
         if not result.success and not result.error:
             result.error = "never received a chunk with a choice (no first token)"
         result.latency_s = last - start
-    except (OSError, http.client.HTTPException, ValueError) as exc:
+    except Exception as exc:  # whatever a server sends, one request's failure is recorded, not the run's
         result.success, result.error = False, f"{type(exc).__name__}: {exc}"
     finally:
         connection.close()
@@ -157,4 +162,8 @@ def replay(sessions: list[BenchSession], mode: str, target: Target, time_scale: 
     for thread in threads:
         thread.join()
     duration = time.perf_counter() - start
-    return [results[turn.request_id] for turn in turns], duration
+    missing = RequestResult("", 0, 0, error="never sent (its session stopped early)")
+    return [results.get(turn.request_id) or replace(missing, request_id=turn.request_id,
+                                                                prompt_len=len(turn.prompt_token_ids),
+                                                                expected_output_len=turn.output_tokens)
+            for turn in turns], duration

@@ -30,7 +30,7 @@ log = logging.getLogger("moetide.serve")
 @dataclass(frozen=True)
 class TokenEvent:
     """New tokens of one request; ``finish_reason`` set on its last event ("stop", "length", "failed": can never
-    fit the KV budget, "abort")."""
+    fit the KV budget, "abort": its client left, "error": the engine loop failed)."""
 
     token_ids: list[int]
     finish_reason: str | None
@@ -71,6 +71,7 @@ class EngineLoop:
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
         self._num_in_flight = 0  # handles added and not finished; read by handlers for the queue bound
         self._count_lock = threading.Lock()
+        self._post_lock = threading.Lock()  # submit's check-and-post against the failed loop's last drain
         self._stopping = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="moetide-engine", daemon=True)
@@ -92,12 +93,13 @@ class EngineLoop:
 
     # ---- called from the asyncio loop ------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
-        if self.error is not None or self._stopping:
-            raise RuntimeError("the engine loop has stopped")
         handle = RequestHandle(prompt_token_ids, params, asyncio.Queue(), asyncio.get_running_loop())
-        with self._count_lock:
-            self._num_in_flight += 1
-        self._commands.put(("add", handle))
+        with self._post_lock:
+            if self.error is not None or self._stopping:
+                raise RuntimeError("the engine loop has stopped")
+            with self._count_lock:
+                self._num_in_flight += 1
+            self._commands.put(("add", handle))
         return handle
 
     def abort(self, handle: RequestHandle, reason: str = "abort") -> None:
@@ -110,7 +112,11 @@ class EngineLoop:
     def call(self, fn: Callable[[Engine], object]) -> Future:
         """Run ``fn(engine)`` on the engine thread between steps (tests check the pool's invariants this way)."""
         future: Future = Future()
-        self._commands.put(("call", (fn, future)))
+        with self._post_lock:
+            if self.error is not None:
+                future.set_exception(RuntimeError("the engine loop has stopped"))
+                return future
+            self._commands.put(("call", (fn, future)))
         return future
 
     # ---- the engine thread -----------------------------------------------------------------------------------
@@ -124,11 +130,28 @@ class EngineLoop:
                     self._step()
         except BaseException as exc:  # a bug or an OOM: fail every waiter instead of hanging them
             log.exception("engine loop failed")
-            self.error = exc
+            with self._post_lock:  # nothing is posted after this: submit and call see the error
+                self.error = exc
+                self._stopping = True
+            now = time.monotonic()
             for handle in list(self._handles.values()):
-                self._finish(handle, TokenEvent([], "abort"), time.monotonic())
+                self._finish(handle, TokenEvent([], "error"), now)
+            self._fail_pending(exc, now)
         finally:
             self._stopping = True
+
+    def _fail_pending(self, exc: BaseException, now: float) -> None:
+        """Answer every command still queued when the loop failed: an added request ends with "error", a call
+        raises the loop's error."""
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._finish(payload, TokenEvent([], "error"), now)
+            elif kind == "call":
+                payload[1].set_exception(RuntimeError(f"the engine loop failed: {exc!r}"))
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply the queued commands (waiting for one when idle); False once told to stop."""
@@ -143,6 +166,7 @@ class EngineLoop:
             elif kind == "abort":
                 handle, reason = payload
                 if handle.engine_id in self._handles and self.engine.abort_request(handle.engine_id):
+                    self.metrics = self.engine.metrics()
                     self._finish(handle, TokenEvent([], reason), time.monotonic())
             elif kind == "call":
                 fn, future = payload
@@ -169,6 +193,7 @@ class EngineLoop:
     def _step(self) -> None:
         outputs = self.engine.step()
         now = time.monotonic()
+        self.metrics = self.engine.metrics()  # before any event goes out: a client that saw its answer sees it
         for out in outputs:
             handle = self._handles.get(out.request_id)
             if handle is None:
@@ -183,7 +208,6 @@ class EngineLoop:
                 self._finish(handle, event, now)
             else:
                 self._emit(handle, event, now)
-        self.metrics = self.engine.metrics()
 
     def _emit(self, handle: RequestHandle, event: TokenEvent, now: float) -> None:
         if self.observer is not None:

@@ -61,7 +61,10 @@ class _Sampling(_Body):
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if any(not s for s in stops):  # it would match everywhere; vLLM refuses it with the same words
+            raise ServeError("stop cannot contain an empty string.", param="stop")
+        return stops
 
 
 class CompletionRequest(_Sampling):

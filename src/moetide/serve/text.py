@@ -14,8 +14,8 @@ from __future__ import annotations
 class ChoiceText:
     def __init__(self, tokenizer, stop: list[str]) -> None:
         self.tokenizer = tokenizer
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters of ``text`` already released

@@ -237,7 +237,7 @@ def kv_budget_bytes(model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1,
         if weights + reserve + budget > gpu.hbm_bytes:
             raise UserError(f"KV budget {_gib(budget)} per GPU does not fit beside the weights "
                             f"({_gib(weights)} per GPU at tp={tp}) and the activation reserve ({_gib(reserve)}) "
-                            f"in {gpu.name}'s {_gib(gpu.hbm_bytes)} HBM; lower --kv-budget-gib or {hint}")
+                            f"in {gpu.name}'s {_gib(gpu.hbm_bytes)} HBM; lower --kv-cache-memory or {hint}")
         return budget
     usable = int(gpu_memory_utilization * gpu.hbm_bytes)
     budget = usable - weights - reserve
@@ -282,7 +282,7 @@ class MemoryBudget:
 
     def describe(self) -> list[tuple[str, str]]:
         """(figure, value with its arithmetic) rows for ``moetide perf``."""
-        usable = "user --kv-budget-gib" if self.kv_budget_from_user else (
+        usable = "user --kv-cache-memory" if self.kv_budget_from_user else (
             f"{self.gpu_memory_utilization:g} x {_gib(self.hbm_bytes)} - weights - reserve")
         charged = (f"{self.charged_block_bytes:,} B (block + state checkpoint)" if self.state_checkpoints
                    else f"{self.charged_block_bytes:,} B")

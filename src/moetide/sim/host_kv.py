@@ -1,6 +1,6 @@
 """Host-spilled KV in replay: WriteScope's engine half on a recorded trace, MODELED.
 
-With ``--kv-host-gib G`` the replay's pool gets a host tier, built as the engine builds its own
+With ``--kv-host-memory`` the replay's pool gets a host tier, built as the engine builds its own
 (``engine.host_kv``): host block ids come after every id the device can ever use, and the pool is made with
 that ``HostTier``, so device blocks are allocated first and host blocks only once no uncached device block is
 free (``core.blocks``, "Two tiers": a device block holding a cached prefix is not evicted
@@ -197,7 +197,7 @@ def ring_blocks(budget: MemoryBudget) -> int:
 
 
 def active_host_blocks(config: ReplayConfig, budget: MemoryBudget) -> int | None:
-    """``--kv-host-active-gib`` in blocks (None: no bound), at least one."""
+    """``--kv-host-active-memory`` in blocks (None: no bound), at least one."""
     if config.kv_host_active_gib is None:
         return None
     return max(int(config.kv_host_active_gib * 2**30 // budget.charged_block_bytes), 1)
@@ -210,21 +210,21 @@ def build_host_kv(model, gpu, config: ReplayConfig, budget: MemoryBudget) -> Hos
     host = get_host(config.cpu)
     host_bytes = config.kv_host_gib * 2**30
     if host_bytes > host.dram_bytes:
-        raise UserError(f"--kv-host-gib {config.kv_host_gib:g} exceeds the host's DRAM ({host.dram_bytes / 2**30:,.0f} "
+        raise UserError(f"--kv-host-memory {config.kv_host_gib:g}GiB exceeds the host's DRAM ({host.dram_bytes / 2**30:,.0f} "
                         f"GiB, --cpu {config.cpu})")
     num_host = int(host_bytes // budget.charged_block_bytes)
     device = budget.num_blocks - ring_blocks(budget)
     if num_host < 1 or device < 1 + budget.state_blocks_per_request:
-        raise UserError(f"--kv-host-gib {config.kv_host_gib:g}: {num_host} host blocks and {device} device blocks "
+        raise UserError(f"--kv-host-memory {config.kv_host_gib:g}GiB: {num_host} host blocks and {device} device blocks "
                         f"(after the {HostKVLayout().ring_bytes / 2**20:.0f} MiB staging ring) of "
-                        f"{budget.charged_block_bytes:,} B; raise --kv-host-gib or the KV budget")
+                        f"{budget.charged_block_bytes:,} B; raise --kv-host-memory or --kv-cache-memory")
     routed = weights_per_gpu(model, tp=config.tp).routed_expert_bytes
     first_host_id = budget.num_blocks + cdiv(routed, budget.charged_block_bytes) + 1  # past the expert line's ids
     try:
         attention = AttentionCostModel(model, gpu, host, layout=HostKVLayout(block_size=config.block_size),
                                        offload=offload_efficiency_for_host(config.cpu))
     except ValueError as exc:
-        raise UserError(f"--kv-host-gib: {exc}") from None
+        raise UserError(f"--kv-host-memory: {exc}") from None
     return HostKV(attention, config.split_policy, first_host_id=first_host_id, num_host_blocks=num_host,
                   num_device_blocks=device, block_size=config.block_size, fixed_ratio=config.split_fixed_ratio,
                   cpu_slowdown=config.cpu_slowdown)

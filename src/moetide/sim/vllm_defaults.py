@@ -52,7 +52,7 @@ def mamba_states(model: ModelSpec, config: ReplayConfig, pool: BlockPool, budget
                         "leave --block-size out, or give --no-prefix-caching")
     if host_kv is not None:
         raise UserError("a host KV tier beside a hybrid model's cached states is not modeled: give "
-                        "--no-prefix-caching with --kv-host-gib")
+                        "--no-prefix-caching with --kv-host-memory")
     return MambaStates(pool, config.block_size, budget.state_blocks_per_request,
                        retention_interval=config.prefix_cache_retention_interval)
 

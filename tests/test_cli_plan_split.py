@@ -9,7 +9,8 @@ import pytest
 
 from moetide.cli import main
 from moetide.commands.plan_split import COMPARED, parse_contexts, parse_tokens
-from moetide.core.splits import BASELINES, NAMED_BASELINES
+from moetide.core.split_baselines import NAMED_BASELINES
+from moetide.core.splits import BASELINES
 from moetide.errors import UserError
 
 POLICIES = {"writescope", *COMPARED}

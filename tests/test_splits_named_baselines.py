@@ -10,20 +10,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetide.core.splits import (
+from moetide.core.split_baselines import (
     MODELED_POLICIES,
     NAMED_BASELINES,
-    SPLIT_POLICIES,
     FastDecode,
     HybridGen,
     Monolithic,
     ScoutAttention,
+    SolidAttention,
+)
+from moetide.core.splits import (
+    SPLIT_POLICIES,
     SeqResidency,
     SeqSplit,
-    SolidAttention,
     SplitCosts,
     WriteScope,
-    _fill,
+    fill_split,
     _time_s,
     gpu_side_s,
     optimal_cpu_blocks,
@@ -130,7 +132,7 @@ def test_optimum_with_prefetch_matches_brute_force_on_several_sequences(prefetch
     seqs = seqs_of(40, 25, 10)
     ws = WriteScope().split(c, seqs, BLOCK)
     t = phase_time_s(c, ws, BLOCK)
-    assert all(t <= phase_time_s(c, _fill(seqs, b), BLOCK) + 1e-12 for b in range(76))
+    assert all(t <= phase_time_s(c, fill_split(seqs, b), BLOCK) + 1e-12 for b in range(76))
 
 
 @settings(max_examples=200, deadline=None)
@@ -143,8 +145,8 @@ def test_writescope_with_prefetch_never_loses_to_an_exact_split(host, factor, pr
     rivals = {name: make() for name, make in SPLIT_POLICIES.items()} | {"hybridgen": HybridGen(streams=True)}
     for name, policy in rivals.items():
         assert ws <= phase_time_s(c, policy.split(c, seqs, BLOCK, factor), BLOCK, factor) * (1 + 1e-12), name
-    best = min(phase_time_s(c, _fill(seqs, b), BLOCK, factor) for b in range(sum(host) + 1))
-    chosen = _fill(seqs, optimal_cpu_blocks(c, host, BLOCK, factor))
+    best = min(phase_time_s(c, fill_split(seqs, b), BLOCK, factor) for b in range(sum(host) + 1))
+    chosen = fill_split(seqs, optimal_cpu_blocks(c, host, BLOCK, factor))
     assert phase_time_s(c, chosen, BLOCK, factor) == pytest.approx(best, rel=1e-12, abs=1e-15) and ws <= best
 
 

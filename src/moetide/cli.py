@@ -23,7 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "specs": ("specs", "print model and hardware tables (presets, or your own config.json / hardware file)"),
     "perf": ("perf", "modeled step time (roofline) and per-GPU memory budget for a model on a GPU"),
     "make-test-model": ("make_test_model", "write a tiny random checkpoint and tokenizer made by transformers"),
-    "plan-split": ("plan_split", "modeled WriteScope CPU/GPU split of host-spilled KV against four baselines"),
+    "plan-split": ("plan_split", "modeled WriteScope CPU/GPU split of host-spilled KV against our four baselines and the WriteScope paper's four"),
     "replay": ("replay", "replay a recorded trace (or the built-in agent sessions) on modeled hardware"),
     "compare": ("compare", "replay one workload under several memory policies and compare them"),
     "sweep": ("sweep", "replay one workload at several max offload ratios"),

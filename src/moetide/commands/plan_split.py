@@ -3,7 +3,7 @@ WriteScope paper's four named ones and its monolithic-cache ablation, per contex
 
 For each context, ``--batch`` sequences (default: as many as make ``--aggregate-tokens`` of KV in total) decode one
 token each. Their blocks are placed by ``core.splits.BlockPlacement`` (device pool shared equally, host after);
-each policy of ``core.splits.MODELED_POLICIES`` chooses the split from coefficients that ``perf.offload`` derives,
+each policy of ``core.split_baselines.MODELED_POLICIES`` chooses the split from coefficients that ``perf.offload`` derives,
 ``perf.host_share`` says what the MoE phase leaves the link and the CPU, and ``perf.offload`` charges the step with
 the policy's ``Mechanism``. Same model, GPU, host, VRAM layout and weights for every policy. All figures are
 MODELED (docs/writescope.md says what and how).
@@ -20,23 +20,25 @@ import sys
 from pathlib import Path
 
 from moetide.core.split_planner import CorrectionConfig, SplitPlanner
-from moetide.core.splits import (
-    BASELINES,
+from moetide.core.split_baselines import (
     NAMED_BASELINES,
-    BlockPlacement,
-    FixedRatio,
-    Mechanism,
-    Monolithic,
-    ScoutAttention,
-    SeqResidency,
-    SolidAttention,
-    SplitCosts,
-    SplitPolicy,
     FastDecode,
     HybridGen,
-    RequestSplit,
-    TransferAll,
+    Monolithic,
+    ScoutAttention,
+    SolidAttention,
+)
+from moetide.core.splits import (
+    BASELINES,
+    BlockPlacement,
     CpuAll,
+    FixedRatio,
+    Mechanism,
+    RequestSplit,
+    SeqResidency,
+    SplitCosts,
+    SplitPolicy,
+    TransferAll,
 )
 from moetide.errors import UserError
 from moetide.perf.attention import AttentionCostModel, HostKVLayout

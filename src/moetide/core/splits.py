@@ -201,7 +201,7 @@ def phase_time_s(costs: SplitCosts, splits: Sequence[SeqSplit], block_bytes: flo
     return _time_s(costs, cpu_blocks, host_blocks, n_c, n_s, block_bytes, factor)
 
 
-def _fill(seqs: Sequence[SeqResidency], total_cpu_blocks: int) -> tuple[SeqSplit, ...]:
+def fill_split(seqs: Sequence[SeqResidency], total_cpu_blocks: int) -> tuple[SeqSplit, ...]:
     """Give the CPU whole sequences' host blocks, longest host part first (ties: batch order), and at most one
     sequence a partial range: the fewest sequences pay a per-sequence cost on either side."""
     cpu, left = [0] * len(seqs), total_cpu_blocks
@@ -211,7 +211,7 @@ def _fill(seqs: Sequence[SeqResidency], total_cpu_blocks: int) -> tuple[SeqSplit
     return tuple(SeqSplit(s.seq_id, s.num_device_blocks, c, s.num_host_blocks - c) for s, c in zip(seqs, cpu))
 
 
-def _proportional(seqs: Sequence[SeqResidency], total_cpu_blocks: int) -> tuple[SeqSplit, ...]:
+def proportional_split(seqs: Sequence[SeqResidency], total_cpu_blocks: int) -> tuple[SeqSplit, ...]:
     """The same share of every sequence's host blocks, largest remainder first (ties: batch order)."""
     host = sum(s.num_host_blocks for s in seqs)
     exact = [total_cpu_blocks * s.num_host_blocks / host if host else 0.0 for s in seqs]
@@ -229,7 +229,7 @@ def _time_s(costs: SplitCosts, cpu_blocks: int, host_blocks: int, n_c: int, n_s:
 
 def optimal_cpu_blocks(costs: SplitCosts, host_blocks: Sequence[int], block_bytes: float,
                        factor: float = 1.0) -> int:
-    """Closed-form optimum of T over whole blocks under the ``_fill`` assignment, ties to fewer CPU blocks.
+    """Closed-form optimum of T over whole blocks under the ``fill_split`` assignment, ties to fewer CPU blocks.
 
     With host parts h_1 >= ... >= h_n and prefix sums P_j, CPU bytes X in segment (P_j, P_j+1) touch
     n_c = j + 1 sequences on the CPU and n_s = n - j streamed; there T is convex (max of an increasing and a
@@ -293,14 +293,14 @@ class SplitPolicy:
 
 
 class WriteScope(SplitPolicy):
-    """The optimum of T(X) re-chosen every step: ``_fill`` at the closed-form X, unless the whole-sequence (LPT)
+    """The optimum of T(X) re-chosen every step: ``fill_split`` at the closed-form X, unless the whole-sequence (LPT)
     assignment is cheaper — it can be, by one per-sequence cost, when a subset of whole sequences lands on the
     crossing — so that writescope never loses to request-split on its own model."""
 
     name = "writescope"
 
     def split(self, costs, seqs, block_bytes, factor=1.0):
-        fill = _fill(seqs, optimal_cpu_blocks(costs, [s.num_host_blocks for s in seqs], block_bytes, factor))
+        fill = fill_split(seqs, optimal_cpu_blocks(costs, [s.num_host_blocks for s in seqs], block_bytes, factor))
         whole = RequestSplit().split(costs, seqs, block_bytes, factor)
         t_fill, t_whole = (phase_time_s(costs, x, block_bytes, factor) for x in (fill, whole))
         return whole if t_whole < t_fill else fill
@@ -312,7 +312,7 @@ class TransferAll(SplitPolicy):
     name = "transfer-all"
 
     def split(self, costs, seqs, block_bytes, factor=1.0):
-        return _fill(seqs, 0)
+        return fill_split(seqs, 0)
 
 
 class CpuAll(SplitPolicy):
@@ -321,7 +321,7 @@ class CpuAll(SplitPolicy):
     name = "cpu-all"
 
     def split(self, costs, seqs, block_bytes, factor=1.0):
-        return _fill(seqs, sum(s.num_host_blocks for s in seqs))
+        return fill_split(seqs, sum(s.num_host_blocks for s in seqs))
 
 
 @dataclass
@@ -336,7 +336,7 @@ class FixedRatio(SplitPolicy):
             raise ValueError(f"FixedRatio: ratio is a CPU share and must be in [0, 1], got {self.ratio!r}")
 
     def split(self, costs, seqs, block_bytes, factor=1.0):
-        return _proportional(seqs, round(self.ratio * sum(s.num_host_blocks for s in seqs)))
+        return proportional_split(seqs, round(self.ratio * sum(s.num_host_blocks for s in seqs)))
 
 
 class RequestSplit(SplitPolicy):
@@ -364,109 +364,6 @@ class RequestSplit(SplitPolicy):
                               0 if c else s.num_host_blocks) for s, c in zip(seqs, to_cpu))
 
 
-# ---- the WriteScope paper's named baselines and its monolithic-cache ablation, as the cost model sees them ----
-# Modeled from each system's public description (docs/writescope.md says what each is credited with); plan-split
-# compares them, the engine does not run them (its policies are exact; two of these are sparse).
-
-
-def _density(owner: str, value: float) -> None:
-    if not 0 < value <= 1:
-        raise ValueError(f"{owner}: density is the share of host blocks attended and must be in (0, 1], got {value!r}")
-
-
-class FastDecode(CpuAll):
-    """FastDecode (He and Zhai, arXiv 2403.11421): the KV-touching "R-part" of every layer runs on the CPU where the
-    KV lies; only queries and outputs cross the link. As a split: every host block on the CPU."""
-
-    name = "fastdecode"
-
-
-@dataclass
-class HybridGen(SplitPolicy):
-    """HybridGen (arXiv 2604.18529): attention-logit parallelism, "each processor operates on tokens in its local
-    memory", rebalanced by a feedback scheduler that maps new KV across the tiers. With the device pool full (a
-    32 GiB budget), placement cannot move, so the device attends its tokens and the CPU every host token.
-    ``streams=True`` is a more generous reading: its rebalancing may also stream host KV, the same share of every
-    sequence (its parallel split is per sequence) at the share where the two sides balance, i.e. where its
-    feedback settles, with the CPU factor the caller believes in (writescope's online credit); every sequence then
-    pays both sides' per-sequence costs."""
-
-    streams: bool = False
-    name: str = field(default="hybridgen", init=False)
-
-    def split(self, costs, seqs, block_bytes, factor=1.0):
-        host = sum(s.num_host_blocks for s in seqs)
-        if not self.streams:
-            return _fill(seqs, host)
-        n = sum(1 for s in seqs if s.num_host_blocks)
-        gpu = (costs.gpu_fixed_s + n * costs.merge_per_seq_s + costs.stream_fixed_s + n * costs.stream_per_seq_s
-               + costs.stream_s_per_byte * max(0.0, host * block_bytes - costs.prefetch_bytes))
-        x = (gpu - factor * (costs.cpu_fixed_s + n * costs.cpu_per_seq_s)) / (
-            factor * costs.cpu_s_per_byte + costs.stream_s_per_byte) / block_bytes
-        flat = max(0.0, host * block_bytes - costs.prefetch_bytes) / block_bytes
-        picks = {min(host, max(0, b)) for b in (math.floor(x), math.ceil(x), math.floor(flat), math.ceil(flat))}
-        options = [_proportional(seqs, b) for b in sorted(picks)]
-        return min(options, key=lambda o: phase_time_s(costs, o, block_bytes, factor))
-
-
-@dataclass
-class ScoutAttention(SplitPolicy):
-    """ScoutAttention (arXiv 2603.27138): block-sparse attention over host KV on the CPU, started one layer ahead
-    with a predicted query, so the CPU works while the GPU runs the previous layer; hot blocks are recalled to the
-    device asynchronously (not charged: it overlaps). As a split: ``density`` of every sequence's host blocks on
-    the CPU, the rest skipped. Lossy."""
-
-    density: float = 0.125
-    name: str = field(default="scoutattention", init=False)
-    mechanism: Mechanism = field(default=Mechanism(layer_ahead_cpu=True, lossy=True), init=False)
-
-    def __post_init__(self) -> None:
-        _density("ScoutAttention", self.density)
-
-    def split(self, costs, seqs, block_bytes, factor=1.0):
-        cpu = [min(s.num_host_blocks, math.ceil(self.density * s.num_host_blocks)) for s in seqs]
-        return tuple(SeqSplit(s.seq_id, s.num_device_blocks, c, 0, s.num_host_blocks - c) for s, c in zip(seqs, cpu))
-
-
-@dataclass
-class SolidAttention(SplitPolicy):
-    """SolidAttention (FAST '26, Zheng et al.): dynamic sparse attention on the accelerator over KV kept on slower
-    storage (an SSD there; host DRAM here), in coarse blocks, speculatively prefetched; consecutive steps select
-    mostly the same blocks, so ``locality`` of a step's selection is still on the device when room allows. As a
-    split: ``density`` of every sequence's host blocks streamed, the rest skipped; the CPU attends nothing. Lossy."""
-
-    density: float = 0.125
-    locality: float = 0.8
-    name: str = field(default="solidattention", init=False)
-
-    def __post_init__(self) -> None:
-        _density("SolidAttention", self.density)
-        if not 0 <= self.locality < 1:
-            raise ValueError(f"SolidAttention: locality is a share of blocks and must be in [0, 1), got "
-                             f"{self.locality!r}")
-
-    @property
-    def mechanism(self) -> Mechanism:
-        return Mechanism(reuse_fraction=self.locality, lossy=True)
-
-    def split(self, costs, seqs, block_bytes, factor=1.0):
-        out = [min(s.num_host_blocks, math.ceil(self.density * s.num_host_blocks)) for s in seqs]
-        return tuple(SeqSplit(s.seq_id, s.num_device_blocks, 0, n, s.num_host_blocks - n) for s, n in zip(seqs, out))
-
-
-class Monolithic(SplitPolicy):
-    """The paper's layout ablation: one monolithic cache (a transformers DynamicCache) instead of four regions.
-    All KV lives in one host tensor that each step rewrites on append (``Mechanism.relayout``), so no block is
-    device-resident; the split along the sequence is still writescope's (a slice of one tensor is a view)."""
-
-    name = "monolithic"
-    mechanism = Mechanism(relayout=True)
-
-    def split(self, costs, seqs, block_bytes, factor=1.0):
-        flat = [SeqResidency(s.seq_id, 0, s.num_device_blocks + s.num_host_blocks) for s in seqs]
-        return WriteScope().split(costs, flat, block_bytes, factor)
-
-
 SPLIT_POLICIES: dict[str, Callable[[], SplitPolicy]] = {
     "writescope": WriteScope,
     "transfer-all": TransferAll,
@@ -475,11 +372,6 @@ SPLIT_POLICIES: dict[str, Callable[[], SplitPolicy]] = {
     "fixed-ratio": FixedRatio,
 }
 BASELINES = ("transfer-all", "cpu-all", "request-split", "fixed-ratio")
-NAMED_BASELINES = ("solidattention", "scoutattention", "hybridgen", "fastdecode")  # the WriteScope paper's four
-# Every policy the cost model compares (plan-split); the engine and the replay run SPLIT_POLICIES only.
-MODELED_POLICIES: dict[str, Callable[[], SplitPolicy]] = {
-    **SPLIT_POLICIES, "fastdecode": FastDecode, "hybridgen": HybridGen, "scoutattention": ScoutAttention,
-    "solidattention": SolidAttention, "monolithic": Monolithic}
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ A decode step alternates, per layer, an attention phase and a non-attention (MoE
 data-dependent, so they never overlap: the host's cores and its link are shared between the two phases in time.
 Where the experts that do not fit in VRAM run decides which resource the MoE phase occupies:
 
-  stage   (the default, as before) each layer's routed host experts are copied over the link and run on the GPU:
+  stage   (the default: what the replay and the engine do) each layer's routed host experts are copied over the link and run on the GPU:
           the link is busy for the staging, the CPU idles the whole phase. Phase = max(expert roofline, staging).
   cpu     (KTransformers' placement) the CPU computes them where their weights lie while the GPU computes the
           resident ones: the CPU is busy for max(weight bytes / DRAM, FLOPs / fp32) plus one hand-off per layer,

@@ -28,12 +28,15 @@ def test_a_size_without_meaning_is_refused(capsys):
         parse_bytes("-1GiB")
 
 
-def test_old_spelling_gives_the_same_bytes_and_warns_once(tmp_path, capsys):
+def test_old_spelling_gives_the_same_bytes_and_warns_once(tmp_path, capsys, monkeypatch):
+    from moetide.commands import options
+
+    monkeypatch.setattr(options, "_WARNED", set())  # a fresh process: no earlier test has warned
     trace = small_trace(tmp_path)
     assert main(["replay", str(trace), "--kv-budget-gib", "4", "--json", str(tmp_path / "old.json")]) == 0
     assert main(["replay", str(trace), "--kv-budget-gib", "4", "--json", str(tmp_path / "old2.json")]) == 0
     err = capsys.readouterr().err
-    assert err.count("--kv-budget-gib is deprecated") <= 1  # once per process (an earlier test may have warned)
+    assert err.count("--kv-budget-gib is deprecated") == 1  # once per process
     assert main(["replay", str(trace), "--kv-cache-memory", "4GiB", "--json", str(tmp_path / "new.json")]) == 0
     assert (tmp_path / "old.json").read_bytes() == (tmp_path / "new.json").read_bytes()
 

@@ -117,8 +117,11 @@ class ByteLayout:
         return list(block_ids)
 
     def kv_room(self, pool: BlockPool) -> tuple[int, int]:
-        """The whole pool is device KV in the replay's line (a host tier does not move it)."""
-        return pool.num_uncached_free_blocks, pool.num_blocks
+        """The pool's device blocks: all of them, or those outside its host tier."""
+        tier = pool.host_tier
+        if tier is None:
+            return pool.num_uncached_free_blocks, pool.num_blocks
+        return pool.num_device_uncached(pool.num_blocks), pool.num_blocks - tier.num_blocks
 
 
 class ExpertLine:

@@ -90,11 +90,9 @@ def print_summary(metrics: dict) -> None:
 
 
 def plot(path: str, per: dict) -> None:
-    import matplotlib
+    from moetide.report.plots import require_matplotlib, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = require_matplotlib()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     ok = [i for i, e in enumerate(per["errors"]) if not e]
     left.scatter([per["start_times"][i] for i in ok], [per["ttfts"][i] * 1000 for i in ok], s=8)
@@ -109,12 +107,7 @@ def plot(path: str, per: dict) -> None:
     right.bar(list(span), [seconds.get(s, 0) for s in span], width=1.0, align="edge")
     right.set(xlabel="time (s)", ylabel="tokens/s", title="Output tokens per second")
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise UserError(f"--plot {path}: cannot write: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> int:

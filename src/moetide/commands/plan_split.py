@@ -16,9 +16,8 @@ import dataclasses
 import json
 import math
 import re
-import sys
-from pathlib import Path
 
+from moetide.commands.options import check_outputs, human_output, write_json_output
 from moetide.core.split_planner import CorrectionConfig, SplitPlanner
 from moetide.core.split_baselines import (
     NAMED_BASELINES,
@@ -134,17 +133,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--sparse-density: a share of blocks must be in (0, 1], got {args.sparse_density}")
     if not 0 <= args.solid_locality < 1:
         raise UserError(f"--solid-locality: a share of blocks must be in [0, 1), got {args.solid_locality}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401  (checked before the run, not after it)
-        except ImportError:
-            raise UserError("--plot needs matplotlib: pip install 'moetide[plot]'") from None
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path not in (None, "-"):
-            parent = Path(path).parent
-            if Path(path).is_dir() or not parent.is_dir():
-                raise UserError(f"{flag} {path}: " + ("is a folder" if Path(path).is_dir() else
-                                                       f"folder {parent} does not exist"))
+    check_outputs(args)
     if not (math.isfinite(args.device_kv_gib) and args.device_kv_gib >= 0):
         raise UserError(f"--device-kv-gib must be >= 0, got {args.device_kv_gib}")
     if args.fixed_ratio != "tuned":
@@ -427,14 +416,10 @@ def _text(doc: dict, setup: Setup) -> str:
 
 
 def _plot(doc: dict, path: str) -> None:
-    try:
-        import matplotlib
+    from moetide.report.plots import require_matplotlib, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'moetide[plot]'") from None
+    plt = require_matplotlib()
+    import matplotlib.ticker
     rows = doc["rows"]
     x = [r["context"] for r in rows]
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -455,34 +440,21 @@ def _plot(doc: dict, path: str) -> None:
     ax_s.set_ylim(0, 1)
     fig.suptitle(f"{doc['model']} on {doc['gpu']} + {doc['cpu']}, {doc['vram_gib']:g} GiB VRAM (MODELED)")
     fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise UserError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     setup = build_setup(args)
     doc = evaluate(args, setup)
-    to_stdout = args.json == "-"
-    notes = sys.stderr if to_stdout else sys.stdout
     if args.plot:
         _plot(doc, args.plot)
-    if args.json is None or not to_stdout:
+    if args.json != "-":
         print(_text(doc, setup))
     if args.json is not None:
-        text = json.dumps(doc, indent=2) + "\n"
-        if to_stdout:
-            sys.stdout.write(text)
-        else:
-            try:
-                Path(args.json).write_text(text, encoding="utf-8")
-            except OSError as exc:
-                raise UserError(f"--json {args.json}: cannot write: {exc.strerror or exc}") from None
-            print(f"wrote {args.json}", file=notes)
-    if args.plot:
-        print(f"wrote {args.plot}", file=notes)
+        write_json_output(args.json, json.dumps(doc, indent=2))
+    with human_output(args.json):
+        for flag in ("json", "plot"):
+            if getattr(args, flag) not in (None, "-"):
+                print(f"wrote {getattr(args, flag)}")
     return 0

@@ -30,6 +30,18 @@ def require_matplotlib():
     return plt
 
 
+def save_figure(fig, path: str | Path, dpi: float | None = None) -> None:
+    """Write the figure and close it; a path that cannot be written is one ``UserError`` naming ``--plot``."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as exc:
+        raise UserError(f"--plot {path}: cannot write: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+
+
 def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
     ordered = sorted(values)
     return ordered, [(i + 1) / len(ordered) for i in range(len(ordered))]
@@ -98,9 +110,4 @@ def plot_runs(runs: Mapping[str, tuple[dict, MetricsCollector]], path: Path) -> 
     first = next(iter(runs.values()))[0]["config"]
     fig.suptitle(f"{first['workload']['name']} | {first['model']} on {first['tp']} x {first['gpu']} (modeled)")
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise UserError(f"--plot {path}: cannot write: {exc.strerror}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, dpi=110)

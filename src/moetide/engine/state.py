@@ -97,6 +97,11 @@ class BlockLinearStateStore:
         self._scratch: Tensor | None = None  # [B, num_blocks * kv_block_bytes] uint8
         self._index: tuple[Tensor, Tensor] | None = None
         self._views: dict[tuple[int, int], LinearState] = {}
+        # The blocks as 8-byte words when their layout allows: gathering and scattering whole states moves words,
+        # not bytes, which on the CPU is several times faster (the step's main cost at batch 32 otherwise).
+        blocks = storage.block_bytes_view
+        self._words = blocks.view(torch.int64) if all(n % 8 == 0 for n in (*blocks.stride()[:-1], blocks.shape[-1],
+                                                                             blocks.storage_offset())) else None
 
     def prepare(self, batch: StepBatch, state_tables: list[list[int]]) -> None:
         """Gather the state blocks of the step's sequences (``state_tables`` in batch order)."""
@@ -113,7 +118,10 @@ class BlockLinearStateStore:
             shape = (len(state_tables), self.num_blocks)
             self._index = (torch.tensor(groups, device=device).view(shape),
                            torch.tensor(slots, device=device).view(shape))
-            self._scratch = self.storage.block_bytes_view[self._index].reshape(len(state_tables), -1)
+            if self._words is not None:
+                self._scratch = self._words[self._index].view(torch.uint8).reshape(len(state_tables), -1)
+            else:
+                self._scratch = self.storage.block_bytes_view[self._index].reshape(len(state_tables), -1)
         self._rows = {seq_id: row for row, seq_id in enumerate(batch.seq_ids)}
         self._views = {}
 
@@ -156,7 +164,9 @@ class BlockLinearStateStore:
         if self._scratch is None or self._index is None:
             return
         rows = self._scratch.shape[0]
-        if self._host_index is None:
+        if self._host_index is None and self._words is not None:
+            self._words[self._index] = self._scratch.view(torch.int64).view(rows, self.num_blocks, -1)
+        elif self._host_index is None:
             self.storage.block_bytes_view[self._index] = self._scratch.view(rows, self.num_blocks, -1)
         else:
             dev_pos, host_pos, host_blocks = self._host_index

@@ -15,6 +15,11 @@ dashboard built for vLLM reads moetide unchanged:
   and ``moetide_experts_on_host`` (offloaded experts copied into a staging buffer, or computed from their host
   copies, per layer that routed to them).
 
+Where the numbers differ from vLLM's for the same traffic: a request whose client left is counted in
+``request_success{finished_reason="abort"}`` (vLLM's frontend abort records no finished stats; counting it lets an
+operator see disconnects); a one-token request observes no TPOT (vLLM observes 0); the ``repetition`` label of
+vLLM's per-request histograms is not exported.
+
 Levels and engine counters are read at scrape time from the engine loop's latest ``EngineMetrics`` (replaced after
 every step on the engine thread, so a scrape never touches the engine); the histograms are observed by the engine
 thread as tokens are emitted. One registry per server: two servers in one process (tests) do not collide.

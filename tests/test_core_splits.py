@@ -11,20 +11,17 @@ from hypothesis import strategies as st
 from moetide.core.split_planner import CorrectionConfig, OnlineCorrection, SplitPlanner, probe_split
 from moetide.core.splits import (
     SPLIT_POLICIES,
-    BlockPlacement,
     FixedRatio,
     Region,
-    Residency,
     SeqResidency,
     SeqSplit,
     SplitCosts,
-    _fill,
+    fill_split,
     cpu_side_s,
     optimal_cpu_blocks,
     phase_time_s,
 )
 
-D, H = Residency.DEVICE, Residency.HOST
 BLOCK = 1000.0  # bytes per block in the synthetic cases
 
 
@@ -40,50 +37,29 @@ def seqs_of(*host_blocks: int, device: int = 2) -> list[SeqResidency]:
     return [SeqResidency(i, device, h) for i, h in enumerate(host_blocks)]
 
 
-# ---- placement ------------------------------------------------------------------------------------------------
+# ---- placement: the pool's ---------------------------------------------------------------------------------
 
 
-def test_placement_switches_device_to_host_once_per_sequence():
-    p = BlockPlacement(num_device_blocks=5, num_host_blocks=10)
-    got = [p.place("a"), p.place("a"), p.place("a"), p.place("b"), p.place("b"), p.place("a"), p.place("b")]
-    assert got == [D, D, D, D, D, H, H]
-    p.free("b")  # two device blocks come back ...
-    assert p.num_free_device_blocks == 2 and p.place("a") == H  # ... but "a" is on the host for good
-    assert p.place("c") == D and p.place("c") == D and p.place("c") == H
-    assert p.residency("a") == SeqResidency("a", 3, 2) and p.residency("c") == SeqResidency("c", 2, 1)
-    p.check_invariants()
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 40), st.integers(1, 6), st.integers(1, 12))
+def test_lockstep_writes_in_a_two_tier_pool_give_equal_device_shares_then_host(device, batch, blocks_per_seq):
+    """plan-split's placement, through the engine's pool: sequences written block by block in lockstep get device
+    blocks in turn while any is free (shares differ by at most one), then host blocks; each is a device prefix
+    then a host suffix."""
+    from moetide.core.blocks import BlockPool, HostTier
 
-
-def test_placement_per_sequence_cap_and_atomic_failure():
-    p = BlockPlacement(num_device_blocks=8, num_host_blocks=1, max_device_blocks_per_seq=2)
-    assert [p.place("a") for _ in range(3)] == [D, D, H]
-    assert p.place("a") is None and p.residency("a") == SeqResidency("a", 2, 1)  # host full: nothing changed
-    assert p.place("z") == D  # a fresh sequence still gets device blocks
-    p.check_invariants()
-    full = BlockPlacement(0, 0)
-    assert full.place("x") is None and full.residency("x") == SeqResidency("x", 0, 0)
-    full.check_invariants()
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(0, 12), st.integers(0, 12), st.one_of(st.none(), st.integers(0, 4)),
-       st.lists(st.tuples(st.sampled_from("place free".split()), st.integers(0, 3)), max_size=60))
-def test_placement_host_blocks_form_a_suffix(num_device, num_host, cap, ops):
-    p = BlockPlacement(num_device, num_host, max_device_blocks_per_seq=cap)
-    history: dict[int, list[Residency]] = {}
-    for op, seq in ops:
-        if op == "place":
-            got = p.place(seq)
-            if got is not None:
-                history.setdefault(seq, []).append(got)
-        elif seq in history:
-            p.free(seq)
-            del history[seq]
-        p.check_invariants()
-        for s, placed in history.items():
-            first_host = placed.index(H) if H in placed else len(placed)
-            assert all(r == H for r in placed[first_host:])  # device prefix, host suffix
-            assert p.residency(s) == SeqResidency(s, first_host, len(placed) - first_host)
+    tier = HostTier(device, batch * blocks_per_seq)
+    pool = BlockPool(range(device), host_tier=tier)
+    held = [[] for _ in range(batch)]
+    for _ in range(blocks_per_seq):
+        for blocks in held:
+            blocks.extend(pool.allocate(1))
+    pool.check_invariants()
+    shares = [len(b) - tier.count(b) for b in held]
+    assert sum(shares) == min(device, batch * blocks_per_seq) and max(shares) - min(shares) <= 1
+    for blocks in held:
+        flags = [tier.holds(b) for b in blocks]
+        assert flags == sorted(flags)  # device prefix, host suffix
 
 
 def test_seq_split_regions():
@@ -107,7 +83,7 @@ def test_split_costs_validation():
 
 def brute_force_time(c: SplitCosts, seqs: list[SeqResidency], factor: float) -> float:
     total = sum(s.num_host_blocks for s in seqs)
-    return min(phase_time_s(c, _fill(seqs, b), BLOCK, factor) for b in range(total + 1))
+    return min(phase_time_s(c, fill_split(seqs, b), BLOCK, factor) for b in range(total + 1))
 
 
 positive = st.floats(1e-9, 1e-6)
@@ -122,7 +98,7 @@ def test_closed_form_equals_grid_search(host, a, b, c, p_c, s, p_s, g, m, factor
                    stream_per_seq_s=p_s, gpu_fixed_s=g, merge_per_seq_s=m)
     seqs = seqs_of(*host)
     chosen = optimal_cpu_blocks(k, host, BLOCK, factor)
-    got = phase_time_s(k, _fill(seqs, chosen), BLOCK, factor)
+    got = phase_time_s(k, fill_split(seqs, chosen), BLOCK, factor)
     assert got == pytest.approx(brute_force_time(k, seqs, factor), rel=1e-12, abs=1e-15)
 
 

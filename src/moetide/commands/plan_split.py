@@ -2,7 +2,8 @@
 WriteScope paper's four named ones and its monolithic-cache ablation, per context.
 
 For each context, ``--batch`` sequences (default: as many as make ``--aggregate-tokens`` of KV in total) decode one
-token each. Their blocks are placed by ``core.splits.BlockPlacement`` (device pool shared equally, host after);
+token each. Their blocks are placed as the engine's pool places them (``core.blocks``, two tiers: device blocks
+first, host after; written in lockstep, so each sequence gets an equal share of the device, give or take one);
 each policy of ``core.split_baselines.MODELED_POLICIES`` chooses the split from coefficients that ``perf.offload`` derives,
 ``perf.host_share`` says what the MoE phase leaves the link and the CPU, and ``perf.offload`` charges the step with
 the policy's ``Mechanism``. Same model, GPU, host, VRAM layout and weights for every policy. All figures are
@@ -18,6 +19,7 @@ import math
 import re
 
 from moetide.commands.options import check_outputs, human_output, write_json_output
+from moetide.core.blocks import BlockPool, HostTier
 from moetide.core.split_planner import CorrectionConfig, SplitPlanner
 from moetide.core.split_baselines import (
     NAMED_BASELINES,
@@ -29,7 +31,6 @@ from moetide.core.split_baselines import (
 )
 from moetide.core.splits import (
     BASELINES,
-    BlockPlacement,
     CpuAll,
     FixedRatio,
     Mechanism,
@@ -187,11 +188,14 @@ def _place(setup: Setup, batch: int, context: int) -> list:
                         f"the host has {setup.host_kv_capacity_bytes / GiB:,.0f} GiB beside the offloaded experts; "
                         f"lower --batch or --aggregate-tokens")
     device_blocks = setup.offload.layout.device_kv_bytes // a.block_bytes
-    placement = BlockPlacement(device_blocks, batch * num_blocks, max_device_blocks_per_seq=device_blocks // batch)
+    tier = HostTier(device_blocks, batch * num_blocks)
+    pool = BlockPool(range(device_blocks), enable_caching=False, host_tier=tier)
+    held: list[list[int]] = [[] for _ in range(batch)]
     for _ in range(num_blocks):
-        for seq_id in range(batch):
-            placement.place(seq_id)
-    return [placement.residency(seq_id) for seq_id in range(batch)]
+        for blocks in held:
+            blocks.extend(pool.allocate(1))  # type: ignore[arg-type]  (the tier holds every block asked for)
+    return [SeqResidency(seq_id, len(blocks) - tier.count(blocks), tier.count(blocks))
+            for seq_id, blocks in enumerate(held)]
 
 
 def _tokens(split, context: int, block_size: int) -> SeqTokens:

@@ -1,4 +1,4 @@
-"""WriteScope: the four KV regions, write-time block placement, and the per-step CPU/accelerator split of the
+"""WriteScope: the four KV regions, where blocks are placed, and the per-step CPU/accelerator split of the
 host-resident KV. Stdlib only; the cost coefficients come in as plain numbers (``SplitCosts``) that the caller
 derives from ``moetide.perf`` — core never imports perf.
 
@@ -8,17 +8,17 @@ Regions, {device, host} x {in-place, streamed}:
   host/streamed     pinned host blocks the accelerator reads by DMA into the ring.
   host/in-place     host blocks the CPU attends where they lie (partial output + log-sum-exp, merged on the GPU).
 
-Invariants.
-- A block's residency (device or host) is decided once, when it is written (``BlockPlacement.place``), and
-  never changes: no KV is ever copied to change residency.
-- Per sequence, residency switches at most once, device -> host. A sequence's first blocks are device-resident
-  while the device pool (and the per-sequence cap) lasts; once one block has gone to the host, every later block
-  does too, even if device blocks free up meanwhile. So a sequence's host blocks are one contiguous suffix, and
-  the split between host/in-place and host/streamed is ONE integer per sequence: the first ``num_cpu_blocks`` host
-  blocks are attended by the CPU, the rest are streamed. Device-first rather than host-first because a sequence
-  grows at its end and residency cannot be revised: "the last N blocks on the device" would need a migration for
-  every new block, while a device prefix never moves (and it keeps shared prompt prefixes, which prefix caching
-  hits, in HBM).
+Placement (one model for every driver: the pool's, ``core.blocks``, two tiers).
+- A block's residency (device or host) is fixed when it is written: KV is never migrated to change residency.
+  Device blocks are allocated first and host blocks only once no uncached device block is free, so a sequence
+  written alone or in lockstep with others is a device prefix then a host suffix. In a shared pool a sequence that
+  spilled may get a device block again when one frees up, and a cached host prefix past the admission bound is
+  copied to a new device block (``BlockPool.promote``, ``core.host_admission``): a new block, not a move. Either
+  way the split needs only counts: a sequence's host blocks in table order, the first ``num_cpu_blocks`` of them
+  attended by the CPU and the rest streamed, wherever device blocks sit between them (``SeqResidency``). Device
+  first rather than host first because a sequence grows at its end and residency cannot be revised: "the last N
+  blocks on the device" would need a migration for every new block, while a device prefix keeps shared prompt
+  prefixes, which prefix caching hits, in HBM.
 - Host blocks use one layout that both consumers read, so moving the split point moves no data.
 
 The attention phase of one step, for X bytes of host KV attended by the CPU out of H (S = H - X streamed), with
@@ -46,11 +46,6 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 
 
-class Residency(Enum):
-    DEVICE = "device"
-    HOST = "host"
-
-
 class Region(Enum):
     DEVICE_INPLACE = "device/in-place"
     DEVICE_STREAMED = "device/streamed"  # the staging ring: streamed host blocks pass through it
@@ -65,58 +60,6 @@ class SeqResidency:
     seq_id: Hashable
     num_device_blocks: int
     num_host_blocks: int
-
-
-class BlockPlacement:
-    """Write-time residency: device while the pool (and the per-sequence cap) lasts, host after, device -> host at
-    most once per sequence. ``place`` is atomic: it returns the residency, or None (nothing changed) when neither
-    pool has a free block. Books only: the backends own the block ids and the bytes."""
-
-    def __init__(self, num_device_blocks: int, num_host_blocks: int, *,
-                 max_device_blocks_per_seq: int | None = None) -> None:
-        for name, value in (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"BlockPlacement: {name} must be an integer >= 0, got {value!r}")
-        if max_device_blocks_per_seq is not None and max_device_blocks_per_seq < 0:
-            raise ValueError(f"BlockPlacement: max_device_blocks_per_seq must be >= 0, got {max_device_blocks_per_seq}")
-        self.num_device_blocks, self.num_host_blocks = num_device_blocks, num_host_blocks
-        self.max_device_blocks_per_seq = max_device_blocks_per_seq
-        self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [device blocks, host blocks]
-        self.num_free_device_blocks, self.num_free_host_blocks = num_device_blocks, num_host_blocks
-
-    def place(self, seq_id: Hashable) -> Residency | None:
-        """Residency of ``seq_id``'s next block, fixed for good; None when no pool can take it."""
-        counts = self._seqs.setdefault(seq_id, [0, 0])
-        cap = self.max_device_blocks_per_seq
-        if counts[1] == 0 and self.num_free_device_blocks > 0 and (cap is None or counts[0] < cap):
-            counts[0] += 1
-            self.num_free_device_blocks -= 1
-            return Residency.DEVICE
-        if self.num_free_host_blocks > 0:
-            counts[1] += 1
-            self.num_free_host_blocks -= 1
-            return Residency.HOST
-        if counts == [0, 0]:
-            del self._seqs[seq_id]
-        return None
-
-    def free(self, seq_id: Hashable) -> None:
-        """Return all of ``seq_id``'s blocks (a finished or preempted sequence)."""
-        device, host = self._seqs.pop(seq_id)
-        self.num_free_device_blocks += device
-        self.num_free_host_blocks += host
-
-    def residency(self, seq_id: Hashable) -> SeqResidency:
-        device, host = self._seqs.get(seq_id, (0, 0))
-        return SeqResidency(seq_id, device, host)
-
-    def check_invariants(self) -> None:
-        used = [sum(c[i] for c in self._seqs.values()) for i in (0, 1)]
-        assert used[0] + self.num_free_device_blocks == self.num_device_blocks, "device blocks leaked"
-        assert used[1] + self.num_free_host_blocks == self.num_host_blocks, "host blocks leaked"
-        cap = self.max_device_blocks_per_seq
-        assert cap is None or all(c[0] <= cap for c in self._seqs.values()), "per-sequence device cap exceeded"
-        assert all(c[0] + c[1] > 0 for c in self._seqs.values()), "empty sequence kept"
 
 
 @dataclass(frozen=True, slots=True)

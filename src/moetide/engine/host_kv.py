@@ -14,13 +14,12 @@ Block ids. Host blocks are numbered after every id the arena can ever hand out
 (``first_block_id = arena.config.num_block_ids``), so an id alone says where a block lives, for good: below
 ``first_block_id`` it is in the arena, at or above it on the host. The engine's one ``BlockPool`` holds both kinds,
 the host ones as its ``HostTier(first_block_id, num_blocks)``, so device blocks are always allocated first and host
-blocks only once no uncached device block is free (``core.blocks``: two tiers; a cached device prefix is not evicted for new KV).
+blocks only once no uncached device block is free (``core.blocks``: two tiers; a cached device prefix is not evicted
+for new KV).
 ``ArenaPoolView`` shows the arena only its own ids.
 
-How this differs from ``core.splits.BlockPlacement``: there, once a sequence has one host block, all its later
-blocks go to the host too, so a sequence is a device prefix then a host suffix. Here the pool is shared by every
-request and by the prefix cache, so a sequence that spilled may get a device block again when one frees up. The
-split backend does not rely on contiguity: a sequence's host blocks are taken in table order, the first
+The pool is shared by every request and by the prefix cache, so a sequence that spilled may get a device block
+again when one frees up (``core.splits``, "Placement"). The split backend does not rely on contiguity: a sequence's host blocks are taken in table order, the first
 ``num_cpu_blocks`` of them attended in place and the rest streamed, wherever the device blocks sit between them.
 """
 

@@ -43,12 +43,13 @@ from moetide.core.splits import (
 from moetide.errors import UserError
 from moetide.perf.attention import AttentionCostModel, HostKVLayout
 from moetide.perf.calibrate import offload_efficiency_for_host
-from moetide.perf.budget import GiB, cdiv
+from moetide.perf.budget import GiB
 from moetide.perf.host_share import HOST_EXPERT_PLACES, HostPhase, host_phase, prefetch_bytes
 from moetide.perf.offload import OffloadStepModel, SeqTokens, vram_layout
 from moetide.perf.step import StepShape, StepTimeModel
 from moetide.report.tables import format_table
 from moetide.specs import get_gpu, get_host, get_model
+from moetide.units import cdiv
 
 MiB = 2**20
 COMPARED = (*BASELINES, *NAMED_BASELINES, "monolithic")

@@ -38,6 +38,7 @@ from torch import Tensor
 from moetide.engine import native
 from moetide.engine.models import StepBatch
 from moetide.engine.storage import ArenaStorage
+from moetide.units import cdiv
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,10 @@ class PagedAttentionBackend:
         bs, device, b = self.layout.block_size, self.storage.device, len(rows)
         num_q = max(batch.num_new_tokens[i] for i in rows)
         contexts = [batch.num_computed_tokens[i] + batch.num_new_tokens[i] for i in rows]
-        num_blocks = -(-max(contexts) // bs)
+        num_blocks = cdiv(max(contexts), bs)
         blocks: list[int] = []
         for i, context in zip(rows, contexts):
-            used = tables[i][: -(-context // bs)]
+            used = tables[i][: cdiv(context, bs)]
             blocks += used + [used[0]] * (num_blocks - len(used))
         num_keys = num_blocks * bs
         ints = torch.tensor(contexts + self.storage.key_rows(blocks), device=device)  # one host-to-device copy

@@ -64,6 +64,7 @@ from moetide.engine.storage import (
 from moetide.engine.vamp import EngineCosts, EngineStepStats, engine_vamp_params, measure_costs
 from moetide.errors import UserError
 from moetide.perf.staging import COLD_EXPERT_MODES
+from moetide.units import cdiv
 
 DEVICES = ("cpu", "cuda")
 # An expert computed on the host costs ~rows x 2 x params / F there; staging it costs ~bytes / link. With bf16
@@ -225,7 +226,7 @@ def _arena(kv: KVLayout, experts: ExpertLayout, config: EngineConfig) -> Arena:
     if arena.num_kv_blocks == 0 and not config.static_offload and config.kv_host_bytes < kv.block_bytes:
         raise UserError(f"a KV budget of {config.kv_budget_bytes} bytes holds no KV block of {kv.block_bytes} "
                         f"bytes (block_size {kv.block_size} x {kv.bytes_per_token} bytes per token, in pages of "
-                        f"{page_bytes} bytes); raise it to at least {-(-kv.block_bytes // page_bytes) * page_bytes}")
+                        f"{page_bytes} bytes); raise it to at least {cdiv(kv.block_bytes, page_bytes) * page_bytes}")
     return arena
 
 

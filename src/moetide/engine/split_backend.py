@@ -59,6 +59,7 @@ from moetide.engine.models import StepBatch
 from moetide.engine.split_attention import lse_attention, merge_partials
 from moetide.engine.split_plan import SplitCounters, SplitStepper
 from moetide.engine.storage import ArenaStorage
+from moetide.units import cdiv
 
 CPU = torch.device("cpu")
 
@@ -124,7 +125,7 @@ class SplitAttentionBackend:
         for table, context in zip(block_tables, contexts):
             if len(table) * bs < context:
                 raise ValueError(f"a block table of {len(table)} blocks cannot hold {context} tokens")
-            used.append(table[: -(-context // bs)])
+            used.append(table[: cdiv(context, bs)])
         writes = self._writes(batch, block_tables)
         num_cpu = self._split_step(batch, used, contexts)
         regions = [self._regions(blocks, c) for blocks, c in zip(used, num_cpu)]

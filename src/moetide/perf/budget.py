@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from moetide.errors import UserError
 from moetide.specs import LINEAR_ATTENTION, HardwareSpec, ModelSpec
+from moetide.units import cdiv
 
 GiB = 2**30
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block_size
@@ -60,8 +61,6 @@ ACTIVATION_HIDDEN_COPIES = 8
 RUNTIME_RESERVE_BYTES = 1 * GiB
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_tp(model: ModelSpec, tp: int) -> None:

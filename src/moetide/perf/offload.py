@@ -40,6 +40,7 @@ from moetide.perf.attention import AttentionCostModel
 from moetide.perf.budget import GiB, default_activation_reserve_bytes, weights_per_gpu
 from moetide.perf.step import StepShape, StepTimeModel
 from moetide.specs import ModelSpec
+from moetide.units import cdiv
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +195,7 @@ def attention_phase(a: AttentionCostModel, seqs: Sequence[SeqTokens], num_querie
     if streamed:
         num_dma = L * sum(a.num_transfers(s.streamed_tokens * lkvb) for s in seqs)
         layer_bytes = streamed * lkvb
-        slots = L * -(-layer_bytes // a.layout.slot_bytes)
+        slots = L * cdiv(layer_bytes, a.layout.slot_bytes)
         moved = max(0.0, streamed * kvb - prefetch_bytes - reuse_bytes)
         link = a.transfer_s(moved, math.ceil(num_dma * moved / (streamed * kvb)))
         device = a.device_attention_s(streamed * kvb, num_queries) + slots * o.kernel_launch_s

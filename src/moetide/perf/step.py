@@ -63,6 +63,7 @@ from moetide.perf.budget import (
     weights_per_gpu,
 )
 from moetide.specs import HardwareSpec, ModelSpec
+from moetide.units import cdiv
 
 FLOPS_PER_STATE_ELEMENT = 6  # Gated DeltaNet, recurrent form: S^T k, rank-1 update, S^T q (2 FLOPs each)
 
@@ -190,7 +191,7 @@ class StepTimeModel:
             "expert": 2 * m.num_experts_per_tok * w.expert_shard_bytes / w.dtype_bytes,  # one MoE layer
             "attention": len(m.full_attention_layer_ids) * (m.num_attention_heads // tp) * self._pair_flops_per_head(),
             "linear": num_lin * self._linear_flops_per_token() / tp,
-            "lm_head": 2 * -(-m.vocab_size // tp) * m.hidden_size,
+            "lm_head": 2 * cdiv(m.vocab_size, tp) * m.hidden_size,
         }
         self._per_step_bytes = {
             "dense": w.layer_bytes, "expert": w.expert_shard_bytes, "lm_head": w.lm_head_read_bytes,

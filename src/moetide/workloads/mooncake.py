@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from moetide.errors import UserError
+from moetide.units import cdiv
 from moetide.workloads.base import (
     BlockKeys,
     Session,
@@ -117,7 +118,7 @@ def _full_block_keys(obj: dict[str, Any], input_length: int, where: str, id_coun
     num_full_blocks = input_length // KEY_BLOCK_SIZE
     if len(hash_ids) < num_full_blocks:
         id_counts["fewer"] += 1
-    elif len(hash_ids) > -(-input_length // KEY_BLOCK_SIZE):
+    elif len(hash_ids) > cdiv(input_length, KEY_BLOCK_SIZE):
         id_counts["more"] += 1
     return BlockKeys.from_keys(hash_ids[:num_full_blocks])
 

@@ -378,37 +378,3 @@ class Arena:
             raise ValueError(f"block id {block_id!r} is outside [0, {self.config.num_block_ids})")
         return block_id // self.config.blocks_per_group
 
-
-class ArenaLayout:
-    """The engine's view of the expert line (``core.expert_line.LineLayout``): exact page books. A region's home
-    pages become KV pages and the blocks they complete join the pool; a reclaim gives the pages back when every
-    block in them is free. Only relabelling: no resident KV byte moves."""
-
-    def __init__(self, arena: Arena) -> None:
-        self.arena = arena
-        self.block_bytes = arena.config.kv_block_bytes
-        self.kv_bytes_per_expert = arena.config.pages_per_expert * arena.config.page_bytes  # home pages, padding in
-
-    def blocks_gained(self, num_experts: int) -> int:
-        """Exact when a block fits in a page (every converted page is a group of its own); when a block spans
-        pages, the whole groups their pages make (a group straddling two experts appears only once both are
-        converted, so this can be off by one)."""
-        config = self.arena.config
-        pages = num_experts * config.pages_per_expert
-        return pages * config.blocks_per_group if config.pages_per_block == 1 else pages // config.pages_per_block
-
-    def convert(self, region: tuple[ExpertKey, ...]) -> list[int]:
-        return self.arena.convert_experts_to_kv(region)
-
-    def reclaim(self, region: tuple[ExpertKey, ...], block_ids: Sequence[int]) -> bool:
-        return self.arena.reclaim(region)
-
-    def region_blocks(self, region: tuple[ExpertKey, ...], block_ids: Sequence[int]) -> list[int]:
-        """The blocks in the region's pages now (a block straddling pages may have come with a later region)."""
-        return self.arena.blocks_of_region(region)
-
-    def kv_room(self, pool) -> tuple[int, int]:
-        """(uncached free, all) KV blocks of the arena: host KV blocks in the same pool are not device room."""
-        ids = self.arena.kv_block_ids()
-        room = sum(1 for b in ids if pool.is_free(b) and pool.block_hash(b) is None and not pool.is_draining(b))
-        return room, len(ids)

@@ -13,7 +13,7 @@ views of the same ledger:
 * ``ByteLayout`` (the replay): region bytes accumulate and every whole ``block_bytes`` becomes one block, the
   remainder carrying to the next region — what vLLM's per-layer KV layout gets from 2 MiB pages (whole
   layer-blocks per page). Block ids are ``first_block_id, first_block_id + 1, …`` in conversion order.
-* ``core.arena.ArenaLayout`` (the engine): exact page books; a region's home pages become KV pages.
+* ``ArenaLayout`` (the engine): exact page books over ``core.arena``; a region's home pages become KV pages.
 
 What a driver does besides the books (the engine switches its expert provider to the host copies and writes the
 weights back on reclaim) is a ``WeightMover``, a no-op by default.
@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from moetide.core.arena import Arena
 from moetide.core.blocks import BlockPool
 from moetide.core.experts import ExpertKey, ExpertResidency, ExpertResidencyConfig
 from moetide.units import cdiv
@@ -198,3 +199,38 @@ class ExpertLine:
         for layer, _ in self.residency.all_offloaded():
             counts[layer] += 1
         assert counts == self.offloaded_per_layer, "per-layer offload counts differ from residency"
+
+
+class ArenaLayout:
+    """The engine's view of the expert line (``core.expert_line.LineLayout``): exact page books. A region's home
+    pages become KV pages and the blocks they complete join the pool; a reclaim gives the pages back when every
+    block in them is free. Only relabelling: no resident KV byte moves."""
+
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self.block_bytes = arena.config.kv_block_bytes
+        self.kv_bytes_per_expert = arena.config.pages_per_expert * arena.config.page_bytes  # home pages, padding in
+
+    def blocks_gained(self, num_experts: int) -> int:
+        """Exact when a block fits in a page (every converted page is a group of its own); when a block spans
+        pages, the whole groups their pages make (a group straddling two experts appears only once both are
+        converted, so this can be off by one)."""
+        config = self.arena.config
+        pages = num_experts * config.pages_per_expert
+        return pages * config.blocks_per_group if config.pages_per_block == 1 else pages // config.pages_per_block
+
+    def convert(self, region: tuple[ExpertKey, ...]) -> list[int]:
+        return self.arena.convert_experts_to_kv(region)
+
+    def reclaim(self, region: tuple[ExpertKey, ...], block_ids: Sequence[int]) -> bool:
+        return self.arena.reclaim(region)
+
+    def region_blocks(self, region: tuple[ExpertKey, ...], block_ids: Sequence[int]) -> list[int]:
+        """The blocks in the region's pages now (a block straddling pages may have come with a later region)."""
+        return self.arena.blocks_of_region(region)
+
+    def kv_room(self, pool) -> tuple[int, int]:
+        """(uncached free, all) KV blocks of the arena: host KV blocks in the same pool are not device room."""
+        ids = self.arena.kv_block_ids()
+        room = sum(1 for b in ids if pool.is_free(b) and pool.block_hash(b) is None and not pool.is_draining(b))
+        return room, len(ids)

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from moetide.core.arena import Arena, ArenaLayout
+from moetide.core.arena import Arena
 from moetide.core.blocks import BlockPool, HostTier
-from moetide.core.expert_line import ExpertLine
+from moetide.core.expert_line import ArenaLayout, ExpertLine
 from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import NEEDS_VAMP_PARAMS, PressurePolicy, get_policy, start_offload

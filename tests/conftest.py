@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,9 @@ def tiny_checkpoint(tmp_path_factory, torch_one_thread):
 
     def get(arch: str) -> Path:
         if arch not in built:
-            built[arch] = make_test_model(TinyModelArgs(**TINY_CHECKPOINTS[arch]), tmp_path_factory.mktemp(arch))
+            # transformers' save progress bar would land in the stderr of whichever test first asks for the arch
+            with contextlib.redirect_stderr(io.StringIO()):
+                built[arch] = make_test_model(TinyModelArgs(**TINY_CHECKPOINTS[arch]), tmp_path_factory.mktemp(arch))
         return built[arch]
 
     return get

@@ -148,6 +148,11 @@ class BlockPool:
         """Uncached free blocks in allocation order (device blocks first)."""
         return [*self._uncached_free, *self._host_free]
 
+    def _host_range(self) -> tuple[int, int]:
+        """``lo <= b < hi`` for the host ids (an empty range without a tier), for the per-block loops."""
+        tier = self.host_tier
+        return (tier.first_id, tier.end_id) if tier is not None else (0, 0)
+
     def _uncached_queue(self, block_id: int) -> OrderedDict[int, None]:
         tier = self.host_tier
         return self._host_free if tier is not None and tier.holds(block_id) else self._uncached_free
@@ -185,24 +190,29 @@ class BlockPool:
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on each block (cache hits); a free block leaves its free queue."""
-        ref_cnt, index, cached_free, tier = self._ref_cnt, self._index, self._cached_free, self.host_tier
+        ref_cnt, hashed, cached_free = self._ref_cnt, self._index.hash_by_block, self._cached_free
+        host_lo, host_hi = self._host_range()
         for block_id in block_ids:
             count = ref_cnt[block_id]
             if count == 0:
-                if tier is not None and tier.holds(block_id):
+                host = host_lo <= block_id < host_hi
+                if host:
                     self._num_host_in_use += 1
-                if block_id in index:
+                if block_id in hashed:
                     del cached_free[block_id]
+                elif host:
+                    del self._host_free[block_id]
                 else:
-                    del self._uncached_queue(block_id)[block_id]
+                    del self._uncached_free[block_id]
             ref_cnt[block_id] = count + 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given. At zero a cached block joins the tail of the LRU
         queue; the uncached device blocks of this call go, in the order given, to the head of their queue, the
         host ones to the tail of theirs."""
-        ref_cnt, tier, index = self._ref_cnt, self.host_tier, self._index
+        ref_cnt, hashed = self._ref_cnt, self._index.hash_by_block
         cached_free, uncached_free, draining = self._cached_free, self._uncached_free, self._draining
+        host_lo, host_hi = self._host_range()
         self.free_version += 1
         first: list[int] = []
         for block_id in block_ids:
@@ -211,12 +221,12 @@ class BlockPool:
                 raise ValueError(f"block {block_id} freed more times than it was taken")
             ref_cnt[block_id] = count
             if count == 0:
-                host = tier is not None and tier.holds(block_id)
+                host = host_lo <= block_id < host_hi
                 if host:
                     self._num_host_in_use -= 1
                 if draining and block_id in draining:
                     self._drain_free_block(block_id)
-                elif block_id in index:
+                elif block_id in hashed:
                     cached_free[block_id] = None
                 elif host:
                     self._host_free[block_id] = None

@@ -22,6 +22,11 @@ class HostTier:
         if self.first_id < 0 or self.num_blocks < 0:
             raise ValueError(f"HostTier needs first_id >= 0 and num_blocks >= 0, got {self}")
 
+    @property
+    def end_id(self) -> int:
+        """One past the last host id: ``first_id <= b < end_id`` is ``holds(b)``, for loops that inline it."""
+        return self.first_id + self.num_blocks
+
     def holds(self, block_id: int) -> bool:
         return self.first_id <= block_id < self.first_id + self.num_blocks
 

@@ -18,7 +18,8 @@ Rules (the pool's module docstring says why):
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
 
 
 class PrefixIndex:
@@ -30,6 +31,9 @@ class PrefixIndex:
         self._block_of: dict[int, int] = {}  # hash -> its first registered holder (what lookups return)
         self._dups: dict[int, list[int]] = {}  # hash -> its later holders, in registration order (rare)
         self._children: dict[int, set[int]] = {}  # hash -> registered block ids whose parent it is
+        # Read-only view of block -> hash: a membership test on it costs no Python call, which the pool's
+        # per-block loops (free, touch) over agent contexts of thousands of blocks need.
+        self.hash_by_block: Mapping[int, int] = MappingProxyType(self._hash_of)
 
     def __len__(self) -> int:
         """Registered blocks, duplicates included."""
@@ -55,7 +59,7 @@ class PrefixIndex:
                 lo = mid + 1
             else:
                 hi = mid
-        return [block_of[h] for h in block_hashes[:lo]]
+        return list(map(block_of.__getitem__, block_hashes[:lo]))
 
     def is_sole_leaf(self, block_id: int) -> bool:
         """Nothing chains after this registered block and no other block holds its hash: unregistering it takes

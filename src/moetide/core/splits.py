@@ -112,12 +112,22 @@ class SplitCosts:
     prefetch_bytes: float = 0.0  # P: streamed bytes the link moved while it idled in the previous phase (free here)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in _SPLIT_COST_FIELDS:
+            value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"SplitCosts.{f.name} must be a finite number >= 0, got {value!r}")
+                raise ValueError(f"SplitCosts.{name} must be a finite number >= 0, got {value!r}")
         if self.cpu_s_per_byte <= 0 or self.stream_s_per_byte <= 0:
             raise ValueError("SplitCosts: cpu_s_per_byte and stream_s_per_byte must be > 0")
+
+    def with_gpu_fixed_s(self, gpu_fixed_s: float) -> SplitCosts:
+        """The same coefficients with another g, the one that depends on the step's device-resident tokens
+        (``dataclasses.replace`` costs a replay planning every step several times as much)."""
+        return SplitCosts(self.cpu_s_per_byte, self.cpu_fixed_s, self.cpu_per_seq_s, self.stream_s_per_byte,
+                          self.stream_fixed_s, self.stream_per_seq_s, gpu_fixed_s, self.merge_per_seq_s,
+                          self.prefetch_bytes)
+
+
+_SPLIT_COST_FIELDS = tuple(f.name for f in fields(SplitCosts))
 
 
 def cpu_side_s(costs: SplitCosts, cpu_bytes: float, num_cpu_seqs: int, factor: float = 1.0) -> float:
@@ -137,11 +147,15 @@ def gpu_side_s(costs: SplitCosts, streamed_bytes: float, num_streamed_seqs: int,
 
 def phase_time_s(costs: SplitCosts, splits: Sequence[SeqSplit], block_bytes: float, factor: float = 1.0) -> float:
     """T of an actual per-sequence split (each sequence counted in n_c / n_s only if it has such blocks)."""
-    cpu_blocks = sum(s.num_cpu_blocks for s in splits)
-    host_blocks = cpu_blocks + sum(s.num_streamed_blocks for s in splits)
-    n_c = sum(1 for s in splits if s.num_cpu_blocks)
-    n_s = sum(1 for s in splits if s.num_streamed_blocks)
-    return _time_s(costs, cpu_blocks, host_blocks, n_c, n_s, block_bytes, factor)
+    cpu_blocks = streamed_blocks = n_c = n_s = 0
+    for s in splits:  # one pass: a replay prices several splits every step
+        if s.num_cpu_blocks:
+            cpu_blocks += s.num_cpu_blocks
+            n_c += 1
+        if s.num_streamed_blocks:
+            streamed_blocks += s.num_streamed_blocks
+            n_s += 1
+    return _time_s(costs, cpu_blocks, cpu_blocks + streamed_blocks, n_c, n_s, block_bytes, factor)
 
 
 def fill_split(seqs: Sequence[SeqResidency], total_cpu_blocks: int) -> tuple[SeqSplit, ...]:
@@ -334,7 +348,11 @@ class StepSplit:
     def of(cls, costs: SplitCosts, seqs: Sequence[SeqResidency], splits: tuple[SeqSplit, ...], block_bytes: float,
            factor: float = 1.0, probe: bool = False) -> StepSplit:
         """A step's split with its bytes and modeled times (the CPU side scaled by ``factor`` in the total)."""
-        cpu_bytes = sum(s.num_cpu_blocks for s in splits) * block_bytes
-        n_c = sum(1 for s in splits if s.num_cpu_blocks)
+        cpu_blocks = n_c = 0
+        for s in splits:
+            if s.num_cpu_blocks:
+                cpu_blocks += s.num_cpu_blocks
+                n_c += 1
+        cpu_bytes = cpu_blocks * block_bytes
         return cls(splits, cpu_bytes, sum(s.num_host_blocks for s in seqs) * block_bytes,
                    cpu_side_s(costs, cpu_bytes, n_c), phase_time_s(costs, splits, block_bytes, factor), probe)

@@ -126,6 +126,7 @@ class AttentionCostModel:
         self.flops_per_pair_per_layer = model.num_attention_heads * self._pair_flops_per_head()
         unit = min(layout.blocks_per_transfer * layout.block_size * self.layer_kv_bytes_per_token, layout.slot_bytes)
         self.transfer_unit_bytes = max(1, unit)  # per layer: one DMA moves at most this much
+        self._device_s_per_byte: dict[int, float] = {}  # by query count: a replay asks several times a step
 
     def _pair_flops_per_head(self) -> int:
         mla = self.model.mla
@@ -154,9 +155,13 @@ class AttentionCostModel:
         return 1.0 / (self.gpu.host_link_bandwidth_bytes_per_s * self.offload.link)
 
     def device_s_per_byte(self, num_queries: int = 1) -> float:
-        e, g = self.efficiency, self.gpu
-        return max(self.flops_per_kv_byte(num_queries) / (g.matmul_flops_per_s * e.attention),
-                   1.0 / (g.hbm_bandwidth_bytes_per_s * e.hbm))
+        cached = self._device_s_per_byte.get(num_queries)
+        if cached is None:
+            e, g = self.efficiency, self.gpu
+            cached = self._device_s_per_byte[num_queries] = max(
+                self.flops_per_kv_byte(num_queries) / (g.matmul_flops_per_s * e.attention),
+                1.0 / (g.hbm_bandwidth_bytes_per_s * e.hbm))
+        return cached
 
     # ---- whole operations ---------------------------------------------------------------------------------
 

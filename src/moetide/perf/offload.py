@@ -182,16 +182,21 @@ def attention_phase(a: AttentionCostModel, seqs: Sequence[SeqTokens], num_querie
     and write) before either side starts."""
     o, L = a.offload, a.num_layers
     kvb, lkvb = a.kv_bytes_per_token, a.layer_kv_bytes_per_token
-    cpu_seqs = [s for s in seqs if s.cpu_tokens > 0]
+    num_cpu_seqs = cpu_tokens = device_tokens = streamed = 0
+    for s in seqs:  # one pass over the batch: a replay charges every step
+        if s.cpu_tokens > 0:
+            num_cpu_seqs += 1
+            cpu_tokens += s.cpu_tokens
+        device_tokens += s.device_tokens
+        streamed += s.streamed_tokens
     cpu_s = 0.0
-    if cpu_seqs:
-        cpu_bytes = sum(s.cpu_tokens for s in cpu_seqs) * kvb
-        cpu_s = cpu_slowdown * (a.cpu_step_overhead_s() + len(cpu_seqs) * a.cpu_seq_overhead_s(num_queries)
+    if num_cpu_seqs:
+        cpu_bytes = cpu_tokens * kvb
+        cpu_s = cpu_slowdown * (a.cpu_step_overhead_s() + num_cpu_seqs * a.cpu_seq_overhead_s(num_queries)
                                 + a.cpu_attention_s(cpu_bytes, num_queries))
         cpu_s = max(0.0, cpu_s - cpu_head_start_s)
-    gpu_s = (gpu_fixed_s(a, sum(s.device_tokens for s in seqs), num_queries)
-             + len(cpu_seqs) * L * a.partial_output_bytes(num_queries) * a.link_s_per_byte())
-    streamed = sum(s.streamed_tokens for s in seqs)
+    gpu_s = (gpu_fixed_s(a, device_tokens, num_queries)
+             + num_cpu_seqs * L * a.partial_output_bytes(num_queries) * a.link_s_per_byte())
     if streamed:
         num_dma = L * sum(a.num_transfers(s.streamed_tokens * lkvb) for s in seqs)
         layer_bytes = streamed * lkvb

@@ -126,7 +126,7 @@ class HostKV:
         if base is None:
             c = split_coefficients(self.attention, 0, num_queries)
             base = self._base_costs[num_queries] = SplitCosts(**dataclasses.asdict(c))
-        return dataclasses.replace(base, gpu_fixed_s=gpu_fixed_s(self.attention, device_tokens, num_queries))
+        return base.with_gpu_fixed_s(gpu_fixed_s(self.attention, device_tokens, num_queries))
 
     def promote_s(self, num_blocks: int) -> float:
         """Seconds to copy ``num_blocks`` host blocks to device blocks over the link: one transfer, at the rate
@@ -142,14 +142,14 @@ class HostKV:
         block list is one list that only grows while the request holds it (``KVCacheManager``; a preempted
         request gets a new one), so its flags are extended, not rebuilt: agent contexts hold thousands of blocks.
         Only the requests of this step are remembered."""
-        holds, known, out = self.tier.holds, self._flags, []
+        first, end, known, out = self.first_host_id, self.first_host_id + self.num_host_blocks, self._flags, []
         self._flags = {}
         for request_id, context in contexts:
             blocks = kv.get_blocks(request_id)
             cached = known.get(request_id)
             flags, num_host = (cached[1], cached[2]) if cached is not None and cached[0] is blocks else ([], 0)
             if len(flags) < len(blocks):
-                new = [holds(b) for b in blocks[len(flags):]]
+                new = [first <= b < end for b in blocks[len(flags):]]  # HostTier.holds, inlined
                 flags.extend(new)
                 num_host += sum(new)
             self._flags[request_id] = (blocks, flags, num_host)

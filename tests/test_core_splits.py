@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -278,3 +279,9 @@ def test_probe_split_size_and_when_it_happens():
     for bad in (-1, 1.5, None):
         with pytest.raises(ValueError, match="probe_every"):
             SplitPlanner(probe_every=bad)
+
+
+def test_with_gpu_fixed_s_is_replace_of_g():
+    """It lists the fields by position (a replay calls it every step): a new or reordered field must not shift."""
+    costs = SplitCosts(*(float(i + 1) for i in range(len(dataclasses.fields(SplitCosts)))))
+    assert costs.with_gpu_fixed_s(0.5) == dataclasses.replace(costs, gpu_fixed_s=0.5)

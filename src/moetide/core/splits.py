@@ -147,15 +147,22 @@ def gpu_side_s(costs: SplitCosts, streamed_bytes: float, num_streamed_seqs: int,
 
 def phase_time_s(costs: SplitCosts, splits: Sequence[SeqSplit], block_bytes: float, factor: float = 1.0) -> float:
     """T of an actual per-sequence split (each sequence counted in n_c / n_s only if it has such blocks)."""
+    cpu_blocks, streamed_blocks, n_c, n_s = _split_totals(splits)
+    return _time_s(costs, cpu_blocks, cpu_blocks + streamed_blocks, n_c, n_s, block_bytes, factor)
+
+
+def _split_totals(splits: Sequence[SeqSplit]) -> tuple[int, int, int, int]:
+    """(CPU blocks, streamed blocks, sequences with CPU blocks, with streamed ones), in one pass: a replay prices
+    several splits every step."""
     cpu_blocks = streamed_blocks = n_c = n_s = 0
-    for s in splits:  # one pass: a replay prices several splits every step
+    for s in splits:
         if s.num_cpu_blocks:
             cpu_blocks += s.num_cpu_blocks
             n_c += 1
         if s.num_streamed_blocks:
             streamed_blocks += s.num_streamed_blocks
             n_s += 1
-    return _time_s(costs, cpu_blocks, cpu_blocks + streamed_blocks, n_c, n_s, block_bytes, factor)
+    return cpu_blocks, streamed_blocks, n_c, n_s
 
 
 def fill_split(seqs: Sequence[SeqResidency], total_cpu_blocks: int) -> tuple[SeqSplit, ...]:
@@ -348,11 +355,8 @@ class StepSplit:
     def of(cls, costs: SplitCosts, seqs: Sequence[SeqResidency], splits: tuple[SeqSplit, ...], block_bytes: float,
            factor: float = 1.0, probe: bool = False) -> StepSplit:
         """A step's split with its bytes and modeled times (the CPU side scaled by ``factor`` in the total)."""
-        cpu_blocks = n_c = 0
-        for s in splits:
-            if s.num_cpu_blocks:
-                cpu_blocks += s.num_cpu_blocks
-                n_c += 1
+        cpu_blocks, streamed_blocks, n_c, n_s = _split_totals(splits)
         cpu_bytes = cpu_blocks * block_bytes
         return cls(splits, cpu_bytes, sum(s.num_host_blocks for s in seqs) * block_bytes,
-                   cpu_side_s(costs, cpu_bytes, n_c), phase_time_s(costs, splits, block_bytes, factor), probe)
+                   cpu_side_s(costs, cpu_bytes, n_c),
+                   _time_s(costs, cpu_blocks, cpu_blocks + streamed_blocks, n_c, n_s, block_bytes, factor), probe)

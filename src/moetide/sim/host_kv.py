@@ -142,7 +142,8 @@ class HostKV:
         block list is one list that only grows while the request holds it (``KVCacheManager``; a preempted
         request gets a new one), so its flags are extended, not rebuilt: agent contexts hold thousands of blocks.
         Only the requests of this step are remembered."""
-        first, end, known, out = self.first_host_id, self.first_host_id + self.num_host_blocks, self._flags, []
+        tier, known, out = self.tier, self._flags, []
+        first, end = tier.first_id, tier.end_id
         self._flags = {}
         for request_id, context in contexts:
             blocks = kv.get_blocks(request_id)

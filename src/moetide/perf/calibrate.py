@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from moetide.errors import UserError
 from moetide.perf.attention import OffloadEfficiency
@@ -322,18 +322,27 @@ def attention_summary(samples: Sequence[AttentionSample]) -> dict[str, float]:
 def offload_efficiency_for_host(name_or_path: str) -> OffloadEfficiency:
     """``OffloadEfficiency`` with a host file's ``[offload_efficiency]`` values over the defaults (the defaults
     alone for a preset or a file without that table); ``UserError`` naming the file and field when it is bad."""
-    values = get_host_calibration(name_or_path)["offload_efficiency"]
-    valid = [f.name for f in dataclasses.fields(OffloadEfficiency)]
+    return factors_from_table(OffloadEfficiency, get_host_calibration(name_or_path)["offload_efficiency"],
+                              name_or_path, "offload_efficiency")
+
+
+FactorsT = TypeVar("FactorsT")
+
+
+def factors_from_table(cls: type[FactorsT], values: dict[str, Any], origin: str, table: str) -> FactorsT:
+    """``cls`` (a dataclass of numeric factors) with a calibration table's values over its defaults;
+    ``UserError`` naming the file, table and field when one is unknown, not a number, or out of range."""
+    valid = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     unknown = sorted(set(values) - set(valid))
     if unknown:
-        raise UserError(f"{name_or_path}: [offload_efficiency]: unknown field(s) {unknown}; valid fields: {valid}")
+        raise UserError(f"{origin}: [{table}]: unknown field(s) {unknown}; valid fields: {valid}")
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"{name_or_path}: field 'offload_efficiency.{key}': expected a number, got {value!r}")
+            raise UserError(f"{origin}: field '{table}.{key}': expected a number, got {value!r}")
     try:
-        return OffloadEfficiency(**values)
+        return cls(**values)
     except ValueError as exc:
-        raise UserError(f"{name_or_path}: [offload_efficiency]: {exc}") from None
+        raise UserError(f"{origin}: [{table}]: {exc}") from None
 
 
 def calibration_kernels(name_or_path: str) -> dict[str, str]:

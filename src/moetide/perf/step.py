@@ -24,11 +24,12 @@ tensor parallelism (``perf.budget`` says what is split and what replicated), eff
              expectation: an expert is missed by one token with probability 1 - k/E). With per-layer routing
              probabilities p_e (sum_e p_e = k): D_l(T) = sum_e 1 - (1 - p_e)^T, and the term sums the per-layer maxima.
              D(1) = k; D(T) -> E as T grows.
-  attention  max(P x L_full x 4 H d / (F e_att),  KV x b_kv / (M e_hbm))          full-attention layers only
+  attention  max(P x L_full x 4 H d / (F e_att),  KV x b_kv / (M e_kv))           full-attention layers only
              H = query heads on this GPU, d = head_dim: QK^T and PV are 2 d FLOPs each per head and pair. MLA in
              the absorbed form (scores against the latent, W_UK folded into the query, W_UV applied after): 2 (r +
              r_rope) + 2 r FLOPs per head and pair, r = kv_lora_rank; its projections are in ``dense``.
-             b_kv = KV bytes per token over full-attention layers on this GPU (MLA: latent + rope key, whole).
+             b_kv = KV bytes per token over full-attention layers on this GPU (MLA: latent + rope key, whole);
+             e_kv = ``attention_memory`` (``hbm`` unless a device file sets it).
   linear     L_lin x max(T x f_lin / (F e_att),  2 S x b_state / (M e_hbm))      Gated DeltaNet layers
              The fixed state (conv + recurrent, b_state per layer and sequence) is read and written once per
              sequence per step; f_lin = (6 Hv dk dv + 2 conv_dim K) / tp per token (recurrent form: S^T k,
@@ -40,7 +41,9 @@ tensor parallelism (``perf.budget`` says what is split and what replicated), eff
              Two all-reduces per layer (after attention, after the MLP) of T x hidden activations (b = dtype
              bytes), ring algorithm over the GPU link N. The embedding's all-reduce and the logits gather are
              one each per step and left out.
-  overhead   a fixed per-step time (launch, scheduling, sampling) that no roofline term explains.
+  overhead   a fixed per-step time (launch, scheduling, sampling) that no roofline term explains, plus a time
+             per sequence in the batch (an engine's per-request bookkeeping: zero for the GPU presets, fitted by
+             ``moetide calibrate --model`` for an engine on a CPU).
 
 F = matmul_flops_per_s, M = hbm_bandwidth_bytes_per_s, N = gpu_link_bandwidth_bytes_per_s (``HardwareSpec``).
 ``num_decode_seqs`` is part of the shape for callers that key on it; no term depends on it yet.
@@ -84,6 +87,10 @@ class Efficiency:
                  table in sgl-project/sglang#2904)
     step_overhead_s: per step (vllm-project/vllm#17866 measures 2.6-2.7 ms TPOT for Llama-3.2-1B, whose weights
                  take ~0.8 ms to read at 3.35 TB/s)
+    seq_overhead_s: per sequence per step (0 for the GPU presets; a device file's ``[efficiency]`` table sets it,
+                 as ``moetide calibrate --model`` fits it for the PyTorch engine on a CPU)
+    attention_memory: the attention kernel's KV reads vs HBM bandwidth; None: ``hbm`` (the GPU presets). A paged
+                 decode kernel on a CPU reaches a fraction of what streaming weights does (``moetide calibrate``)
     """
 
     matmul: float = 0.7
@@ -92,13 +99,17 @@ class Efficiency:
     allreduce: float = 0.8
     allreduce_latency_s: float = 10e-6
     step_overhead_s: float = 1e-3
+    seq_overhead_s: float = 0.0
+    attention_memory: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("matmul", "hbm", "attention", "allreduce"):
+        for name in ("matmul", "hbm", "attention", "allreduce", "attention_memory"):
             value = getattr(self, name)
+            if value is None and name == "attention_memory":
+                continue
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise ValueError(f"Efficiency.{name} is a fraction of peak and must be in (0, 1], got {value!r}")
-        for name in ("allreduce_latency_s", "step_overhead_s"):
+        for name in ("allreduce_latency_s", "step_overhead_s", "seq_overhead_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"Efficiency.{name} must be a finite number of seconds >= 0, got {value!r}")
@@ -164,7 +175,7 @@ class StepTimeModel:
     __slots__ = ("model", "gpu", "tp", "dtype_bytes", "kv_dtype_bytes", "efficiency", "weights", "_rates",
                  "_per_token_flops", "_per_step_bytes", "_dense_c", "_dense_m", "_expert_c", "_expert_m",
                  "_num_experts", "_miss", "_layer_probs", "_memo", "_attn_c", "_attn_m", "_lin_c", "_lin_m",
-                 "_lm_c", "_lm_m", "_ar_c", "_fixed_s")
+                 "_lm_c", "_lm_m", "_ar_c", "_fixed_s", "_seq_s")
 
     def __init__(self, model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1, dtype_bytes: int = 2,
                  kv_dtype_bytes: int = 2, state_dtype_bytes: int | None = None,
@@ -183,7 +194,8 @@ class StepTimeModel:
         mm = self.gpu.matmul_flops_per_s * e.matmul
         att = self.gpu.matmul_flops_per_s * e.attention
         mem = self.gpu.hbm_bandwidth_bytes_per_s * e.hbm
-        self._rates = {"matmul": mm, "attention": att, "hbm": mem}
+        kv_mem = mem if e.attention_memory is None else self.gpu.hbm_bandwidth_bytes_per_s * e.attention_memory
+        self._rates = {"matmul": mm, "attention": att, "hbm": mem, "kv_read": kv_mem}
         num_moe, num_lin = m.num_moe_layers, len(m.linear_attention_layer_ids)
         # per-token FLOPs (per pair for attention, per row for lm_head) and per-step bytes of each term, this GPU
         self._per_token_flops = {
@@ -202,12 +214,13 @@ class StepTimeModel:
         self._dense_c, self._dense_m = f["dense"] / mm, b["dense"] / mem
         self._expert_c, self._expert_m = num_moe * f["expert"] / mm, num_moe * b["expert"] / mem
         self._num_experts, self._miss = float(m.num_experts), 1.0 - m.num_experts_per_tok / m.num_experts
-        self._attn_c, self._attn_m = f["attention"] / att, b["kv_per_token"] / mem
+        self._attn_c, self._attn_m = f["attention"] / att, b["kv_per_token"] / kv_mem
         self._lin_c, self._lin_m = f["linear"] / att, b["state_per_seq"] / mem
         self._lm_c, self._lm_m = f["lm_head"] / mm, b["lm_head"] / mem
         self._ar_c = self._allreduce_bytes_per_token() * 2 * (tp - 1) / tp / (
             self.gpu.gpu_link_bandwidth_bytes_per_s * e.allreduce)
         self._fixed_s = e.step_overhead_s + (2 * m.num_layers * e.allreduce_latency_s if tp > 1 else 0.0)
+        self._seq_s = e.seq_overhead_s
 
     def _pair_flops_per_head(self) -> int:
         mla = self.model.mla
@@ -233,7 +246,7 @@ class StepTimeModel:
         """Modeled seconds of one step; 0.0 for a step with no tokens."""
         if num_tokens <= 0:
             return 0.0
-        t = self._fixed_s + num_tokens * self._ar_c
+        t = self._fixed_s + num_tokens * self._ar_c + num_seqs * self._seq_s
         c, m = num_tokens * self._dense_c, self._dense_m
         t += c if c > m else m
         if self._layer_probs is None:
@@ -288,7 +301,8 @@ class StepTimeModel:
             "lm_head": (S * f["lm_head"], b["lm_head"], r["matmul"]),
         }
         for name, (flops, num_bytes, rate) in terms.items():
-            self._put_term(out, name, flops, num_bytes, *_roofline(flops, num_bytes, rate, r["hbm"]))
+            memory_rate = r["kv_read"] if name == "attention" else r["hbm"]
+            self._put_term(out, name, flops, num_bytes, *_roofline(flops, num_bytes, rate, memory_rate))
         layers = [_roofline(T * f["expert"], d * b["expert"], r["matmul"], r["hbm"]) for d in distinct]
         self._put_term(out, "experts", len(layers) * T * f["expert"], sum(distinct) * b["expert"],
                        sum(x[0] for x in layers), sum(x[1] for x in layers), sum(x[2] for x in layers))
@@ -297,7 +311,7 @@ class StepTimeModel:
         out["allreduce_s"] = (out["allreduce_bytes"] * 2 * (tp - 1) / tp
                               / (self.gpu.gpu_link_bandwidth_bytes_per_s * e.allreduce)
                               + (2 * self.model.num_layers * e.allreduce_latency_s if tp > 1 else 0.0))
-        out["overhead_s"] = e.step_overhead_s
+        out["overhead_s"] = e.step_overhead_s + S * e.seq_overhead_s
         out["total_s"] = sum(out[f"{n}_s"] for n in (*terms, "experts", "allreduce", "overhead"))
         return out
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-MATMUL_DTYPES = ("bf16", "fp16")
+MATMUL_DTYPES = ("bf16", "fp16", "fp32")
 
 
 def _require_positive_number(owner: str, **values: float) -> None:
@@ -38,14 +38,15 @@ def _require_name(kind: str, name: object) -> None:
 
 @dataclass(frozen=True)
 class HardwareSpec:
-    """One GPU. ``matmul_flops_per_s`` is the dense (no sparsity) tensor-core rate at ``matmul_dtype``;
+    """One GPU (or a CPU described as the device, ``moetide calibrate --device-out``). ``matmul_flops_per_s`` is
+    the dense (no sparsity) tensor-core rate at ``matmul_dtype``;
     ``gpu_link_bandwidth_bytes_per_s`` is one direction of the GPU's NVLink, what a ring all-reduce uses."""
 
     name: str
     hbm_bytes: int
     hbm_bandwidth_bytes_per_s: float
     matmul_flops_per_s: float
-    matmul_dtype: str  # "bf16", or "fp16" where the GPU has no bf16 tensor cores (V100)
+    matmul_dtype: str  # "bf16"; "fp16" where the GPU has no bf16 tensor cores (V100); "fp32" for a CPU as device
     host_link_bandwidth_bytes_per_s: float  # measured pinned host-to-device copy rate
     gpu_link_bandwidth_bytes_per_s: float
     host_link: str = ""  # e.g. "PCIe Gen5 x16"

@@ -5,7 +5,9 @@ never Python literals, so every number sits next to its source. A user's own mod
 a user's own GPU or host is a small flat TOML or JSON file with the same fields as a preset table. A host file may
 also carry the two tables ``moetide calibrate`` writes: ``[offload_efficiency]`` (the attention model's fitted
 factors, read with ``get_host_calibration``) and ``[measured]`` (the raw measurements, for the record); they are not
-HostSpec fields and ``get_host`` skips them. Names are matched case-insensitively (with aliases such as ``h100`` for
+HostSpec fields and ``get_host`` skips them. A GPU file may likewise carry ``[efficiency]`` (the step-time model's
+factors, ``perf.step.Efficiency``; ``moetide calibrate --model`` fits them for the engine on a CPU described as a
+device) and ``[measured]``, read with ``get_gpu_calibration``. Names are matched case-insensitively (with aliases such as ``h100`` for
 ``h100-sxm``); an argument that names an existing file, or contains a path separator, or ends in .json/.toml, is a
 path.
 
@@ -32,6 +34,7 @@ SpecT = TypeVar("SpecT", HardwareSpec, HostSpec)
 _PRESET_META_KEYS = ("source", "aliases", "null_fields")
 _PRESET_FILES = {"model": "models.toml", "gpu": "gpus.toml", "host": "hosts.toml"}
 HOST_CALIBRATION_TABLES = ("offload_efficiency", "measured")  # tables a host file may hold beside its fields
+GPU_CALIBRATION_TABLES = ("efficiency", "measured")  # tables a GPU (device) file may hold beside its fields
 
 
 @cache
@@ -149,12 +152,13 @@ def _read_hardware_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _split_host_tables(data: dict[str, Any], origin: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """(the HostSpec fields, the calibration tables) of a host file; each calibration table must be a table of
+def _split_tables(data: dict[str, Any], origin: str,
+                  table_names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(the spec's fields, the calibration tables) of a hardware file; each calibration table must be a table of
     numbers, strings or booleans."""
-    fields = {k: v for k, v in data.items() if k not in HOST_CALIBRATION_TABLES}
+    fields = {k: v for k, v in data.items() if k not in table_names}
     tables: dict[str, dict[str, Any]] = {}
-    for name in HOST_CALIBRATION_TABLES:
+    for name in table_names:
         table = data.get(name, {})
         if not isinstance(table, dict):
             raise UserError(f"{origin}: '{name}' must be a table ([{name}]), got {table!r}")
@@ -174,9 +178,7 @@ def _get_hardware(cls: type[SpecT], kind: str, name_or_path: str) -> SpecT:
         return spec_from_table(cls, table, canonical, f"preset '{canonical}' (presets/{file_name})")
     if _looks_like_path(name_or_path):
         path = Path(name_or_path)
-        data = _read_hardware_file(path)
-        if cls is HostSpec:
-            data = _split_host_tables(data, str(path))[0]
+        data = _split_tables(_read_hardware_file(path), str(path), _CALIBRATION_TABLES[kind])[0]
         return spec_from_table(cls, data, path.stem, str(path))
     raise _unknown(kind, name_or_path, "a .toml or .json file with the same fields")
 
@@ -197,10 +199,25 @@ def get_host_calibration(name_or_path: str) -> dict[str, dict[str, Any]]:
     too, so a file this accepts is one ``get_host`` accepts. Values are checked for type only: which names
     ``offload_efficiency`` may hold is ``moetide.perf.calibrate``'s business."""
     get_host(name_or_path)
-    if _alias_map("hosts.toml").get(name_or_path.lower()) is not None:
-        return {name: {} for name in HOST_CALIBRATION_TABLES}
+    return _calibration_tables("host", name_or_path)
+
+
+def get_gpu_calibration(name_or_path: str) -> dict[str, dict[str, Any]]:
+    """The calibration tables of a GPU file, ``{"efficiency": {...}, "measured": {...}}``, as
+    ``get_host_calibration`` reads a host file's; both empty for a preset."""
+    get_gpu(name_or_path)
+    return _calibration_tables("gpu", name_or_path)
+
+
+_CALIBRATION_TABLES = {"gpu": GPU_CALIBRATION_TABLES, "host": HOST_CALIBRATION_TABLES}
+
+
+def _calibration_tables(kind: str, name_or_path: str) -> dict[str, dict[str, Any]]:
+    names = _CALIBRATION_TABLES[kind]
+    if _alias_map(_PRESET_FILES[kind]).get(name_or_path.lower()) is not None:
+        return {name: {} for name in names}
     path = Path(name_or_path)
-    return _split_host_tables(_read_hardware_file(path), str(path))[1]
+    return _split_tables(_read_hardware_file(path), str(path), names)[1]
 
 
 def all_models() -> list[ModelSpec]:

@@ -1,0 +1,151 @@
+"""The step-time model fitted to an engine: this machine's CPU described as the device the replay models.
+
+``moetide calibrate --model DIR`` times the PyTorch engine's steps on a checkpoint (``engine.measure``: whole
+``Engine.step`` calls, scheduling and sampling included, of designed batches — decode at several batch sizes and
+contexts, prefill chunks of several lengths — not of any trace) and fits ``perf.step.Efficiency`` to them, so that
+``moetide replay --gpu DEVICE.toml --model DIR`` predicts what ``moetide serve`` does on this CPU. The device's
+rates are the calibration's measurements: HBM bandwidth = the DRAM triad, matmul rate = the fp32 GEMM. The fit
+chooses the rest:
+
+    t(step) = step_overhead_s + S x seq_overhead_s
+              + roofline(step; e_mm = matmul, e_att = attention, e_hbm = hbm, e_kv = attention_memory)
+
+The four shares (``FACTORS``) are searched coordinate by coordinate on a log scale in [1e-3, 1] — a line of three
+decades each way, then ever finer steps, each sweep repeated until it moves nothing — and for each point the two
+overheads (>= 0) come from least squares on the relative error, which has a closed form. ``attention_memory`` is
+separate from ``hbm`` because the decode attention kernel over paged KV reaches a fraction of the triad that
+streaming weights does not (``moetide calibrate`` measures it at 4-7 GB/s against a 27 GB/s triad here). The loss
+is the sum of squared relative errors, each step weighted by 1 / (steps of its kind: tokens, sequences and the
+power of two of its KV read), so a 2 ms decode step weighs as much as a 100 ms prefill and the forty decode steps of
+one batch as much as its one prefill. The fit's error on its own samples is reported; the check that counts is
+the replay against a measured serve run (docs/serve.md).
+
+Stdlib only: the measuring is ``engine.measure.measure_engine_steps``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moetide.perf.calibrate import factors_from_table
+from moetide.perf.step import Efficiency, StepShape, StepTimeModel
+from moetide.specs import HardwareSpec, ModelSpec
+from moetide.specs.loader import get_gpu_calibration
+
+MIN_EFFICIENCY = 1e-3
+FACTORS = ("matmul", "attention", "hbm", "attention_memory")  # the searched Efficiency fields
+GRID_STEPS = 12  # the first search's line: 10^(i/4) x the current value, i in [-12, 12] (three decades each way)
+SWEEPS = 6  # coordinate sweeps per step size, at most
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    shape: StepShape
+    seconds: float  # one whole engine step, wall clock
+
+
+@dataclass(frozen=True, slots=True)
+class StepFit:
+    """Fitted factors and the fit's relative error (model / measured - 1) on the steps it was fitted to."""
+
+    matmul: float
+    attention: float
+    hbm: float
+    attention_memory: float
+    step_overhead_s: float
+    seq_overhead_s: float
+    median_abs_rel_error: float
+    max_abs_rel_error: float
+
+    def efficiency(self) -> Efficiency:
+        return Efficiency(**self.table())
+
+    def table(self) -> dict[str, float]:
+        """The device file's ``[efficiency]`` table."""
+        return {name: getattr(self, name) for name in (*FACTORS, "step_overhead_s", "seq_overhead_s")}
+
+
+def _roofline_s(samples: Sequence[StepSample], model: ModelSpec, device: HardwareSpec, dtype_bytes: int,
+                point: Sequence[float]) -> list[float]:
+    eff = Efficiency(**dict(zip(FACTORS, point)), step_overhead_s=0.0, seq_overhead_s=0.0)
+    step = StepTimeModel(model, device, dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes, efficiency=eff)
+    return [step.step_time_s(*s.shape.as_args()) for s in samples]
+
+
+def _kind(shape: StepShape) -> tuple[int, int, int]:
+    return shape.num_tokens, shape.num_seqs, shape.kv_tokens_read.bit_length()
+
+
+def _weights(samples: Sequence[StepSample]) -> list[float]:
+    """1 / (steps of the same kind): each kind counts once, however many decode steps repeat it."""
+    counts = Counter(_kind(s.shape) for s in samples)
+    return [1.0 / counts[_kind(s.shape)] for s in samples]
+
+
+def _overheads(samples: Sequence[StepSample], roof: Sequence[float],
+               weights: Sequence[float]) -> tuple[float, float, float]:
+    """(a, b, loss): a, b >= 0 minimising sum w_i ((roof_i + a + b S_i) / t_i - 1)^2, in closed form."""
+    rows = [(w, (s.seconds - r) / s.seconds, 1.0 / s.seconds, s.shape.num_seqs / s.seconds)
+            for s, r, w in zip(samples, roof, weights)]
+
+    def loss(a: float, b: float) -> float:
+        return sum(w * (a * u + b * v - y) ** 2 for w, y, u, v in rows)
+
+    suu = sum(w * u * u for w, _, u, _ in rows)
+    svv = sum(w * v * v for w, _, _, v in rows)
+    suv = sum(w * u * v for w, _, u, v in rows)
+    syu = sum(w * y * u for w, y, u, _ in rows)
+    syv = sum(w * y * v for w, y, _, v in rows)
+    candidates = [(0.0, 0.0), (max(0.0, syu / suu), 0.0), (0.0, max(0.0, syv / svv))]
+    det = suu * svv - suv * suv
+    if det > 0:
+        a, b = (syu * svv - syv * suv) / det, (syv * suu - syu * suv) / det
+        if a >= 0 and b >= 0:
+            candidates.append((a, b))
+    a, b = min(candidates, key=lambda ab: loss(*ab))
+    return a, b, loss(a, b)
+
+
+def _grid(low: float, high: float, num: int) -> list[float]:
+    return [math.exp(math.log(low) + (math.log(high) - math.log(low)) * i / (num - 1)) for i in range(num)]
+
+
+def fit_step_efficiency(samples: Sequence[StepSample], model: ModelSpec, device: HardwareSpec,
+                        dtype_bytes: int) -> StepFit:
+    """The factors of the module docstring; deterministic."""
+    if not samples:
+        raise ValueError("fit_step_efficiency needs at least one step")
+
+    weights = _weights(samples)
+    memo: dict[tuple[float, ...], tuple[float, float, float]] = {}
+
+    def evaluate(point: tuple[float, ...]) -> float:
+        if point not in memo:
+            memo[point] = _overheads(samples, _roofline_s(samples, model, device, dtype_bytes, point), weights)
+        return memo[point][2]
+
+    point = (0.5,) * len(FACTORS)
+    for ratio in (10 ** (1 / 4), 10 ** (1 / 16), 10 ** (1 / 64)):
+        for _ in range(SWEEPS):
+            before = point
+            for axis in range(len(FACTORS)):
+                span = GRID_STEPS if ratio == 10 ** (1 / 4) else 4
+                line = sorted({min(1.0, max(MIN_EFFICIENCY, point[axis] * ratio ** i)) for i in range(-span, span + 1)})
+                point = min((point[:axis] + (x,) + point[axis + 1:] for x in line), key=evaluate)
+            if point == before:
+                break
+    fixed, per_seq, _ = memo[point]
+    roof = _roofline_s(samples, model, device, dtype_bytes, point)
+    errors = [abs((r + fixed + per_seq * s.shape.num_seqs) / s.seconds - 1) for s, r in zip(samples, roof)]
+    return StepFit(*point, fixed, per_seq, statistics.median(errors), max(errors))
+
+
+def step_efficiency_for_gpu(name_or_path: str) -> Efficiency:
+    """``Efficiency`` with a device file's ``[efficiency]`` values over the defaults (the defaults alone for a
+    preset or a file without that table); ``UserError`` naming the file and field when it is bad."""
+    return factors_from_table(Efficiency, get_gpu_calibration(name_or_path)["efficiency"], name_or_path,
+                              "efficiency")

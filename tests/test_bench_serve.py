@@ -11,7 +11,8 @@ import pytest
 from moetide.cli import main
 from moetide.serve.bench_client import RequestResult
 from moetide.serve.bench_metrics import calculate_metrics, percentile
-from moetide.serve.bench_prompts import FIRST_TOKEN_ID, PromptBuilder, PromptScale, bench_sessions
+from moetide.serve.bench_prompts import FIRST_TOKEN_ID, PromptBuilder, bench_sessions
+from moetide.workloads.scale import WorkloadScale, scale_workload
 from moetide.workloads import load_workload
 
 SHARED_TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
@@ -25,10 +26,10 @@ def write_mooncake(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> P
 
 
 def test_equal_keys_are_equal_token_blocks_and_the_rest_is_private():
-    builder = PromptBuilder(8, PromptScale(vocab_size=50), seed=1)
+    builder = PromptBuilder(8, 50, seed=1)
     a = builder.prompt("", [5, 6, 7], 30, "a")
     b = builder.prompt("", [5, 6, 9], 30, "b")
-    c = PromptBuilder(8, PromptScale(vocab_size=50), seed=1).prompt("", [5, 6, 7], 30, "a")
+    c = PromptBuilder(8, 50, seed=1).prompt("", [5, 6, 7], 30, "a")
     assert len(a) == len(b) == 30 and a == c  # same seed, same prompt, in any builder
     assert a[:16] == b[:16] and a[16:24] != b[16:24]  # keys 5, 6 shared; 7 vs 9 not
     assert a[24:] != b[24:]  # the uncovered tail is the request's own
@@ -39,9 +40,9 @@ def test_equal_keys_are_equal_token_blocks_and_the_rest_is_private():
 def test_length_scale_scales_blocks_with_prompts_and_caps_keep_the_leading_blocks(tmp_path):
     trace = write_mooncake(tmp_path / "t.jsonl", [(0, 2048, 100, [1, 2, 3, 4]), (10, 1536, 300, [1, 2, 9])])
     workload = load_workload(trace, seed=0)
-    full = bench_sessions(workload, PromptScale(length_scale=1 / 16), seed=0)
-    capped = bench_sessions(workload, PromptScale(length_scale=1 / 16, max_input_tokens=40, max_output_tokens=8),
-                            seed=0)
+    full = bench_sessions(scale_workload(workload, WorkloadScale(length_scale=1 / 16)), seed=0)
+    capped = bench_sessions(scale_workload(workload, WorkloadScale(length_scale=1 / 16, max_input_tokens=40,
+                                                                   max_output_tokens=8)), seed=0)
     first, second = (s.turns[0] for s in full)
     assert (len(first.prompt_token_ids), len(second.prompt_token_ids)) == (128, 96)
     assert (first.output_tokens, second.output_tokens) == (6, 19)

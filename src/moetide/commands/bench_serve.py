@@ -4,7 +4,8 @@ server (``moetide serve``, vLLM's ``api_server``, any other) and report what vLL
 The trace is read and sliced as ``moetide replay`` reads and slices it (the same options: ``--max-requests``,
 ``--sessions``, ``--time-window``, ``--format``; no TRACE: the built-in agent-session generator). Prompts are token
 ids built so that equal block keys are equal token blocks (``serve.bench_prompts``), scaled by ``--length-scale``
-and capped by ``--max-input-tokens`` / ``--max-output-tokens``; times are scaled by ``--time-scale``. Metrics are
+and capped by ``--max-input-tokens`` / ``--max-output-tokens``; times are scaled by ``--time-scale`` (the same
+``workloads.scale`` as replay's, so ``moetide replay`` with the same options models the same requests). Metrics are
 vLLM's definitions (``serve.bench_metrics``); ``--json PATH`` ('-': stdout) writes them under vLLM's names with the
 per-request arrays; ``--plot PNG`` draws TTFT per request and output tokens per second over the run. Exit status 1
 if any request failed.
@@ -30,12 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--endpoint", default="/v1/completions", help="completions endpoint (default %(default)s)")
     add("--model", dest="model_name", metavar="NAME",
         help="model name to send (default: the first one the server's /v1/models lists)")
-    add("--time-scale", type=float, default=1.0, metavar="F",
-        help="wall seconds per trace second: arrivals and think times are multiplied by F (default %(default)s)")
-    add("--length-scale", type=float, default=1.0, metavar="F",
-        help="multiply prompt, output and key-block lengths by F (default %(default)s)")
-    add("--max-input-tokens", type=int, metavar="N", help="cap each prompt at N tokens (its leading blocks kept)")
-    add("--max-output-tokens", type=int, metavar="N", help="cap each request's output at N tokens")
     add("--vocab-size", type=int, default=None, metavar="V",
         help="draw prompt token ids below V (default 259: ordinary tokens in any byte-level vocabulary)")
     add("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -46,20 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    """The workload (``moetide replay``'s reader and slices) and its token prompts."""
-    from moetide.serve.bench_prompts import DEFAULT_VOCAB_SIZE, PromptScale, bench_sessions
+    """The workload (``moetide replay``'s reader, slices and scaling) and its token prompts."""
+    from moetide.serve.bench_prompts import DEFAULT_VOCAB_SIZE, FIRST_TOKEN_ID, bench_sessions
 
-    for flag, value in (("--time-scale", args.time_scale), ("--timeout-s", args.timeout_s)):
-        if not value > 0:
-            raise UserError(f"{flag} must be > 0, got {value}")
-    try:
-        scale = PromptScale(args.length_scale, args.max_input_tokens, args.max_output_tokens,
-                            args.vocab_size or DEFAULT_VOCAB_SIZE)
-    except ValueError as exc:
-        field, _, rest = str(exc).partition(" ")
-        raise UserError(f"--{field.replace('_', '-')} {rest}") from None
+    if not args.timeout_s > 0:
+        raise UserError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    vocab = args.vocab_size or DEFAULT_VOCAB_SIZE
+    if vocab <= FIRST_TOKEN_ID:
+        raise UserError(f"--vocab-size must be > {FIRST_TOKEN_ID}, got {vocab}")
     workload = load_workload(args)
-    return workload, bench_sessions(workload, scale, args.seed)
+    return workload, bench_sessions(workload, args.seed, vocab)
 
 
 def print_summary(metrics: dict) -> None:
@@ -126,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench-serve: {workload.num_requests} requests ({workload.mode} loop, {workload.num_sessions} "
               f"sessions) from {workload.name} to {args.url} as {model!r}, time x{args.time_scale:g}")
         bar = ProgressBar("bench-serve")
-        results, duration = replay(sessions, workload.mode, target, args.time_scale, bar)
+        results, duration = replay(sessions, workload.mode, target, 1.0, bar)  # times are scaled in the workload
         bar.close()
         metrics = calculate_metrics(results, duration)
         print_summary(metrics)

@@ -227,6 +227,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=int, help="keep the first N sessions (the built-in generator: make N; "
                         "default 64)")
     parser.add_argument("--seed", type=int, default=0, help="one seed for everything random (default 0)")
+    scale = parser.add_argument_group("scaling a trace to a small model (moetide.workloads.scale)")
+    scale.add_argument("--time-scale", type=float, default=1.0, metavar="F",
+                       help="multiply session starts, arrival times and think times by F (default %(default)s)")
+    scale.add_argument("--length-scale", type=float, default=1.0, metavar="F",
+                       help="multiply prompt, output and key-block lengths by F (default %(default)s)")
+    scale.add_argument("--max-input-tokens", type=int, metavar="N",
+                       help="cap each prompt at N tokens (its leading key blocks kept)")
+    scale.add_argument("--max-output-tokens", type=int, metavar="N", help="cap each request's output at N tokens")
 
 
 # ---- serving options both drivers have (the replay's modeled engine, the PyTorch engine) ---------------------

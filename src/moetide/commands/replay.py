@@ -32,12 +32,13 @@ from moetide.report.progress import ProgressBar
 from moetide.report.tables import format_table
 from moetide.report.units import duration_text
 from moetide.perf import StepTimeModel
-from moetide.sim.setup import ReplayConfig, run_replay
+from moetide.sim.setup import DTYPES, ReplayConfig, run_replay
 from moetide.specs import get_gpu, get_model
 from moetide.sim.vllm_defaults import MAMBA_CACHE_MODES, VLLM_VERSIONS
 from moetide.workloads import generate_agent_sessions, load_workload
 from moetide.workloads.base import Workload, within_model_len
 from moetide.workloads.generator import GeneratorConfig
+from moetide.workloads.scale import WorkloadScale, scale_workload
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio: bool = True,
@@ -48,6 +49,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     add_serving_arguments(parser, "replay", with_offload_ratio=with_offload_ratio, policy=policy)
     parser.add_argument("--gpu", default=defaults.gpu, help="GPU preset or hardware file (default %(default)s)")
     parser.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel GPUs (default %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
+                        help="weights, KV and activations, as vLLM's --dtype; auto: the device's matmul dtype (bf16 "
+                             "on the GPU presets, fp16 on V100, float32 on a `moetide calibrate --device-out` CPU) "
+                             "(default %(default)s)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
                         metavar="F", help="share of HBM the engine may use for weights, activations and the KV "
                                           "cache, as in vLLM (default %(default)s)")
@@ -143,6 +148,12 @@ def load(args: argparse.Namespace) -> Workload:
         workload = load_workload(path, args.format, seed=args.seed, session_rate_per_s=args.session_rate,
                                  max_requests=args.max_requests, time_window=parse_window(args.time_window),
                                  sessions=args.sessions)
+    try:
+        scale = WorkloadScale(args.length_scale, args.max_input_tokens, args.max_output_tokens, args.time_scale)
+    except ValueError as exc:
+        field, _, rest = str(exc).partition(" ")
+        raise UserError(f"--{field.replace('_', '-')} {rest}") from None
+    workload = scale_workload(workload, scale)
     args.refused_requests = 0
     if getattr(args, "max_model_len", None) is not None:
         workload, args.refused_requests = within_model_len(workload, args.max_model_len)
@@ -219,7 +230,7 @@ def _config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         cpu_matmul_tflops=args.cpu_matmul_tflops,
         vamp_horizon_s=args.vamp_horizon_s, kv_host_gib=_gib(args.kv_host_memory), split_policy=args.split_policy,
         split_fixed_ratio=args.split_fixed_ratio, cpu_slowdown=args.cpu_slowdown,
-        device_prefixes=args.device_prefixes, kv_host_active_gib=_gib(args.kv_host_active_memory),
+        device_prefixes=args.device_prefixes, kv_host_active_gib=_gib(args.kv_host_active_memory), dtype=args.dtype,
     )
 
 

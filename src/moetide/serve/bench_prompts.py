@@ -7,9 +7,7 @@ run with the same seed, and a server's prefix cache finds exactly the reuse the 
 not cover (the tail of a prompt; all of a keyless Azure prompt) is drawn from the request's own generator, so it is
 never shared. Prompts are sent as token ids, not text: no tokenizer round trip can merge or split a block.
 
-Scaling for a small model on a CPU: ``length_scale`` multiplies prompt, output and key-block lengths alike (so a
-block key still covers one block of the scaled prompt); ``max_input_tokens`` / ``max_output_tokens`` then cap them
-(a capped prompt keeps its leading blocks, which is where the reuse is). Token ids are drawn from
+Lengths and times come scaled already (``workloads.scale``, the rule every verb shares). Token ids are drawn from
 [``FIRST_TOKEN_ID``, ``vocab_size``): ids 0-2 are special in most vocabularies, and every byte-level or
 byte-fallback vocabulary has its first 259 ids as ordinary tokens, hence the default vocabulary of 259.
 """
@@ -42,40 +40,20 @@ class BenchSession:
     turns: tuple[BenchTurn, ...]
 
 
-@dataclass(frozen=True)
-class PromptScale:
-    length_scale: float = 1.0
-    max_input_tokens: int | None = None
-    max_output_tokens: int | None = None
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-
-    def __post_init__(self) -> None:
-        if not self.length_scale > 0:
-            raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
-        for name in ("max_input_tokens", "max_output_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.vocab_size <= FIRST_TOKEN_ID:
-            raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID}, got {self.vocab_size}")
-
-    def tokens(self, recorded: int, cap: int | None) -> int:
-        n = max(1, round(recorded * self.length_scale))
-        return n if cap is None else min(n, cap)
-
-
 class PromptBuilder:
-    def __init__(self, key_block_size: int | None, scale: PromptScale, seed: int) -> None:
-        self.block_tokens = max(1, round(key_block_size * scale.length_scale)) if key_block_size else None
-        self.scale, self.seed = scale, seed
+    def __init__(self, key_block_size: int | None, vocab_size: int, seed: int) -> None:
+        if vocab_size <= FIRST_TOKEN_ID:
+            raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID}, got {vocab_size}")
+        self.block_tokens, self.vocab_size, self.seed = key_block_size, vocab_size, seed
         self._blocks: dict[tuple[str, int], list[int]] = {}
 
     def _draw(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(FIRST_TOKEN_ID, self.scale.vocab_size) for _ in range(n)]
+        return [rng.randrange(FIRST_TOKEN_ID, self.vocab_size) for _ in range(n)]
 
     def block(self, scope: str, key: int) -> list[int]:
         found = self._blocks.get((scope, key))
         if found is None:
+            assert self.block_tokens is not None
             found = self._blocks[scope, key] = self._draw(random.Random(f"{self.seed}/{scope}/{key}"),
                                                           self.block_tokens)
         return found
@@ -91,16 +69,15 @@ class PromptBuilder:
         return tokens + self._draw(random.Random(f"{self.seed}/private/{request_id}"), rest) if rest else tokens
 
 
-def bench_sessions(workload: Workload, scale: PromptScale, seed: int) -> list[BenchSession]:
-    """The workload's sessions with token prompts and scaled, capped lengths."""
-    builder = PromptBuilder(workload.key_block_size, scale, seed)
+def bench_sessions(workload: Workload, seed: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[BenchSession]:
+    """The workload's sessions (scaled already: ``workloads.scale``) with token prompts."""
+    builder = PromptBuilder(workload.key_block_size, vocab_size, seed)
     sessions = []
     for session in workload.sessions:
         turns = tuple(
-            BenchTurn(turn.request_id,
-                      builder.prompt(session.key_scope, turn.block_keys,
-                                     scale.tokens(turn.prompt_tokens, scale.max_input_tokens), turn.request_id),
-                      scale.tokens(turn.output_tokens, scale.max_output_tokens), turn.arrival_s, turn.think_time_s)
+            BenchTurn(turn.request_id, builder.prompt(session.key_scope, turn.block_keys, turn.prompt_tokens,
+                                                      turn.request_id),
+                      turn.output_tokens, turn.arrival_s, turn.think_time_s)
             for turn in session.turns)
         sessions.append(BenchSession(session.session_id, session.start_s, turns))
     return sessions

@@ -20,6 +20,7 @@ from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
+from moetide.perf.step_calibrate import step_efficiency_for_gpu
 from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingModel
 from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv
 from moetide.sim.host_kv import ring_blocks  # noqa: F401 (API: tests import it from here)
@@ -29,8 +30,14 @@ from moetide.sim.step_time import (STAGING_MIX_HORIZONS, StepTimeWithStaging, re
                                     vamp_params)
 from moetide.sim.vllm_defaults import (MAMBA_CACHE_MODES, VLLM_VERSIONS, mamba_states, vllm_defaults,
                                        vllm_serving_defaults)
-from moetide.specs import get_gpu, get_model
+from moetide.specs import HardwareSpec, get_gpu, get_model
 from moetide.workloads.base import Workload
+
+
+# vLLM's --dtype names -> bytes per element, and the HardwareSpec.matmul_dtype each needs
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPES = ("auto", *DTYPE_BYTES)
+_MATMUL_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,13 @@ class ReplayConfig:
     # admission bound on the host KV that running requests attend each step, GiB (None: none; core.scheduler)
     kv_host_active_gib: float | None = None
     seed: int = 0
+    # vLLM's --dtype: "auto" is the device's matmul dtype (bf16 on the GPU presets, fp16 on V100, fp32 on a CPU
+    # described by ``moetide calibrate --device-out``); weights, KV and activations all take it
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ReplayConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.tp <= 0:
             raise ValueError(f"ReplayConfig.tp must be a positive integer, got {self.tp}")
         if self.block_size is not None and self.block_size <= 0:
@@ -153,6 +165,9 @@ class ReplayConfig:
         if self.cold_experts == CPU:
             raise ValueError("ReplayConfig.kv_host_gib with ReplayConfig.cold_experts cpu: one socket attending KV "
                              "and computing experts is not modeled; use ReplayConfig.cold_experts fetch")
+        if self.dtype == "float32":
+            raise ValueError("ReplayConfig.kv_host_gib with ReplayConfig.dtype float32: the host tier's split is "
+                             "modeled for a GPU beside a CPU, not for a CPU device; use a GPU")
         if self.policy.lower() in NEEDS_VAMP_PARAMS:
             raise ValueError(f"ReplayConfig.kv_host_gib with ReplayConfig.policy {self.policy}: a moving expert line "
                              "beside a host KV tier is not modeled yet (docs/writescope.md, Replay); use vllm or "
@@ -176,18 +191,21 @@ def build_replay(
     """The replay's parts. ``vamp_coefficients`` replaces the perf model's ``vamp_params`` (a differential test
     gives both drivers the same ones)."""
     model, gpu = get_model(config.model), get_gpu(config.gpu)
-    if config.block_size is None:  # the result's config records the size used
+    config = replace(config, dtype=resolve_dtype(config.dtype, gpu))  # the result's config records what was used
+    dtype_bytes = DTYPE_BYTES[config.dtype]
+    if config.block_size is None:
         config = replace(config, block_size=default_block_size(model, tp=config.tp))
     config = vllm_defaults(config, model)
     batched, seqs = vllm_serving_defaults(gpu)
     config = replace(config, max_num_batched_tokens=batched if config.max_num_batched_tokens is None
                      else config.max_num_batched_tokens, max_num_seqs=seqs if config.max_num_seqs is None
                      else config.max_num_seqs)
-    shard = weights_per_gpu(model, tp=config.tp).expert_shard_bytes
+    shard = weights_per_gpu(model, tp=config.tp, dtype_bytes=dtype_bytes).expert_shard_bytes
     residency = ExpertResidency(ExpertResidencyConfig(num_layers=model.num_moe_layers, num_experts=model.num_experts,
                                                       expert_bytes=shard, max_offload_ratio=config.max_offload_ratio))
     budget = memory_budget(
-        model, gpu, tp=config.tp, block_size=config.block_size, gpu_memory_utilization=config.gpu_memory_utilization,
+        model, gpu, tp=config.tp, block_size=config.block_size, dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_budget_gib=config.kv_budget_gib,
         staging_room_bytes=_staging_room(residency, config),
     )
@@ -211,11 +229,12 @@ def build_replay(
     kv = KVCacheManager(pool, config.block_size,
                         num_state_blocks_per_request=0 if mamba else budget.state_blocks_per_request,
                         evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict", mamba=mamba)
-    step_model = StepTimeModel(model, gpu, tp=config.tp)
+    step_model = StepTimeModel(model, gpu, tp=config.tp, dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes,
+                               efficiency=step_efficiency_for_gpu(config.gpu))
     line = ExpertLine(residency, ByteLayout(pool, block_bytes=budget.charged_block_bytes,
                                             kv_bytes_per_expert=residency.config.expert_bytes,
                                             first_block_id=budget.num_blocks))
-    staging = StagingModel(model, gpu, tp=config.tp, config=staging_config(config, model))
+    staging = StagingModel(model, gpu, tp=config.tp, dtype_bytes=dtype_bytes, config=staging_config(config, model))
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers,
                                     mix_tau_s=config.vamp_horizon_s * STAGING_MIX_HORIZONS,
                                     reference_step=reference_decode(config, step_model),
@@ -226,6 +245,18 @@ def build_replay(
     replay = Replay(workload, scheduler, step_time, progress=progress,
                     offloaded_ratio=lambda: line.residency.offloaded_ratio, host_kv=host_kv)
     return BuiltReplay(replay, budget, config, line, step_time, host_kv)
+
+
+def resolve_dtype(dtype: str, gpu: HardwareSpec) -> str:
+    """The dtype a replay runs at: ``auto`` is the device's matmul dtype; an explicit one must be what the device's
+    matmul rate is quoted at, since that rate is the only compute figure the step model has."""
+    if dtype == "auto":
+        return next(name for name, mm in _MATMUL_DTYPE.items() if mm == gpu.matmul_dtype)
+    if _MATMUL_DTYPE[dtype] != gpu.matmul_dtype:
+        raise UserError(f"--dtype {dtype}: {gpu.name}'s matmul rate is quoted at {gpu.matmul_dtype}, and there is "
+                        f"no {_MATMUL_DTYPE[dtype]} rate to model it with; use --dtype auto or a device file whose "
+                        f"matmul_dtype is {_MATMUL_DTYPE[dtype]}")
+    return dtype
 
 
 def _staging_room(residency: ExpertResidency, config: ReplayConfig) -> int:

@@ -11,6 +11,7 @@ when the verb runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from moetide.commands.options import add_json_argument, check_output_path, write_json_output
-from moetide.engine.measure import calibrate
+from moetide.commands import calibrate_device
+from moetide.engine.measure import calibrate, measure_engine_steps
 from moetide.errors import UserError
 from moetide.perf.calibrate import (
     CALIBRATION_KV_TOKENS,
@@ -53,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --dram-mts: the real DRAM configuration, so the file's efficiency is "
                              "measured / peak (default: unknown; the file encodes the measured bandwidth)")
     parser.add_argument("--dram-mts", type=int, metavar="MT/S", help="DDR speed grade, with --dram-channels")
+    parser.add_argument("--model", metavar="DIR", help="also time the PyTorch engine's steps on this fp32 checkpoint "
+                        "(folder or its config.json) and fit the step-time model to them")
+    parser.add_argument("--device-out", metavar="FILE.toml", help="with --model: write this CPU as a device file, "
+                        "for `moetide replay --gpu FILE.toml --model DIR`")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -69,6 +75,11 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.out is not None:
         _check_out(Path(args.out))
     check_output_path("--json", args.json)
+    if args.device_out is not None:
+        if args.model is None:
+            raise UserError("--device-out describes the engine on a checkpoint: give --model DIR too")
+        calibrate_device.check_device_out(Path(args.device_out))
+    args.model_dir = None if args.model is None else calibrate_device.check_model(args.model)
 
 
 def _check_out(path: Path) -> None:
@@ -278,10 +289,31 @@ def run(args: argparse.Namespace) -> int:
                           dram_mega_transfers=args.dram_mts)  # UserError for an impossible DRAM peak, before writing
     if args.out is not None:
         _write(Path(args.out), text)
+    engine = _engine_steps(args, cal)
     if args.json:
-        write_json_output(args.json, json.dumps({**cal.as_dict(), "out": args.out}, indent=2))
+        doc = {**cal.as_dict(), "out": args.out}
+        if engine is not None:
+            doc["engine_steps"] = engine[0]
+        write_json_output(args.json, json.dumps(doc, indent=2))
         if args.json != "-":
             print(f"wrote {args.json}")
     else:
-        print(_text(cal, args.out))
+        print(_text(cal, args.out) + ("" if engine is None else "\n\n" + engine[1]))
     return 0
+
+
+def _engine_steps(args: argparse.Namespace, cal: Calibration) -> tuple[dict[str, Any], str] | None:
+    """With --model: the engine's steps timed and fitted, the device file written; (JSON record, text)."""
+    if args.model_dir is None:
+        return None
+    folder = args.model_dir
+    samples = measure_engine_steps(str(folder), quick=args.quick, num_threads=args.threads, clock=args.clock)
+    device, step_fit = calibrate_device.fit(cal, folder, samples, (args.name or _default_name()) + "-cpu")
+    text = calibrate_device.steps_table(device, step_fit, folder, samples)
+    if args.device_out is not None:
+        calibrate_device.write_device_file(Path(args.device_out), calibrate_device.device_file_text(
+            device, step_fit, folder, samples, _line))
+        text += f"\nwrote {args.device_out} (moetide replay --gpu {args.device_out} --model {folder})"
+    record = {"model": str(folder), "device_out": args.device_out, "fit": dataclasses.asdict(step_fit),
+              "steps": [{"shape": list(s.shape.as_args()), "seconds": s.seconds} for s in samples]}
+    return record, text

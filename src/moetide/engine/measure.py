@@ -32,6 +32,8 @@ from moetide.perf.calibrate import (
     installed_memory_bytes,
     llc_bytes,
 )
+from moetide.perf.step import StepShape
+from moetide.perf.step_calibrate import StepSample
 
 
 def check_clock(clock: str, num_threads: int) -> None:
@@ -233,3 +235,50 @@ def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall
         cpu_model=cpu_model_name(), dram_bytes=installed_memory_bytes(), llc_bytes=llc, dram=dram, gemm_n=gemm_n,
         gemm_flops_per_s=gemm, attention=samples, fit=fit_cpu_efficiency(samples, dram.triad_bytes_per_s, gemm),
         host_to_device=h2d)
+
+
+# (batch, prompt tokens, output tokens) of the engine runs ``measure_engine_steps`` times: decode at batch 1-32
+# at contexts of 32 to ~1K tokens, prefill chunks of 32-4096 tokens. Not a trace: the replay is judged on traces.
+ENGINE_STEP_RUNS = {
+    True: ((1, 32, 8), (1, 512, 4), (4, 128, 8), (16, 32, 8), (8, 512, 8)),
+    False: ((1, 32, 16), (1, 128, 8), (1, 512, 8), (1, 1024, 8), (2, 32, 16), (4, 32, 16), (4, 256, 16),
+            (4, 1024, 8), (8, 32, 16), (8, 128, 16), (8, 512, 16), (16, 32, 16), (16, 256, 16), (32, 32, 16),
+            (32, 128, 8)),
+}
+
+
+def measure_engine_steps(model_dir: str, *, quick: bool, num_threads: int | None = None,
+                         clock: str = "wall", seed: int = 0) -> list[StepSample]:
+    """Every step of the ``ENGINE_STEP_RUNS`` batches, each a whole ``Engine.step`` call (scheduling, forward,
+    sampling, bookkeeping) timed on ``clock``, with the shape the step-time model takes; after one untimed
+    warm-up run. Prefix caching is off, so every prompt token is computed."""
+    import random
+
+    import torch
+
+    from moetide.engine.runner import Engine
+    from moetide.engine.sampling import SamplingParams
+
+    previous = torch.get_num_threads()
+    threads = num_threads or previous
+    check_clock(clock, threads)
+    torch.set_num_threads(threads)
+    now = CLOCKS[clock]
+    try:
+        engine = Engine(model_dir, kv_budget_mib=256, enable_prefix_caching=False)
+        vocab = engine.parts.model.config.vocab_size
+        rng = random.Random(seed)
+        samples: list[StepSample] = []
+        for i, (batch, prompt, output) in enumerate(((2, 64, 4), *ENGINE_STEP_RUNS[quick])):
+            params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
+            for _ in range(batch):
+                engine.add_request([rng.randrange(3, vocab) for _ in range(prompt)], params)
+            while engine.has_unfinished_requests():
+                start = now()
+                engine.step()
+                seconds = now() - start
+                if i and engine.last_step_shape is not None:
+                    samples.append(StepSample(StepShape(*engine.last_step_shape), seconds))
+    finally:
+        torch.set_num_threads(previous)
+    return samples

@@ -162,6 +162,9 @@ class Engine:
         self.num_prefix_query_tokens = 0  # lifetime: tokens looked up in the prefix cache at (re)admission
         self.num_prefix_hit_tokens = 0  # lifetime: of those, found cached
         self._step_stats = self.parts.step_stats
+        # the last step that ran, as the step-time model takes it: (tokens, seqs, decode seqs, KV tokens read,
+        # attention pairs); ``engine.measure.measure_engine_steps`` times steps against it
+        self.last_step_shape: tuple[int, int, int, int, int] | None = None
         if clock is None and self._step_stats is not None:
             clock = self._step_stats.busy_s
         t0 = time.perf_counter()
@@ -240,7 +243,11 @@ class Engine:
             if not (out.failed or out.preempted) and sched.has_work:
                 raise RuntimeError("the scheduler planned an empty step with work pending and nothing failed")
             return outputs
-        for (request, _), computed in zip(out.scheduled, out.num_computed_before):
+        num_decode = kv_read = pairs = 0
+        for (request, n), computed in zip(out.scheduled, out.num_computed_before):
+            num_decode += n == 1
+            kv_read += computed + n
+            pairs += n * computed + n * (n + 1) // 2
             if id(request) not in running_before:
                 stats.prefix_hit_tokens += computed
                 self.num_prefix_query_tokens += request.num_tokens
@@ -254,6 +261,7 @@ class Engine:
         self.parts.experts.end_step()
         self.residency.end_step()
         self._time_step(out, time.perf_counter() - t0, stats)
+        self.last_step_shape = (out.total_num_scheduled_tokens, len(out.scheduled), num_decode, kv_read, pairs)
         if self._step_stats is not None:
             self._step_stats.record(out.total_num_scheduled_tokens)
         done = {id(r) for r in finished}

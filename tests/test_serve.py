@@ -161,3 +161,8 @@ def test_models_health_and_metrics(server, client):
     assert samples["vllm:prefix_cache_queries_total", None].value >= samples["vllm:prefix_cache_hits_total", None].value
     assert samples["vllm:request_success_total", "length"].value >= 1
     assert not any(name.endswith("_created") for name, _ in samples)
+    # the loop's step counters and the two threads' CPU seconds (benchmarks/serve_prediction.py reads them)
+    steps = samples["moetide_engine_steps_total", None].value
+    assert steps >= 4 and samples["moetide_engine_step_seconds_total", None].value > 0
+    assert 0 < samples["moetide_engine_step_cpu_seconds_total", None].value
+    assert samples["moetide_server_thread_cpu_seconds_total", None].value > 0

@@ -83,7 +83,8 @@ def build_app(args: argparse.Namespace):
     tokenizer = load_tokenizer(args.model)
     engine = build_engine(args)
     loop = EngineLoop(engine)
-    metrics = ServerMetrics(config.model_name, lambda: loop.metrics)
+    metrics = ServerMetrics(config.model_name, lambda: loop.metrics,
+                            lambda: (loop.num_steps, loop.step_wall_s, loop.step_cpu_s))
     loop.observer = metrics.observe
     return create_app(loop, tokenizer, config, metrics), loop
 

@@ -74,6 +74,11 @@ class EngineLoop:
         self._post_lock = threading.Lock()  # submit's check-and-post against the failed loop's last drain
         self._stopping = False
         self.error: BaseException | None = None
+        # written by the engine thread only, read at scrape time: steps run, their wall seconds, the engine
+        # thread's CPU seconds in them (what the step-time model is calibrated against, inside the server)
+        self.num_steps = 0
+        self.step_wall_s = 0.0
+        self.step_cpu_s = 0.0
         self._thread = threading.Thread(target=self._run, name="moetide-engine", daemon=True)
 
     @property
@@ -191,7 +196,11 @@ class EngineLoop:
         self._handles[handle.engine_id] = handle
 
     def _step(self) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
         outputs = self.engine.step()
+        self.step_cpu_s += time.thread_time() - cpu
+        self.step_wall_s += time.perf_counter() - wall
+        self.num_steps += 1
         now = time.monotonic()
         self.metrics = self.engine.metrics()  # before any event goes out: a client that saw its answer sees it
         for out in outputs:

@@ -13,7 +13,10 @@ dashboard built for vLLM reads moetide unchanged:
 * moetide's: ``moetide_offloaded_expert_ratio`` (offloaded / all routed-expert bytes), ``moetide_experts_offloaded``,
   ``moetide_kv_host_blocks`` and ``moetide_kv_host_blocks_used`` (the host KV tier), ``moetide_experts_staged``
   and ``moetide_experts_on_host`` (offloaded experts copied into a staging buffer, or computed from their host
-  copies, per layer that routed to them).
+  copies, per layer that routed to them); ``moetide_engine_steps``, ``moetide_engine_step_seconds`` and
+  ``moetide_engine_step_cpu_seconds`` (steps run, their wall and engine-thread CPU seconds) and
+  ``moetide_server_thread_cpu_seconds`` (CPU seconds of the HTTP event-loop thread): on a server pinned to one
+  core the two threads share it, and these say how much of each step's time the HTTP side took.
 
 Where the numbers differ from vLLM's for the same traffic: a request whose client left is counted in
 ``request_success{finished_reason="abort"}`` (vLLM's frontend abort records no finished stats; counting it lets an
@@ -27,6 +30,7 @@ thread as tokens are emitted. One registry per server: two servers in one proces
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -52,11 +56,13 @@ disable_created_metrics()  # as vLLM does: no ``*_created`` series beside every 
 class _EngineCollector:
     """Exports the levels and lifetime counters of the latest ``EngineMetrics`` at each scrape."""
 
-    def __init__(self, read: Callable[[], EngineMetrics], labels: list[str]) -> None:
-        self.read, self.labels = read, labels
+    def __init__(self, read: Callable[[], EngineMetrics], labels: list[str],
+                 steps: Callable[[], tuple[int, float, float]]) -> None:
+        self.read, self.labels, self.steps = read, labels, steps
 
     def collect(self):
         m = self.read()
+        num_steps, step_wall_s, step_cpu_s = self.steps()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -84,15 +90,23 @@ class _EngineCollector:
                       m.experts_staged)
         yield counter("moetide_experts_on_host", "Offloaded experts computed from their host copies (per layer).",
                       m.experts_on_host)
+        yield counter("moetide_engine_steps", "Engine steps run.", num_steps)
+        yield counter("moetide_engine_step_seconds", "Wall seconds inside engine steps.", step_wall_s)
+        yield counter("moetide_engine_step_cpu_seconds", "Engine-thread CPU seconds inside engine steps.", step_cpu_s)
+        # collect runs on the event loop (an async handler renders it): this is the HTTP thread's own CPU time
+        yield counter("moetide_server_thread_cpu_seconds", "CPU seconds of the HTTP event-loop thread.",
+                      time.thread_time())
 
 
 class ServerMetrics:
-    """The registry of one server; ``observe`` is the engine loop's observer."""
+    """The registry of one server; ``observe`` is the engine loop's observer. ``read`` gives the latest
+    ``EngineMetrics``, ``steps`` the loop's (steps, step wall seconds, step CPU seconds)."""
 
-    def __init__(self, model_name: str, read: Callable[[], EngineMetrics]) -> None:
+    def __init__(self, model_name: str, read: Callable[[], EngineMetrics],
+                 steps: Callable[[], tuple[int, float, float]]) -> None:
         self.registry = CollectorRegistry()
         labels = [model_name, "0"]
-        self.registry.register(_EngineCollector(read, labels))
+        self.registry.register(_EngineCollector(read, labels, steps))
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
             return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*labels)

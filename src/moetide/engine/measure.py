@@ -242,16 +242,18 @@ def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall
 ENGINE_STEP_RUNS = {
     True: ((1, 32, 8), (1, 512, 4), (4, 128, 8), (16, 32, 8), (8, 512, 8)),
     False: ((1, 32, 16), (1, 128, 8), (1, 512, 8), (1, 1024, 8), (2, 32, 16), (4, 32, 16), (4, 256, 16),
-            (4, 1024, 8), (8, 32, 16), (8, 128, 16), (8, 512, 16), (16, 32, 16), (16, 256, 16), (32, 32, 16),
-            (32, 128, 8)),
+            (4, 512, 8), (4, 1024, 8), (8, 32, 16), (8, 128, 16), (8, 256, 8), (8, 512, 16), (16, 32, 16),
+            (16, 256, 16), (32, 32, 16), (32, 128, 8)),
 }
+ENGINE_STEP_REPEATS = {True: 1, False: 2}  # each run again after the whole list: a prefill is one step per run
 
 
 def measure_engine_steps(model_dir: str, *, quick: bool, num_threads: int | None = None,
                          clock: str = "wall", seed: int = 0) -> list[StepSample]:
-    """Every step of the ``ENGINE_STEP_RUNS`` batches, each a whole ``Engine.step`` call (scheduling, forward,
-    sampling, bookkeeping) timed on ``clock``, with the shape the step-time model takes; after one untimed
-    warm-up run. Prefix caching is off, so every prompt token is computed."""
+    """Every step of the ``ENGINE_STEP_RUNS`` batches (``ENGINE_STEP_REPEATS`` times over), each a whole
+    ``Engine.step`` call (scheduling, forward, sampling, bookkeeping) timed on ``clock``, with the shape the
+    step-time model takes; after one untimed warm-up run. Prefix caching is off, so every prompt token is
+    computed."""
     import random
 
     import torch
@@ -269,7 +271,8 @@ def measure_engine_steps(model_dir: str, *, quick: bool, num_threads: int | None
         vocab = engine.parts.model.config.vocab_size
         rng = random.Random(seed)
         samples: list[StepSample] = []
-        for i, (batch, prompt, output) in enumerate(((2, 64, 4), *ENGINE_STEP_RUNS[quick])):
+        runs = ((2, 64, 4), *ENGINE_STEP_RUNS[quick] * ENGINE_STEP_REPEATS[quick])
+        for i, (batch, prompt, output) in enumerate(runs):
             params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
             for _ in range(batch):
                 engine.add_request([rng.randrange(3, vocab) for _ in range(prompt)], params)

@@ -127,7 +127,7 @@ def test_dtype_auto_is_the_devices_and_an_explicit_one_must_match(tmp_path, tiny
     assert resolve_dtype("auto", get_gpu("h100")) == "bfloat16"
     assert resolve_dtype("auto", get_gpu("v100-32gb")) == "float16"
     assert resolve_dtype("auto", CPU) == "float32"
-    with pytest.raises(UserError, match="--dtype float32: .* quoted at bf16"):
+    with pytest.raises(ValueError, match="ReplayConfig.dtype float32: .* quoted at bf16"):
         resolve_dtype("float32", get_gpu("h100"))
     with pytest.raises(ValueError, match="ReplayConfig.dtype must be one of"):
         ReplayConfig(dtype="fp8")
@@ -187,3 +187,14 @@ def test_calibrate_refuses_a_bf16_checkpoint_and_a_bad_device_out(tmp_path):
     (ckpt / "config.json").write_text('{"model_type": "qwen3_moe", "dtype": "float32"}')
     done = cli("calibrate", "--quick", "--model", str(ckpt), "--device-out", str(tmp_path / "cpu.json"), timeout=120)
     assert done.returncode == 2 and "must end in .toml" in done.stderr
+
+
+def test_replay_dtype_errors_are_one_line_before_the_run(tmp_path):
+    wrong = cli("replay", "--gpu", "h100", "--dtype", "float32", "--sessions", "2", timeout=120)
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1
+    assert "--dtype float32: h100-sxm's matmul rate is quoted at bf16" in wrong.stderr and "--dtype auto" in wrong.stderr
+    path = tmp_path / "cpu.toml"
+    path.write_text(DEVICE_TOML.replace("17179869184", str(256 * 2**30)))
+    host = cli("replay", "--gpu", str(path), "--sessions", "2", "--kv-host-memory", "8GiB", timeout=120)
+    assert host.returncode == 2 and host.stderr.count("\n") == 1
+    assert "--kv-host-memory with --dtype float32" in host.stderr

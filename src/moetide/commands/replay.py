@@ -32,7 +32,7 @@ from moetide.report.progress import ProgressBar
 from moetide.report.tables import format_table
 from moetide.report.units import duration_text
 from moetide.perf import StepTimeModel
-from moetide.sim.setup import DTYPES, ReplayConfig, run_replay
+from moetide.sim.setup import DTYPES, ReplayConfig, resolve_dtype, run_replay
 from moetide.specs import get_gpu, get_model
 from moetide.sim.vllm_defaults import MAMBA_CACHE_MODES, VLLM_VERSIONS
 from moetide.workloads import generate_agent_sessions, load_workload
@@ -205,7 +205,9 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
                         f"--kv-host-memory {bytes_text(host)}")
     try:
         config = _config_from(args, policy)
-        StepTimeModel(get_model(config.model), get_gpu(config.gpu), tp=config.tp)  # --tp against the heads
+        gpu = get_gpu(config.gpu)
+        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, gpu))  # against the device, and
+        StepTimeModel(get_model(config.model), gpu, tp=config.tp)  # --tp against the heads
     except ValueError as exc:
         raise UserError(flag_message(str(exc)) if "ReplayConfig." in str(exc) else f"--tp: {exc}") from None
     return config

@@ -253,9 +253,9 @@ def resolve_dtype(dtype: str, gpu: HardwareSpec) -> str:
     if dtype == "auto":
         return next(name for name, mm in _MATMUL_DTYPE.items() if mm == gpu.matmul_dtype)
     if _MATMUL_DTYPE[dtype] != gpu.matmul_dtype:
-        raise UserError(f"--dtype {dtype}: {gpu.name}'s matmul rate is quoted at {gpu.matmul_dtype}, and there is "
-                        f"no {_MATMUL_DTYPE[dtype]} rate to model it with; use --dtype auto or a device file whose "
-                        f"matmul_dtype is {_MATMUL_DTYPE[dtype]}")
+        raise ValueError(f"ReplayConfig.dtype {dtype}: {gpu.name}'s matmul rate is quoted at {gpu.matmul_dtype}, and "
+                         f"there is no {_MATMUL_DTYPE[dtype]} rate to model it with; use ReplayConfig.dtype auto or a "
+                         f"device file whose matmul_dtype is {_MATMUL_DTYPE[dtype]}")
     return dtype
 
 

@@ -5,11 +5,11 @@
     not reported, then ``--rounds`` rounds. Each round draws its prompt tokens with a seed of its own, so the
     prefix cache holds the reuse within a round, as the replay has it, and none of the rounds before.
 (b) MODELED: ``moetide replay`` of the same slice (the same reader, slicing and ``workloads.scale`` options) with
-    the checkpoint's config.json as the model and this machine as the device: a device file from ``moetide
-    calibrate --model CHECKPOINT --device-out`` run first on the server's core (or ``--device FILE``). Both sides get
-    the same block size, token budget, sequence cap and KV cache (and so does (c)). Twice: "engine", the device file as calibrate
-    wrote it (the engine alone), and "served", with the HTTP thread's CPU seconds per streamed token added to each
-    sequence's per-step overhead — measured on the running server with a designed probe load (concurrent
+    the checkpoint's config.json as the model and this machine as the device: a device file from ``moetide calibrate
+    --model CHECKPOINT --device-out`` run first on the server's core (or ``--device FILE``). Both sides get the same
+    block size, token budget, sequence cap and KV cache (and so does (c)). Twice: "engine", the device file as
+    calibrate wrote it (the engine alone), and "served", with the HTTP thread's CPU seconds per streamed token added
+    to each sequence's per-step overhead — measured on the running server with a designed probe load (concurrent
     streaming requests, not the trace) from its ``moetide_server_thread_cpu_seconds`` counter: pinned to one core,
     the HTTP side's work lands inside the engine's steps.
 
@@ -17,10 +17,10 @@
     has stopped, the same rounds with the same prompt seeds.
 
 One JSON line for the calibration's fit, the slice through the engine alone on the server's core (no HTTP:
-``engine_alone.py``, each step beside its modeled time), the probe, each replay and each measured round, then one per metric: the
-measured median and range over rounds, each prediction and its error (prediction / measured median - 1), to be read
-against the range's own relative spread; with (c), vLLM's median and range and moetide / vLLM (withheld as
-"overlap" when the two ranges overlap).
+``engine_alone.py``, each step beside its modeled time), the probe, each replay and each measured round, then one
+per metric: the measured median and range over rounds, each prediction and its error (prediction / measured median
+- 1), to be read against the range's own relative spread; with (c), vLLM's median and range and moetide / vLLM
+(withheld as "overlap" when the two ranges overlap).
 
     .venv/bin/python benchmarks/serve_prediction.py --model /tmp/moe64 \\
         --trace ../shared/traces/mooncake/conversation_trace.jsonl.gz --rounds 5

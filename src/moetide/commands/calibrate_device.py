@@ -19,6 +19,7 @@ from moetide.perf.calibrate import Calibration
 from moetide.perf.step import StepTimeModel
 from moetide.perf.step_calibrate import StepFit, StepSample, fit_step_efficiency, step_efficiency_for_gpu
 from moetide.report.tables import format_table
+from moetide.report.toml import toml_line
 from moetide.specs import HardwareSpec, get_gpu, get_model
 
 CPU_DTYPE_BYTES = 4  # the GEMM calibrate times is fp32; a bf16 checkpoint would need a bf16 rate
@@ -61,8 +62,7 @@ def fit(cal: Calibration, folder: Path, samples: list[StepSample], name: str) ->
     return device, fit_step_efficiency(samples, get_model(str(folder / "config.json")), device, CPU_DTYPE_BYTES)
 
 
-def device_file_text(device: HardwareSpec, step_fit: StepFit, folder: Path, samples: list[StepSample],
-                     toml_line) -> str:
+def device_file_text(device: HardwareSpec, step_fit: StepFit, folder: Path, samples: list[StepSample]) -> str:
     fields = ("name", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "matmul_flops_per_s", "matmul_dtype",
               "host_link_bandwidth_bytes_per_s", "gpu_link_bandwidth_bytes_per_s", "host_link", "source")
     notes = {"hbm_bytes": "installed memory (sysconf)", "hbm_bandwidth_bytes_per_s": "MEASURED DRAM triad",
@@ -113,7 +113,7 @@ def steps_table(device: HardwareSpec, step_fit: StepFit, folder: Path, samples: 
                      f"{fitted / measured - 1:+.1%}"])
     table = format_table(["tokens", "seqs", "steps", "measured ms", "fit ms", "fit error"], rows)
     return (f"engine steps on {folder} (whole Engine.step calls, MEASURED), and the step-time model FITTED to them:\n"
-            f"{table}\nfitted: matmul {step_fit.matmul:.3f}, attention {step_fit.attention:.3f} (of the GEMM rate), hbm "
-            f"{step_fit.hbm:.3f} (of the triad), "
+            f"{table}\nfitted: matmul {step_fit.matmul:.3f}, attention {step_fit.attention:.3f} (of the GEMM "
+            f"rate), hbm {step_fit.hbm:.3f}, attention_memory {step_fit.attention_memory:.3f} (of the triad), "
             f"step overhead {step_fit.step_overhead_s * 1e3:.3f} ms + {step_fit.seq_overhead_s * 1e3:.3f} ms per "
             f"sequence; error median {step_fit.median_abs_rel_error:.1%}, max {step_fit.max_abs_rel_error:.1%}")

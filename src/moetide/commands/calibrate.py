@@ -19,7 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moetide.commands.options import add_json_argument, check_output_path, write_json_output
+from moetide.commands.options import (add_json_argument, check_output_path, check_toml_output, write_json_output,
+                                      write_text_file)
 from moetide.commands import calibrate_device
 from moetide.engine.measure import calibrate, measure_engine_steps
 from moetide.errors import UserError
@@ -74,23 +75,13 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.name is not None and not args.name.strip():
         raise UserError("--name must not be empty")
     if args.out is not None:
-        _check_out(Path(args.out))
+        check_toml_output("--out", Path(args.out), "host", "host.toml")
     check_output_path("--json", args.json)
     if args.device_out is not None:
         if args.model is None:
             raise UserError("--device-out describes the engine on a checkpoint: give --model DIR too")
-        calibrate_device.check_device_out(Path(args.device_out))
+        check_toml_output("--device-out", Path(args.device_out), "device", "device.toml")
     args.model_dir = None if args.model is None else calibrate_device.check_model(args.model)
-
-
-def _check_out(path: Path) -> None:
-    """Fail before measuring, not after."""
-    if path.suffix.lower() != ".toml":
-        raise UserError(f"--out {path}: the host file is TOML and its name must end in .toml")
-    if path.is_dir():
-        raise UserError(f"--out {path}: is a directory; give a file name such as {path / 'host.toml'}")
-    if not path.parent.is_dir():
-        raise UserError(f"--out {path}: directory {path.parent} does not exist")
 
 
 def _default_name() -> str:
@@ -219,10 +210,7 @@ def host_file_text(cal: Calibration, *, name: str, dram_channels: int | None = N
 
 
 def _write(path: Path, text: str) -> None:
-    try:
-        path.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"--out {path}: cannot write: {exc.strerror or exc}") from None
+    write_text_file("--out", path, text)
     get_host(str(path))  # what was written must read back; a failure here is a bug, not the user's
     offload_efficiency_for_host(str(path))
 

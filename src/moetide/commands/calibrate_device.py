@@ -13,7 +13,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from moetide.commands.options import checkpoint_dir
+from moetide.commands.options import checkpoint_dir, write_text_file
 from moetide.errors import UserError, read_json
 from moetide.perf.calibrate import Calibration
 from moetide.perf.step import StepTimeModel
@@ -34,15 +34,6 @@ def check_model(model: str) -> Path:
         raise UserError(f"--model {folder}: the checkpoint is {dtype}; a CPU device is calibrated at fp32 (the GEMM "
                         f"rate calibrate measures is fp32): give an fp32 checkpoint")
     return folder
-
-
-def check_device_out(path: Path) -> None:
-    if path.suffix.lower() != ".toml":
-        raise UserError(f"--device-out {path}: the device file is TOML and its name must end in .toml")
-    if path.is_dir():
-        raise UserError(f"--device-out {path}: is a directory; give a file name such as {path / 'device.toml'}")
-    if not path.parent.is_dir():
-        raise UserError(f"--device-out {path}: directory {path.parent} does not exist")
 
 
 def cpu_device(cal: Calibration, name: str) -> HardwareSpec:
@@ -90,10 +81,7 @@ def device_file_text(device: HardwareSpec, step_fit: StepFit, folder: Path, samp
 
 
 def write_device_file(path: Path, text: str) -> None:
-    try:
-        path.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"--device-out {path}: cannot write: {exc.strerror or exc}") from None
+    write_text_file("--device-out", path, text)
     get_gpu(str(path))  # what was written must read back; a failure here is a bug, not the user's
     step_efficiency_for_gpu(str(path))
 

@@ -188,6 +188,23 @@ def add_model_argument(parser: argparse.ArgumentParser, *, default: str | None, 
                         help=f"{what} (default %(default)s)" if default else what)
 
 
+def check_toml_output(flag: str, path: Path, kind: str, example: str) -> None:
+    """A TOML file to write later: refused now (name, folder) rather than after the measuring."""
+    if path.suffix.lower() != ".toml":
+        raise UserError(f"{flag} {path}: the {kind} file is TOML and its name must end in .toml")
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a directory; give a file name such as {path / example}")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: directory {path.parent} does not exist")
+
+
+def write_text_file(flag: str, path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot write: {exc.strerror or exc}") from None
+
+
 def checkpoint_dir(model: str) -> Path:
     """The checkpoint folder ``--model`` names: the folder itself, or the folder of its config.json."""
     path = Path(model)

@@ -1,6 +1,7 @@
 """A trace slice through the engine alone — no server, no HTTP — each step timed against the device file's model.
 
-Requests join at their (scaled) arrival times on the wall clock, as bench-serve would send them, and the engine
+Requests of an open-loop slice join at their (scaled) arrival times on the wall clock, as bench-serve would send them
+(a closed-loop slice is skipped, saying so), and the engine
 steps whenever it has work; every step's wall time is set beside ``StepTimeModel.step_time_s`` of its shape with
 the device file's ``[efficiency]``. One JSON line: decode steps (measured and modeled medians), each prefill step,
 and the totals. ``serve_prediction.py`` runs it on the server's core to separate the step model's error from what
@@ -47,6 +48,10 @@ def main() -> int:
     workload = scale_workload(load_workload(Path(args.trace), None, seed=args.seed, max_requests=args.max_requests),
                               WorkloadScale(args.length_scale, args.max_input_tokens, args.max_output_tokens,
                                             args.time_scale))
+    if workload.mode != "open":  # a closed loop's sends wait on completions: bench-serve's client has that logic
+        print(json.dumps({"skipped": f"{workload.name} is a closed-loop workload; engine_alone replays open-loop "
+                                     f"arrivals only"}))
+        return 0
     turns = sorted((t for s in bench_sessions(workload, seed=args.seed + 1) for t in s.turns),
                    key=lambda t: t.arrival_s)
     engine = Engine(args.model, kv_budget_mib=args.kv_cache_memory_mib, block_size=args.block_size,

@@ -25,7 +25,6 @@ Stdlib only: the measuring is ``engine.measure.measure_engine_steps``.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -38,8 +37,10 @@ from moetide.specs.loader import get_gpu_calibration
 
 MIN_EFFICIENCY = 1e-3
 FACTORS = ("matmul", "attention", "hbm", "attention_memory")  # the searched Efficiency fields
-GRID_STEPS = 12  # the first search's line: 10^(i/4) x the current value, i in [-12, 12] (three decades each way)
-SWEEPS = 6  # coordinate sweeps per step size, at most
+# the coordinate search's stages: (ratio, span) tries ratio^i x the current value, i in [-span, span]; the first
+# stage reaches three decades each way, the next two refine
+SEARCH_STAGES = ((10 ** (1 / 4), 12), (10 ** (1 / 16), 4), (10 ** (1 / 64), 4))
+SWEEPS = 6  # coordinate sweeps per stage, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +111,6 @@ def _overheads(samples: Sequence[StepSample], roof: Sequence[float],
     return a, b, loss(a, b)
 
 
-def _grid(low: float, high: float, num: int) -> list[float]:
-    return [math.exp(math.log(low) + (math.log(high) - math.log(low)) * i / (num - 1)) for i in range(num)]
-
-
 def fit_step_efficiency(samples: Sequence[StepSample], model: ModelSpec, device: HardwareSpec,
                         dtype_bytes: int) -> StepFit:
     """The factors of the module docstring; deterministic."""
@@ -129,11 +126,10 @@ def fit_step_efficiency(samples: Sequence[StepSample], model: ModelSpec, device:
         return memo[point][2]
 
     point = (0.5,) * len(FACTORS)
-    for ratio in (10 ** (1 / 4), 10 ** (1 / 16), 10 ** (1 / 64)):
+    for ratio, span in SEARCH_STAGES:
         for _ in range(SWEEPS):
             before = point
             for axis in range(len(FACTORS)):
-                span = GRID_STEPS if ratio == 10 ** (1 / 4) else 4
                 line = sorted({min(1.0, max(MIN_EFFICIENCY, point[axis] * ratio ** i)) for i in range(-span, span + 1)})
                 point = min((point[:axis] + (x,) + point[axis + 1:] for x in line), key=evaluate)
             if point == before:

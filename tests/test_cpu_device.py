@@ -198,3 +198,14 @@ def test_replay_dtype_errors_are_one_line_before_the_run(tmp_path):
     host = cli("replay", "--gpu", str(path), "--sessions", "2", "--kv-host-memory", "8GiB", timeout=120)
     assert host.returncode == 2 and host.stderr.count("\n") == 1
     assert "--kv-host-memory with --dtype float32" in host.stderr
+
+
+def test_engine_steps_skip_runs_past_the_models_context(copy_checkpoint):
+    from moetide.engine.measure import measure_engine_steps
+
+    ckpt = copy_checkpoint("qwen3_moe")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 200}))
+    samples = measure_engine_steps(str(ckpt), quick=True, num_threads=1)
+    assert samples and max(s.shape.kv_tokens_read // s.shape.num_seqs for s in samples) <= 200
+    assert {s.shape.num_tokens for s in samples} >= {32, 512}  # the 1 x 32 and 4 x 128 prompts ran

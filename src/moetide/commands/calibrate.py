@@ -279,8 +279,9 @@ def _engine_steps(args: argparse.Namespace, cal: Calibration) -> tuple[dict[str,
     if args.model_dir is None:
         return None
     folder = args.model_dir
-    samples = measure_engine_steps(str(folder), quick=args.quick, num_threads=args.threads, clock=args.clock)
-    device, step_fit = calibrate_device.fit(cal, folder, samples, (args.name or _default_name()) + "-cpu")
+    samples, requests = measure_engine_steps(str(folder), quick=args.quick, num_threads=args.threads,
+                                             clock=args.clock)
+    device, step_fit = calibrate_device.fit(cal, folder, samples, requests, (args.name or _default_name()) + "-cpu")
     text = calibrate_device.steps_table(device, step_fit, folder, samples)
     if args.device_out is not None:
         calibrate_device.write_device_file(Path(args.device_out), calibrate_device.device_file_text(

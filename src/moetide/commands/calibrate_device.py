@@ -9,6 +9,7 @@ and the fit's record in ``[measured]``, so ``moetide replay --gpu FILE --model D
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -17,7 +18,8 @@ from moetide.commands.options import checkpoint_dir, write_text_file
 from moetide.errors import UserError, read_json
 from moetide.perf.calibrate import Calibration
 from moetide.perf.step import StepTimeModel
-from moetide.perf.step_calibrate import StepFit, StepSample, fit_step_efficiency, step_efficiency_for_gpu
+from moetide.perf.step_calibrate import (StepFit, StepSample, fit_request_overhead, fit_step_efficiency,
+                                         step_efficiency_for_gpu)
 from moetide.report.tables import format_table
 from moetide.report.toml import toml_line
 from moetide.specs import HardwareSpec, get_gpu, get_model
@@ -48,9 +50,12 @@ def cpu_device(cal: Calibration, name: str) -> HardwareSpec:
                                f"{cal.cpu_model}")
 
 
-def fit(cal: Calibration, folder: Path, samples: list[StepSample], name: str) -> tuple[HardwareSpec, StepFit]:
+def fit(cal: Calibration, folder: Path, samples: list[StepSample], requests: list[tuple[int, float]],
+        name: str) -> tuple[HardwareSpec, StepFit]:
     device = cpu_device(cal, name)
-    return device, fit_step_efficiency(samples, get_model(str(folder / "config.json")), device, CPU_DTYPE_BYTES)
+    step_fit = fit_step_efficiency(samples, get_model(str(folder / "config.json")), device, CPU_DTYPE_BYTES)
+    fixed, per_token = fit_request_overhead(requests)
+    return device, dataclasses.replace(step_fit, request_overhead_s=fixed, request_overhead_s_per_token=per_token)
 
 
 def device_file_text(device: HardwareSpec, step_fit: StepFit, folder: Path, samples: list[StepSample]) -> str:
@@ -104,4 +109,6 @@ def steps_table(device: HardwareSpec, step_fit: StepFit, folder: Path, samples: 
             f"{table}\nfitted: matmul {step_fit.matmul:.3f}, attention {step_fit.attention:.3f} (of the GEMM "
             f"rate), hbm {step_fit.hbm:.3f}, attention_memory {step_fit.attention_memory:.3f} (of the triad), "
             f"step overhead {step_fit.step_overhead_s * 1e3:.3f} ms + {step_fit.seq_overhead_s * 1e3:.3f} ms per "
-            f"sequence; error median {step_fit.median_abs_rel_error:.1%}, max {step_fit.max_abs_rel_error:.1%}")
+            f"sequence; error median {step_fit.median_abs_rel_error:.1%}, max {step_fit.max_abs_rel_error:.1%}; "
+            f"per request (add_request) {step_fit.request_overhead_s * 1e3:.3f} ms + "
+            f"{step_fit.request_overhead_s_per_token * 1e6:.3f} us per prompt token")

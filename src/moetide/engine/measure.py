@@ -240,21 +240,22 @@ def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall
 
 
 # (batch, prompt tokens, output tokens) of the engine runs ``measure_engine_steps`` times: decode at batch 1-32
-# at contexts of 32 to ~1K tokens, prefill chunks of 32-4096 tokens. Not a trace: the replay is judged on traces.
+# at contexts of 32 to ~2K tokens, prefill chunks of 32-6144 tokens. Not a trace: the replay is judged on traces.
 ENGINE_STEP_RUNS = {
     True: ((1, 32, 8), (1, 512, 4), (4, 128, 8), (16, 32, 8), (8, 512, 8)),
     False: ((1, 32, 16), (1, 128, 8), (1, 512, 8), (1, 1024, 8), (2, 32, 16), (4, 32, 16), (4, 256, 16),
             (4, 512, 8), (4, 1024, 8), (8, 32, 16), (8, 128, 16), (8, 256, 8), (8, 512, 16), (16, 32, 16),
-            (16, 256, 16), (32, 32, 16), (32, 128, 8)),
+            (16, 256, 16), (32, 32, 16), (32, 128, 8), (1, 2048, 16), (4, 1536, 8)),
 }
 ENGINE_STEP_REPEATS = {True: 1, False: 2}  # each run again after the whole list: a prefill is one step per run
 
 
 def measure_engine_steps(model_dir: str, *, quick: bool, num_threads: int | None = None,
-                         clock: str = "wall", seed: int = 0) -> list[StepSample]:
+                         clock: str = "wall", seed: int = 0) -> tuple[list[StepSample], list[tuple[int, float]]]:
     """Every step of the ``ENGINE_STEP_RUNS`` batches (``ENGINE_STEP_REPEATS`` times over), each a whole
     ``Engine.step`` call (scheduling, forward, sampling, bookkeeping) timed on ``clock``, with the shape the
-    step-time model takes; after one untimed warm-up run. Prefix caching is off, so every prompt token is
+    step-time model takes; and every ``Engine.add_request`` call (the request's block hashes are made there) as
+    (prompt tokens, seconds); after one untimed warm-up run. Prefix caching is off, so every prompt token is
     computed."""
     import torch
 
@@ -273,12 +274,17 @@ def measure_engine_steps(model_dir: str, *, quick: bool, num_threads: int | None
         longest = (hf_config.get("max_position_embeddings") if isinstance(hf_config, dict) else None) or 1 << 30
         rng = random.Random(seed)
         samples: list[StepSample] = []
+        requests: list[tuple[int, float]] = []
         runs = [run for run in ((2, 64, 4), *ENGINE_STEP_RUNS[quick] * ENGINE_STEP_REPEATS[quick])
                 if run[1] + run[2] <= longest]  # a model with a short context skips the longest prompts
         for i, (batch, prompt, output) in enumerate(runs):
             params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
             for _ in range(batch):
-                engine.add_request([rng.randrange(3, vocab) for _ in range(prompt)], params)
+                tokens = [rng.randrange(3, vocab) for _ in range(prompt)]
+                start = now()
+                engine.add_request(tokens, params)
+                if i:
+                    requests.append((prompt, now() - start))
             while engine.has_unfinished_requests():
                 start = now()
                 engine.step()
@@ -287,4 +293,4 @@ def measure_engine_steps(model_dir: str, *, quick: bool, num_threads: int | None
                     samples.append(StepSample(StepShape(*engine.last_step_shape), seconds))
     finally:
         torch.set_num_threads(previous)
-    return samples
+    return samples, requests

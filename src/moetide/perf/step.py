@@ -91,6 +91,10 @@ class Efficiency:
                  as ``moetide calibrate --model`` fits it for the PyTorch engine on a CPU)
     attention_memory: the attention kernel's KV reads vs HBM bandwidth; None: ``hbm`` (the GPU presets). A paged
                  decode kernel on a CPU reaches a fraction of what streaming weights does (``moetide calibrate``)
+    request_overhead_s, request_overhead_s_per_token: what each arriving request costs the device besides its
+                 steps, fixed and per prompt token (0 for the GPU presets, whose server runs on other cores; a
+                 server sharing its one core with the engine receives and checks each prompt on it). The replay
+                 charges them at the request's send (``sim.replay``), not in ``step_time_s``
     """
 
     matmul: float = 0.7
@@ -101,6 +105,8 @@ class Efficiency:
     step_overhead_s: float = 1e-3
     seq_overhead_s: float = 0.0
     attention_memory: float | None = None
+    request_overhead_s: float = 0.0
+    request_overhead_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("matmul", "hbm", "attention", "allreduce", "attention_memory"):
@@ -109,7 +115,8 @@ class Efficiency:
                 continue
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise ValueError(f"Efficiency.{name} is a fraction of peak and must be in (0, 1], got {value!r}")
-        for name in ("allreduce_latency_s", "step_overhead_s", "seq_overhead_s"):
+        for name in ("allreduce_latency_s", "step_overhead_s", "seq_overhead_s", "request_overhead_s",
+                     "request_overhead_s_per_token"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"Efficiency.{name} must be a finite number of seconds >= 0, got {value!r}")
@@ -221,6 +228,11 @@ class StepTimeModel:
             self.gpu.gpu_link_bandwidth_bytes_per_s * e.allreduce)
         self._fixed_s = e.step_overhead_s + (2 * m.num_layers * e.allreduce_latency_s if tp > 1 else 0.0)
         self._seq_s = e.seq_overhead_s
+
+    def request_overhead_s(self, num_prompt_tokens: int) -> float:
+        """Device seconds one arriving request costs besides its steps (``Efficiency``)."""
+        e = self.efficiency
+        return e.request_overhead_s + num_prompt_tokens * e.request_overhead_s_per_token
 
     def _pair_flops_per_head(self) -> int:
         mla = self.model.mla

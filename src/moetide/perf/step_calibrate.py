@@ -20,6 +20,10 @@ power of two of its KV read), so a 2 ms decode step weighs as much as a 100 ms p
 one batch as much as its one prefill. The fit's error on its own samples is reported; the check that counts is
 the replay against a measured serve run (docs/serve.md).
 
+A request also costs the engine something no step carries: ``add_request`` makes its block hashes, so
+``fit_request_overhead`` fits a fixed and a per-prompt-token time to the timed calls (``request_overhead_s``,
+``request_overhead_s_per_token``, charged by the replay at each send).
+
 Stdlib only: the measuring is ``engine.measure.measure_engine_steps``.
 """
 
@@ -61,13 +65,16 @@ class StepFit:
     seq_overhead_s: float
     median_abs_rel_error: float
     max_abs_rel_error: float
+    request_overhead_s: float = 0.0  # the engine's own cost of taking a request (``fit_request_overhead``)
+    request_overhead_s_per_token: float = 0.0
 
     def efficiency(self) -> Efficiency:
         return Efficiency(**self.table())
 
     def table(self) -> dict[str, float]:
         """The device file's ``[efficiency]`` table."""
-        return {name: getattr(self, name) for name in (*FACTORS, "step_overhead_s", "seq_overhead_s")}
+        return {name: getattr(self, name) for name in (*FACTORS, "step_overhead_s", "seq_overhead_s",
+                                                       "request_overhead_s", "request_overhead_s_per_token")}
 
 
 def _roofline_s(samples: Sequence[StepSample], model: ModelSpec, device: HardwareSpec, dtype_bytes: int,
@@ -138,6 +145,23 @@ def fit_step_efficiency(samples: Sequence[StepSample], model: ModelSpec, device:
     roof = _roofline_s(samples, model, device, dtype_bytes, point)
     errors = [abs((r + fixed + per_seq * s.shape.num_seqs) / s.seconds - 1) for s, r in zip(samples, roof)]
     return StepFit(*point, fixed, per_seq, statistics.median(errors), max(errors))
+
+
+def fit_request_overhead(requests: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed, per prompt token) seconds, both >= 0, by least squares over (prompt tokens, seconds) of timed
+    ``Engine.add_request`` calls: the request's block hashes are made there, a cost no step carries."""
+    if not requests:
+        return 0.0, 0.0
+    n = len(requests)
+    mean_x = sum(x for x, _ in requests) / n
+    mean_y = sum(y for _, y in requests) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in requests)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in requests) / sxx if sxx else 0.0
+    slope = max(slope, 0.0)
+    fixed = mean_y - slope * mean_x
+    if fixed < 0:  # through the origin
+        fixed, slope = 0.0, max(sum(x * y for x, y in requests) / max(sum(x * x for x, _ in requests), 1), 0.0)
+    return fixed, slope
 
 
 def step_efficiency_for_gpu(name_or_path: str) -> Efficiency:

@@ -55,6 +55,7 @@ class Replay:
         fast_forward: bool = True,
         offloaded_ratio: Callable[[], float] = lambda: 0.0,
         host_kv: HostKV | None = None,
+        request_overhead_s: Callable[[int], float] | None = None,
     ) -> None:
         self.workload = workload
         self.scheduler = scheduler
@@ -64,6 +65,9 @@ class Replay:
         self.fast_forward = fast_forward  # runs of identical decode steps without per-step scheduling (exact)
         self.offloaded_ratio = offloaded_ratio
         self.host_kv = host_kv  # a host KV tier: each step's split is charged (sim.host_kv)
+        # device seconds an arriving request costs besides its steps (a server on the engine's core), by prompt
+        # tokens; charged at its send, so the step in flight, or the first one after an idle wait, runs that much later
+        self.request_overhead_s = request_overhead_s
         self.metrics = MetricsCollector()
         self.now_s = 0.0
         self._events: list[tuple[float, int, int, _Context]] = []
@@ -226,6 +230,8 @@ class Replay:
             arrival_s=send_s, salt=self._salt,
         )
         self.metrics.arrived(send_s)
+        if self.request_overhead_s is not None:
+            self.now_s += self.request_overhead_s(turn.prompt_tokens)
         self.scheduler.add_request(request, self.now_s)
 
     def _turn_done(self, request: Request) -> None:

@@ -162,9 +162,7 @@ class Engine:
         self.num_prefix_query_tokens = 0  # lifetime: tokens looked up in the prefix cache at (re)admission
         self.num_prefix_hit_tokens = 0  # lifetime: of those, found cached
         self._step_stats = self.parts.step_stats
-        # the last step that ran, as the step-time model takes it: (tokens, seqs, decode seqs, KV tokens read,
-        # attention pairs); ``engine.measure.measure_engine_steps`` times steps against it
-        self.last_step_shape: tuple[int, int, int, int, int] | None = None
+        self._last_step: SchedulerOutput | None = None  # the last step that ran (``last_step_shape``)
         if clock is None and self._step_stats is not None:
             clock = self._step_stats.busy_s
         t0 = time.perf_counter()
@@ -243,11 +241,7 @@ class Engine:
             if not (out.failed or out.preempted) and sched.has_work:
                 raise RuntimeError("the scheduler planned an empty step with work pending and nothing failed")
             return outputs
-        num_decode = kv_read = pairs = 0
-        for (request, n), computed in zip(out.scheduled, out.num_computed_before):
-            num_decode += n == 1
-            kv_read += computed + n
-            pairs += n * computed + n * (n + 1) // 2
+        for (request, _), computed in zip(out.scheduled, out.num_computed_before):
             if id(request) not in running_before:
                 stats.prefix_hit_tokens += computed
                 self.num_prefix_query_tokens += request.num_tokens
@@ -261,7 +255,7 @@ class Engine:
         self.parts.experts.end_step()
         self.residency.end_step()
         self._time_step(out, time.perf_counter() - t0, stats)
-        self.last_step_shape = (out.total_num_scheduled_tokens, len(out.scheduled), num_decode, kv_read, pairs)
+        self._last_step = out
         if self._step_stats is not None:
             self._step_stats.record(out.total_num_scheduled_tokens)
         done = {id(r) for r in finished}
@@ -272,6 +266,21 @@ class Engine:
                 self._forget(request.request_id)
             outputs.append(StepOutput(request.request_id, [request.token_ids[-1]], reason))
         return outputs
+
+    @property
+    def last_step_shape(self) -> tuple[int, int, int, int, int] | None:
+        """The last step that ran as the step-time model takes it: (tokens, seqs, decode seqs, KV tokens read,
+        attention pairs); ``engine.measure.measure_engine_steps`` times steps against it. Worked out when asked,
+        not in every step."""
+        out = self._last_step
+        if out is None:
+            return None
+        num_decode = kv_read = pairs = 0
+        for (_, n), computed in zip(out.scheduled, out.num_computed_before):
+            num_decode += n == 1
+            kv_read += computed + n
+            pairs += n * computed + n * (n + 1) // 2
+        return out.total_num_scheduled_tokens, len(out.scheduled), num_decode, kv_read, pairs
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -85,7 +85,7 @@ def probe(url: str, target: Target, requests: int, prompt: int, output: int) -> 
     turns = tuple(BenchTurn(f"probe-{prompt}-{output}-{i}", [3 + (7 * i + j) % 250 for j in range(prompt)], output,
                             0.0, 0.0) for i in range(requests))
     before = counters(url)
-    results, _ = replay([BenchSession("probe", 0.0, turns)], "open", target, 1.0)
+    results, _ = replay([BenchSession("probe", 0.0, turns)], "open", target)
     if not all(r.success for r in results):
         raise SystemExit("the probe load failed")
     return delta(before, counters(url))

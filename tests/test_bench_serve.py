@@ -186,7 +186,7 @@ def test_whatever_a_server_streams_every_request_gets_a_result(stream):
     try:
         turns = tuple(BenchTurn(str(i), [5, 6, 7], 4, 0.0, 0.0) for i in range(3))
         results, _ = replay([BenchSession("s", 0.0, turns)], "closed", Target(f"http://127.0.0.1:{httpd.server_port}",
-                                                                            "m"), 1.0)
+                                                                            "m"))
     finally:
         httpd.shutdown()
     assert [r.request_id for r in results] == ["0", "1", "2"]

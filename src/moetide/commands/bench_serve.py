@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench-serve: {workload.num_requests} requests ({workload.mode} loop, {workload.num_sessions} "
               f"sessions) from {workload.name} to {args.url} as {model!r}, time x{args.time_scale:g}")
         bar = ProgressBar("bench-serve")
-        results, duration = replay(sessions, workload.mode, target, 1.0, bar)  # times are scaled in the workload
+        results, duration = replay(sessions, workload.mode, target, bar)  # times are scaled in the workload
         bar.close()
         metrics = calculate_metrics(results, duration)
         print_summary(metrics)

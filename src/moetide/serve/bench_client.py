@@ -6,9 +6,9 @@ adds an inter-token latency; the latency is the time of the last such chunk; ``u
 for with ``stream_options.include_usage``) is the output length. A request with no choice chunk, or any HTTP or
 connection error, is a failure with its reason.
 
-Open loop: each turn is sent at its arrival time × ``time_scale``, whatever is in flight. Closed loop (agent
-sessions): a session sends its first turn at its start × ``time_scale`` and each next one ``think_time_s`` ×
-``time_scale`` after the previous completes — the trace's think times, so a slow server sees fewer requests, as a
+Open loop: each turn is sent at its arrival time, whatever is in flight. Closed loop (agent sessions): a session
+sends its first turn at its start and each next one ``think_time_s`` after the previous completes — the trace's
+think times (times come scaled already: ``workloads.scale``), so a slow server sees fewer requests, as a
 real agent would give it. One thread per request in flight (open loop) or per session (closed loop): the standard
 library's ``http.client``, no event loop, so bench-serve needs nothing beyond moetide's core install.
 """
@@ -123,7 +123,7 @@ def send(target: Target, turn: BenchTurn) -> RequestResult:
     return result
 
 
-def replay(sessions: list[BenchSession], mode: str, target: Target, time_scale: float,
+def replay(sessions: list[BenchSession], mode: str, target: Target,
            progress: Callable[[int, int], None] | None = None) -> tuple[list[RequestResult], float]:
     """Send everything; returns the results (in trace order) and the benchmark's duration in seconds."""
     turns = [turn for session in sessions for turn in session.turns]
@@ -138,7 +138,7 @@ def replay(sessions: list[BenchSession], mode: str, target: Target, time_scale: 
                 progress(len(results), len(turns))
 
     def sleep_until(offset_s: float) -> None:
-        delay = start + offset_s * time_scale - time.perf_counter()
+        delay = start + offset_s - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
 
@@ -146,7 +146,7 @@ def replay(sessions: list[BenchSession], mode: str, target: Target, time_scale: 
         sleep_until(session.start_s)
         for i, turn in enumerate(session.turns):
             if i and turn.think_time_s > 0:
-                time.sleep(turn.think_time_s * time_scale)
+                time.sleep(turn.think_time_s)
             record(send(target, turn))
 
     threads = []

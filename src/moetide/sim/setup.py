@@ -242,11 +242,9 @@ def build_replay(
     policy = _policy(config, lambda: vamp_coefficients or vamp_params(config, step_model, step_time))
     start_offload(policy, line)
     scheduler = Scheduler(scheduler_config, kv, policy, expert_line=line)
-    e = step_model.efficiency
     replay = Replay(workload, scheduler, step_time, progress=progress,
                     offloaded_ratio=lambda: line.residency.offloaded_ratio, host_kv=host_kv,
-                    request_overhead_s=step_model.request_overhead_s
-                    if e.request_overhead_s or e.request_overhead_s_per_token else None)
+                    request_overhead_s=step_model.request_overhead_s)
     return BuiltReplay(replay, budget, config, line, step_time, host_kv)
 
 

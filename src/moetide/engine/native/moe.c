@@ -4,7 +4,7 @@
    Why grouped: a decode step of T tokens routes T·K (token, expert) pairs to E experts; computed pair by pair,
    an expert chosen by n tokens has its weights read n times from memory, and at real expert sizes (megabytes
    per layer) that traffic is the step. Here each expert's rows are read once per step and applied to all of its
-   tokens while they sit in L1 (a 4-row × 3-token register block).
+   tokens while they sit in L1 or L2 (AVX-512: a 4-row × 6-token register block; AVX2: one row × 3 tokens).
 
    Batch-invariant and order-fixed: every dot product sums in the same lanes and the same reduction whatever the
    number of tokens sharing the expert, and a token adds its experts' outputs in ascending expert id (the order
@@ -14,7 +14,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define MOE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MOE_AVX2 1
 #endif
@@ -104,10 +107,90 @@ static inline float wval(const void *w, int64_t i, int bf16) {
     }
 #endif
 
+#ifdef MOE_AVX512
+/* AVX-512 (32 registers): NR rows x NT tokens at a time, one 16-lane accumulator per (row, token) dot product,
+   so each 16-element chunk of a weight row is loaded once for NT tokens and each chunk of a token once for NR
+   rows (10 loads for 24 FMAs at 4 x 6, where one row at a time needs more loads than FMAs). Every dot product
+   sums alike whatever the block (the file comment): its chunks in order into one accumulator, reduced by
+   _mm512_reduce_add_ps, then the last n % 16 elements one by one. Four rows read from memory side by side come
+   at about half the rate of one stream (the hardware prefetcher), so a block of rows is read one row at a time
+   for its first MOE_TOKENS tokens and four at a time, from L1/L2, for the rest: from memory the 4 x 6 block is
+   no faster below ~12 tokens per expert (measured on Zen 4), from cache 1.4-2x. */
+#define MOE_TOKENS 6
+static inline __attribute__((always_inline)) __m512 load16(const char *w, int64_t i, int bf16) {
+    if (bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)w + i);
+}
+
+static inline __attribute__((always_inline)) void dot_block(const char *W, int64_t ldb, int bf16,
+                                                            const float *const *xs, int64_t t, int64_t r,
+                                                            int64_t n, float *Y, int64_t ldy, const int NR,
+                                                            const int NT) {
+    const int64_t n16 = n - n % 16;
+    __m512 acc[4][MOE_TOKENS];
+#pragma GCC unroll 4
+    for (int a = 0; a < NR; a++)
+#pragma GCC unroll 6
+        for (int b = 0; b < NT; b++) acc[a][b] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n16; i += 16) {
+        __m512 xv[MOE_TOKENS];
+#pragma GCC unroll 6
+        for (int b = 0; b < NT; b++) xv[b] = _mm512_loadu_ps(xs[t + b] + i);
+#pragma GCC unroll 4
+        for (int a = 0; a < NR; a++) {
+            const __m512 w = load16(W + (r + a) * ldb, i, bf16);
+#pragma GCC unroll 6
+            for (int b = 0; b < NT; b++) acc[a][b] = _mm512_fmadd_ps(w, xv[b], acc[a][b]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int a = 0; a < NR; a++) {
+        const char *wr = W + (r + a) * ldb;
+#pragma GCC unroll 6
+        for (int b = 0; b < NT; b++) {
+            float s = _mm512_reduce_add_ps(acc[a][b]);
+            for (int64_t k = n16; k < n; k++) s += wval(wr, k, bf16) * xs[t + b][k];
+            Y[(t + b) * ldy + r + a] = s;
+        }
+    }
+}
+
+#define DOT_BLOCKS(NR)                                                                                        \
+    switch (nt) {                                                                                             \
+    case 6: dot_block(Wc, ldb, bf16, xs, t, r, n, Y, ldy, NR, 6); break;                                      \
+    case 5: dot_block(Wc, ldb, bf16, xs, t, r, n, Y, ldy, NR, 5); break;                                      \
+    case 4: dot_block(Wc, ldb, bf16, xs, t, r, n, Y, ldy, NR, 4); break;                                      \
+    case 3: dot_block(Wc, ldb, bf16, xs, t, r, n, Y, ldy, NR, 3); break;                                      \
+    case 2: dot_block(Wc, ldb, bf16, xs, t, r, n, Y, ldy, NR, 2); break;                                      \
+    default: dot_block(Wc, ldb, bf16, xs, t, r, n, Y, ldy, NR, 1); break;                                     \
+    }
+#endif
+
 static void gemm_rows(const void *W, int64_t ldw, int bf16, const float *const *xs, int64_t m, int64_t n,
                       int64_t rows, float *Y, int64_t ldy) {
     const int64_t esz = bf16 ? 2 : 4;
-#ifdef MOE_AVX2
+#if defined(MOE_AVX512)
+    /* blocks of rows (~16 KiB, a multiple of 4) x blocks of MOE_TOKENS tokens */
+    const int64_t ldb = ldw * esz;
+    const char *Wc = (const char *)W;
+    const int64_t fit = 16384 / (n * esz), row_block = fit >= 4 ? fit & ~(int64_t)3 : 4;
+    for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
+        const int64_t r1 = r0 + row_block < rows ? r0 + row_block : rows;
+        for (int64_t t = 0; t < m; t += MOE_TOKENS) {
+            const int64_t nt = m - t < MOE_TOKENS ? m - t : MOE_TOKENS;
+            int64_t r = r0;
+            if (t > 0) { /* the block's rows are in L1/L2 now: four at a time */
+                for (; r + 4 <= r1; r += 4) DOT_BLOCKS(4)
+            }
+            for (; r < r1; r++) {
+                DOT_BLOCKS(1)
+            }
+        }
+    }
+#elif defined(MOE_AVX2)
     const int64_t n8 = n - n % 8;
     /* blocks of rows (~16 KiB, streamed from memory once, then read from L2) x blocks of 12 tokens (L1) */
     const int64_t row_block = 16384 / (n * esz) > 1 ? 16384 / (n * esz) : 1;

@@ -1,6 +1,6 @@
 """The grouped native MoE kernel (``engine/native/moe.c``): against the torch paths it replaces, in fp32 and bf16,
-with many tokens per expert (its 3-token register blocks and their remainders), and independent of the step's
-other tokens; and the MoE block choosing it where it should.
+with many tokens per expert (its register blocks and their remainders), and independent of the step's other
+tokens; the MoE block and the projections choosing the native kernels where they should.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from moetide.engine import native  # noqa: E402
-from moetide.engine.models import moe  # noqa: E402
+from moetide.engine.models import moe, ops  # noqa: E402
 from test_engine_step_paths import strided_experts  # noqa: E402
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
@@ -161,3 +161,24 @@ def test_native_decode_attention_reads_a_bf16_cache_as_sdpa_does():
     torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=2 ** -7)
     with pytest.raises(ValueError, match="fp32 CPU tensors"):  # a bf16 cache with an fp32 query is refused
         native.paged_decode_attention(q.float(), k_rows, v_rows, key_rows, lengths, 0.125)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_projections_take_the_native_linear_up_to_the_cap_of_the_kernel_built(dtype, monkeypatch):
+    """``models.ops.linear`` hands the native kernel at most its cap of rows for the vector width built (where it
+    beats torch's GEMM) and torch the rest; the answer is the same either way, to a sum's rounding."""
+    lanes = native.linear_lanes()
+    assert lanes in (16, 8, 1)
+    cap = ops.NATIVE_LINEAR_MAX_TOKENS.get(lanes, {}).get(dtype, 0)
+    taken = []
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda x, w: taken.append(x.shape[0]) or real(x, w))
+    weight = torch.randn(48, 40).to(dtype)
+    with torch.inference_mode():
+        for rows in sorted({1, max(cap, 1), cap + 1}):
+            x = torch.randn(rows, 40).to(dtype)
+            tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
+            torch.testing.assert_close(ops.linear(x, weight).float(), torch.nn.functional.linear(x, weight).float(),
+                                       rtol=tolerance, atol=tolerance * 40)
+    assert taken == [r for r in sorted({1, max(cap, 1), cap + 1}) if r <= cap]

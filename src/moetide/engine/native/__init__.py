@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c"))
-_ABI_VERSION = 10
+_ABI_VERSION = 11
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
@@ -113,6 +113,9 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_moe_grouped_bf16.restype = ctypes.c_int
         lib.moetide_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, p]
         lib.moetide_linear.restype = None
+        lib.moetide_linear_lanes.argtypes = []
+        lib.moetide_linear_lanes.restype = ctypes.c_int
+        lib.linear_lanes = lib.moetide_linear_lanes()  # read on every projection: asked once
         lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, p, p, i64, i64, i64, i64, p, p]
         lib.moetide_gdn_decode.restype = None
         lib.moetide_paged_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
@@ -197,6 +200,13 @@ def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor,
     if status:  # the kernel checks the indices before it touches memory
         raise ValueError(f"expert_ids must lie in [0, {E})")
     return out
+
+
+def linear_lanes() -> int:
+    """The vector width (fp32 lanes) the native linear and experts were built with: 16 (AVX-512), 8 (AVX2), 1
+    (plain C), 0 without the library."""
+    lib = _library()
+    return 0 if lib is None else lib.linear_lanes
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:

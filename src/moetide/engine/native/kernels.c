@@ -82,7 +82,7 @@ static void axpy4(float *y, const float *a, const float *x0, const float *x1, co
     for (int64_t i = 0; i < n; i++) y[i] += ((a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]));
 }
 
-int moetide_abi_version(void) { return 10; }
+int moetide_abi_version(void) { return 11; }
 
 /* A K or V row (all heads) of the arena's views as fp32: in place for fp32, widened into buf ([Hkv, D] packed)
    for bf16. */

@@ -222,6 +222,18 @@ static void gemm_rows(const void *W, int64_t ldw, int bf16, const float *const *
 
 int moetide_moe_abi_version(void) { return 1; }
 
+/* The lanes of the vector path gemm_rows was built with (16: AVX-512, 8: AVX2, 1: plain C): where the native
+   linear beats torch's GEMM depends on it (engine/models/ops.py). */
+int moetide_linear_lanes(void) {
+#if defined(MOE_AVX512)
+    return 16;
+#elif defined(MOE_AVX2)
+    return 8;
+#else
+    return 1;
+#endif
+}
+
 /* Group the T·K pairs by expert, ascending, (token, rank) order within an expert: pair_of[order[e]..order[e+1])
    lists expert e's pairs p = t*K + k. order holds E+1 entries. Returns 1 if an id is outside [0, E). */
 static int group_pairs(const int64_t *ids, int64_t P, int64_t E, int64_t *order, int64_t *pair_of) {

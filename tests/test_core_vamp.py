@@ -235,6 +235,30 @@ def test_without_give_back_the_line_only_grows():
     assert not pool.is_draining(1001) and pool.allocate(1) == [1001]
 
 
+def test_once_pressure_has_receded_for_good_the_line_comes_back_a_window_at_a_time():
+    """No shortfall, so no review: once the pool has had room to spare for ``calm_reviews`` horizons (30 s here,
+    checked every 5 s), the allowance falls by a window (one expert) and its region goes back; the next window
+    needs as long again of the smaller pool, from the check after; a check that finds no room restarts the
+    clock."""
+    pool = BlockPool(range(8))
+    line = make_line(pool)
+    policy = get_policy("vamp", params=params(1e-3, calm_reviews=3.0))
+    policy._allowed = 2  # what reviews grew it to
+    line.offload([(0, 0)])
+    line.offload([(1, 0)])
+    given_back = {}
+    for t in range(0, 100, 5):
+        held = pool.allocate(pool.num_free_blocks) if t == 10 else None  # no room at the check at 10 s
+        if policy.maybe_reclaim(line, pool, float(t)):
+            given_back[t] = line.residency.num_offloaded
+        if held:
+            pool.free(held)
+        line.check_invariants()
+        pool.check_invariants()
+    assert given_back == {45: 1, 80: 0}  # room since 15 s; the smaller pool's own from the next check, 50 s
+    assert policy.num_given_back == 2 and pool.num_blocks == 8
+
+
 def test_reclaim_waits_until_the_regions_blocks_are_free():
     pool = BlockPool([])
     line = make_line(pool)

@@ -54,16 +54,18 @@ is running and only moving the line (up to the cap) can admit it. Before the fir
 
 The line follows the allowance back too (``give_back``): once fewer experts are allowed than are offloaded, the
 last region drains — its free blocks leave the pool at once (the prefixes cached there go to the ghost list like
-any eviction), each block in use leaves when its request lets it go, none is allocated again — and its experts
-get their pages back when it is empty (``BlockPool.drain``); the line growing first cancels the drain. A region
-that only waited for a moment when all its blocks happened to be free would never go back from a busy pool, and a
-line that cannot come back turns a growth the measurements later reject into a lasting slowdown (a stable load
-tipped into collapse; docs/vamp.md). Giving a window back on the LRU tail's measured worth alone needs its staging
-to cost at least ``give_back_min_share`` of the accelerator's time: tail hits undervalue capacity near the cache's
+any eviction), each block in use leaves when its request lets it go, none is allocated again — and its experts get
+their pages back when it is empty (``BlockPool.drain``); the line growing first cancels the drain. A region that
+only waited for a moment when all its blocks happened to be free would never go back from a busy pool, and a line
+that cannot come back turns a growth the measurements later reject into a lasting slowdown (a stable load tipped
+into collapse; docs/vamp.md). Giving a window back on the LRU tail's measured worth alone needs its staging to
+cost at least ``give_back_min_share`` of the accelerator's time: tail hits undervalue capacity near the cache's
 cliff (the head of the LRU queue holds prefixes that never come back, yet shrinking the pool can tip the queue
-over), so a cheap window is kept. An offload made because nothing else could admit a request raises the
-allowance with it. ``give_back=False`` is the paper's controller: the line only grows (``vamp-reclaim``'s
-too).
+over), so a cheap window is kept. Reviews run only at shortfalls, so once pressure has receded for good none
+comes: a pool that has had room to spare (``vamp-reclaim``'s watermark) for ``calm_reviews`` horizons gives a
+window back, and the smaller pool must show as long a calm of its own before the next. An offload made because
+nothing else could admit a request raises the allowance with it. ``give_back=False`` is the paper's controller:
+the line only grows (``vamp-reclaim``'s too).
 
 ``vamp-reclaim`` also reviews its line every ``reclaim_check_s`` and lowers the allowance by the last region once
 the pool has had room to spare for ``reclaim_hold_s`` — uncached free blocks beyond the region's own of at least
@@ -363,7 +365,13 @@ class VampPolicy(PressurePolicy):
             self._next_reclaim_check_s = now_s + p.reclaim_check_s
             self._observe(now_s)
             self._review(line, now_s)
-            self._check_room(line, pool, now_s)
+            last = line.last_region()
+            self._check_room(line, pool, now_s, p.reclaim_hold_s, len(last[0]) if last is not None else 0)
+        elif p.give_back and self._allowed and now_s >= self._next_reclaim_check_s:
+            # pressure that has receded for good: reviews run only at a shortfall, and none comes
+            self._next_reclaim_check_s = now_s + p.reclaim_check_s
+            self._size_ghost_list(line)
+            self._check_room(line, pool, now_s, p.calm_reviews * p.horizon_s, self._experts_for(line, self._window()))
         return p.give_back and self._give_back(line, pool)
 
     def _give_back(self, line, pool) -> bool:
@@ -406,10 +414,12 @@ class VampPolicy(PressurePolicy):
             lost += [block_id, *more]
         return lost
 
-    def _check_room(self, line, pool, now_s: float) -> None:
-        """vamp-reclaim: once the pool has had room to spare for ``reclaim_hold_s`` — uncached free blocks beyond
-        the last region's own of at least ``reclaim_watermark`` of the pool (sampled at the checks; restarted after
-        each move) — the allowance falls to give the last region back."""
+    def _check_room(self, line, pool, now_s: float, hold_s: float, experts: int) -> None:
+        """Once the pool has had room to spare for ``hold_s`` — uncached free blocks beyond the last region's own
+        of at least ``reclaim_watermark`` of the pool (sampled at the checks; restarted after each move) — the
+        allowance falls by ``experts`` below what is offloaded: ``vamp-reclaim`` gives the last region back after
+        ``reclaim_hold_s``, ``vamp`` a window after ``calm_reviews`` horizons (long enough that a lull within a
+        burst of pressure keeps the line)."""
         p = self.params
         last = line.last_region()
         if last is None or self._draining is not None:
@@ -422,6 +432,6 @@ class VampPolicy(PressurePolicy):
             return
         if self._roomy_since is None:
             self._roomy_since = now_s
-        if now_s - self._roomy_since >= p.reclaim_hold_s:
-            self._allowed = min(self._allowed, line.residency.num_offloaded - len(last[0]))
+        if now_s - self._roomy_since >= hold_s:
+            self._allowed = min(self._allowed, max(line.residency.num_offloaded - experts, 0))
             self._roomy_since = None  # the smaller pool must show room of its own before the next region goes

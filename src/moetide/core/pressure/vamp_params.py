@@ -54,6 +54,11 @@ class VampParams:
     # ... but not on the LRU tail's measured worth alone while the last window's staging costs less than this
     # share of the accelerator's time: tail hits undervalue capacity near the cache's cliff (docs/vamp.md)
     give_back_min_share: float = 0.05
+    # ... and, a window at a time, once the pool has had room to spare (vamp-reclaim's watermark) for this many
+    # horizons: reviews run only at shortfalls, so a line that pressure moved would otherwise stay out for good
+    # once it recedes. Long enough that a lull within a burst keeps the line (4 horizons gave lines back between
+    # the bursts of the oracle's loads and cost up to 1.66x its TTFT p90; docs/vamp.md)
+    calm_reviews: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "horizon_s", "reclaim_check_s"):
@@ -65,6 +70,8 @@ class VampParams:
             raise ValueError("VampParams: reclaim_watermark must be in [0, 1) and reclaim_hold_s >= 0")
         if not self.margin >= 1:
             raise ValueError(f"VampParams.margin must be >= 1, got {self.margin}")
+        if not self.calm_reviews > 0:
+            raise ValueError(f"VampParams.calm_reviews must be positive, got {self.calm_reviews}")
         if not self.growth_tolerance >= 0 or self.growth_hold_reviews < 0:
             raise ValueError("VampParams: growth_tolerance and growth_hold_reviews must be >= 0")
         if not 0 <= self.give_back_min_share < 1:

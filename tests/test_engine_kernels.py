@@ -182,3 +182,21 @@ def test_projections_take_the_native_linear_up_to_the_cap_of_the_kernel_built(dt
             torch.testing.assert_close(ops.linear(x, weight).float(), torch.nn.functional.linear(x, weight).float(),
                                        rtol=tolerance, atol=tolerance * 40)
     assert taken == [r for r in sorted({1, max(cap, 1), cap + 1}) if r <= cap]
+
+
+@needs_native
+def test_copy_blocks_gathers_and_scatters_as_indexing_does_and_refuses_a_block_outside():
+    generator = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (3, 5, 24), generator=generator, dtype=torch.uint8)
+    index = (torch.tensor([[2, 0], [1, 2]]), torch.tensor([[4, 0], [3, 1]]))
+    scratch = torch.empty(2, 2 * 24, dtype=torch.uint8)
+    native.copy_blocks(scratch, blocks, index, to_blocks=False)
+    assert torch.equal(scratch, blocks[index].reshape(2, -1))
+    expected = blocks.clone()
+    scratch.add_(1)
+    expected[index] = scratch.view(2, 2, 24)
+    native.copy_blocks(scratch, blocks, index, to_blocks=True)
+    assert torch.equal(blocks, expected)
+    with pytest.raises(ValueError, match="outside the 3 x 5 blocks"):
+        native.copy_blocks(torch.empty(24, dtype=torch.uint8), blocks, (torch.tensor([3]), torch.tensor([0])),
+                           to_blocks=False)

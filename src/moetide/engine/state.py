@@ -7,8 +7,8 @@ is laid out as one byte string (``StateLayout``: per layer ``conv`` [C, kernel-1
 ``recurrent`` [Hv, Dk, Dv] in fp32, each 64-byte aligned) cut into ``kv_block_bytes`` pieces, piece i in the
 request's state block i. A request's state blocks need not be adjacent in the arena, so a layer's state cannot be
 one tensor view; instead each step *gathers* the scheduled sequences' state blocks into a contiguous scratch
-(one indexed copy), the model updates views of the scratch in place, and ``commit`` scatters the scratch back
-(one indexed copy). Two copies of the state per step — the recurrent update itself reads and writes it several
+(``native.copy_blocks``, one memcpy per block into a scratch kept across steps; without the native library an
+indexed torch copy), the model updates views of the scratch in place, and ``commit`` scatters the scratch back. Two copies of the state per step — the recurrent update itself reads and writes it several
 times — for exact memory accounting by the pool and no second allocator.
 
 Correctness across preemption: a linear state cannot be rebuilt from a cached attention prefix (it summarises
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moetide.engine import native
 from moetide.engine.host_kv import HostKVStorage
 from moetide.engine.models import LinearState, LinearStateShape, StepBatch
 from moetide.engine.storage import ArenaStorage, dtype_bytes
@@ -100,6 +101,9 @@ class BlockLinearStateStore:
         # The blocks as 8-byte words when their layout allows: gathering and scattering whole states moves words,
         # not bytes, which on the CPU is several times faster (the step's main cost at batch 32 otherwise).
         blocks = storage.block_bytes_view
+        # ... and where the native library builds, one memcpy per block (faster still, and for any alignment)
+        self._native = blocks.device.type == "cpu" and blocks.stride(-1) == 1 and native.available()
+        self._buffer = torch.empty(0, dtype=torch.uint8)  # the native path's scratch, reused step to step
         self._words = blocks.view(torch.int64) if all(n % 8 == 0 for n in (*blocks.stride()[:-1], blocks.shape[-1],
                                                                              blocks.storage_offset())) else None
 
@@ -118,7 +122,14 @@ class BlockLinearStateStore:
             shape = (len(state_tables), self.num_blocks)
             self._index = (torch.tensor(groups, device=device).view(shape),
                            torch.tensor(slots, device=device).view(shape))
-            if self._words is not None:
+            if self._native:
+                row_bytes = self.num_blocks * self.storage.arena.config.kv_block_bytes
+                need = len(state_tables) * row_bytes
+                if self._buffer.numel() < need:  # kept across steps: fresh pages each step cost a fault and a zeroing
+                    self._buffer = torch.empty(need, dtype=torch.uint8)
+                self._scratch = self._buffer[:need].view(len(state_tables), row_bytes)
+                native.copy_blocks(self._scratch, self.storage.block_bytes_view, self._index, to_blocks=False)
+            elif self._words is not None:
                 self._scratch = self._words[self._index].view(torch.uint8).reshape(len(state_tables), -1)
             else:
                 self._scratch = self.storage.block_bytes_view[self._index].reshape(len(state_tables), -1)
@@ -164,7 +175,9 @@ class BlockLinearStateStore:
         if self._scratch is None or self._index is None:
             return
         rows = self._scratch.shape[0]
-        if self._host_index is None and self._words is not None:
+        if self._host_index is None and self._native:
+            native.copy_blocks(self._scratch, self.storage.block_bytes_view, self._index, to_blocks=True)
+        elif self._host_index is None and self._words is not None:
             self._words[self._index] = self._scratch.view(torch.int64).view(rows, self.num_blocks, -1)
         elif self._host_index is None:
             self.storage.block_bytes_view[self._index] = self._scratch.view(rows, self.num_blocks, -1)

@@ -118,6 +118,8 @@ def _library() -> ctypes.CDLL | None:
         lib.linear_lanes = lib.moetide_linear_lanes()  # read on every projection: asked once
         lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, p, p, i64, i64, i64, i64, p, p]
         lib.moetide_gdn_decode.restype = None
+        lib.moetide_copy_blocks.argtypes = [p, p, i64, i64, i64]
+        lib.moetide_copy_blocks.restype = None
         lib.moetide_paged_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
                                                        ctypes.c_float, p, p, p, p, i64, p]
         lib.moetide_paged_decode_attention.restype = ctypes.c_int
@@ -227,6 +229,25 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     lib.moetide_linear(x.data_ptr(), T, K, bf16, weight.data_ptr(), N, y.data_ptr(), scratch.data_ptr(),
                        pointers.data_ptr())
     return y
+
+
+def copy_blocks(scratch: Tensor, blocks: Tensor, index: tuple[Tensor, Tensor], to_blocks: bool) -> None:
+    """Gather ``blocks[index]`` (``blocks`` [G, S, nbytes] uint8, rows contiguous; ``index`` (groups, slots) int64 of
+    one shape) into ``scratch`` (contiguous uint8, one row of nbytes per indexed block, in index order), or with
+    ``to_blocks`` scatter it back: ``moetide_copy_blocks``, one memcpy per block."""
+    lib = _library()
+    groups, slots = index
+    G, S, nbytes = blocks.shape
+    if (lib is None or blocks.dtype != torch.uint8 or scratch.dtype != torch.uint8 or blocks.stride(-1) != 1
+            or not scratch.is_contiguous() or scratch.numel() != groups.numel() * nbytes
+            or blocks.device.type != "cpu" or scratch.device.type != "cpu"):
+        raise ValueError("copy_blocks needs the native library and uint8 CPU tensors: blocks [G, S, n] with "
+                         "contiguous rows, a contiguous scratch of one row per indexed block")
+    if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= G or int(slots.min()) < 0
+                           or int(slots.max()) >= S):
+        raise ValueError(f"copy_blocks: a block index is outside the {G} x {S} blocks")
+    addrs = (groups.reshape(-1) * blocks.stride(0) + slots.reshape(-1) * blocks.stride(1)) + blocks.data_ptr()
+    lib.moetide_copy_blocks(scratch.data_ptr(), addrs.data_ptr(), groups.numel(), nbytes, int(to_blocks))
 
 
 def gdn_state_readable(state) -> bool:

@@ -166,11 +166,11 @@ def test_native_decode_attention_reads_a_bf16_cache_as_sdpa_does():
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_projections_take_the_native_linear_up_to_the_cap_of_the_kernel_built(dtype, monkeypatch):
-    """``models.ops.linear`` hands the native kernel at most its cap of rows for the vector width built (where it
+    """``models.ops.linear`` hands the native kernel at most its cap of rows for the vector path built (where it
     beats torch's GEMM) and torch the rest; the answer is the same either way, to a sum's rounding."""
-    lanes = native.linear_lanes()
-    assert lanes in (16, 8, 1)
-    cap = ops.NATIVE_LINEAR_MAX_TOKENS.get(lanes, {}).get(dtype, 0)
+    isa = native.linear_isa()
+    assert isa in ("c", "avx2", "avx512", "avx512-bf16")
+    cap = ops.NATIVE_LINEAR_MAX_TOKENS.get(isa, {}).get(dtype, 0)
     taken = []
     real = native.linear
     monkeypatch.setattr(native, "linear", lambda x, w: taken.append(x.shape[0]) or real(x, w))

@@ -30,11 +30,12 @@ import torch
 from torch import Tensor
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c"))
-_ABI_VERSION = 11
+_ABI_VERSION = 12
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
 EXPERT_DTYPES = (torch.float32, torch.bfloat16)  # what moe_experts reads
+_LINEAR_ISAS = ("c", "avx2", "avx512", "avx512-bf16")  # moetide_linear_isa()'s answers, in order
 
 
 def _cache_dirs() -> list[Path]:
@@ -113,9 +114,9 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_moe_grouped_bf16.restype = ctypes.c_int
         lib.moetide_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, p]
         lib.moetide_linear.restype = None
-        lib.moetide_linear_lanes.argtypes = []
-        lib.moetide_linear_lanes.restype = ctypes.c_int
-        lib.linear_lanes = lib.moetide_linear_lanes()  # read on every projection: asked once
+        lib.moetide_linear_isa.argtypes = []
+        lib.moetide_linear_isa.restype = ctypes.c_int
+        lib.linear_isa = _LINEAR_ISAS[lib.moetide_linear_isa()]  # read on every projection: asked once
         lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, p, p, i64, i64, i64, i64, p, p]
         lib.moetide_gdn_decode.restype = None
         lib.moetide_copy_blocks.argtypes = [p, p, i64, i64, i64]
@@ -204,11 +205,11 @@ def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor,
     return out
 
 
-def linear_lanes() -> int:
-    """The vector width (fp32 lanes) the native linear and experts were built with: 16 (AVX-512), 8 (AVX2), 1
-    (plain C), 0 without the library."""
+def linear_isa() -> str:
+    """The vector path the native linear and experts were built with: ``avx512-bf16`` (AVX-512 with AVX512-BF16 dot
+    products for bf16 weights), ``avx512``, ``avx2``, ``c`` (plain C), or "" without the library."""
     lib = _library()
-    return 0 if lib is None else lib.linear_lanes
+    return "" if lib is None else lib.linear_isa
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:

@@ -12,6 +12,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -167,6 +168,59 @@ static inline __attribute__((always_inline)) void dot_block(const char *W, int64
     case 2: dot_block(Wc, ldb, bf16, xs, t, r, n, Y, ldy, NR, 2); break;                                      \
     default: dot_block(Wc, ldb, bf16, xs, t, r, n, Y, ldy, NR, 1); break;                                     \
     }
+
+#if defined(__AVX512BF16__)
+/* bf16 weights with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs and adds each pair into one of 16 fp32 lanes
+   (odd element first, then even, each rounded to fp32), twice the multiply-adds of an fp32 FMA. The tokens are
+   bf16 values held in fp32 (x in bf16, or silu(gate) * up rounded to bf16), so converting them back is exact:
+   the products are the ones the fp32 path forms, only summed in another fixed order (and denormal inputs read as
+   zero). Every dot product still sums alike whatever the block: 32-element chunks in order, the reduction, then
+   the last n % 32 elements one by one. xb holds the tokens in bf16, n elements each, nb apart. */
+static inline __attribute__((always_inline)) void dot_block_bf16(const char *W, int64_t ldb, const uint16_t *xb,
+                                                                 int64_t nb, const float *const *xs, int64_t t,
+                                                                 int64_t r, int64_t n, float *Y, int64_t ldy,
+                                                                 const int NR, const int NT) {
+    const int64_t n32 = n - n % 32;
+    __m512 acc[4][MOE_TOKENS];
+#pragma GCC unroll 4
+    for (int a = 0; a < NR; a++)
+#pragma GCC unroll 6
+        for (int b = 0; b < NT; b++) acc[a][b] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n32; i += 32) {
+        __m512bh xv[MOE_TOKENS];
+#pragma GCC unroll 6
+        for (int b = 0; b < NT; b++) xv[b] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (t + b) * nb + i));
+#pragma GCC unroll 4
+        for (int a = 0; a < NR; a++) {
+            const uint16_t *wr = (const uint16_t *)(W + (r + a) * ldb);
+            const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(wr + i));
+#pragma GCC unroll 6
+            for (int b = 0; b < NT; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], w, xv[b]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int a = 0; a < NR; a++) {
+        const char *wr = W + (r + a) * ldb;
+#pragma GCC unroll 6
+        for (int b = 0; b < NT; b++) {
+            float s = _mm512_reduce_add_ps(acc[a][b]);
+            for (int64_t k = n32; k < n; k++) s += wval(wr, k, 1) * xs[t + b][k];
+            Y[(t + b) * ldy + r + a] = s;
+        }
+    }
+}
+
+#define DOT_BLOCKS_BF16(NR)                                                                                   \
+    switch (nt) {                                                                                             \
+    case 6: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 6); break;                               \
+    case 5: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 5); break;                               \
+    case 4: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 4); break;                               \
+    case 3: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 3); break;                               \
+    case 2: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 2); break;                               \
+    default: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 1); break;                              \
+    }
+#define MOE_BF16_DOT 1
+#endif
 #endif
 
 static void gemm_rows(const void *W, int64_t ldw, int bf16, const float *const *xs, int64_t m, int64_t n,
@@ -177,6 +231,30 @@ static void gemm_rows(const void *W, int64_t ldw, int bf16, const float *const *
     const int64_t ldb = ldw * esz;
     const char *Wc = (const char *)W;
     const int64_t fit = 16384 / (n * esz), row_block = fit >= 4 ? fit & ~(int64_t)3 : 4;
+#ifdef MOE_BF16_DOT
+    /* the tokens in bf16 once, rows 64-byte aligned; where that memory cannot be had, the fp32 path below */
+    const int64_t nb = n + (-n & 31);
+    uint16_t *xb = bf16 && n >= 32 ? (uint16_t *)aligned_alloc(64, (size_t)(m * nb * 2)) : 0;
+    if (xb) {
+        for (int64_t t = 0; t < m; t++)
+            for (int64_t i = 0; i < n; i++) xb[t * nb + i] = f32_to_bf16(xs[t][i]);
+        for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
+            const int64_t r1 = r0 + row_block < rows ? r0 + row_block : rows;
+            for (int64_t t = 0; t < m; t += MOE_TOKENS) {
+                const int64_t nt = m - t < MOE_TOKENS ? m - t : MOE_TOKENS;
+                int64_t r = r0;
+                if (t > 0) {
+                    for (; r + 4 <= r1; r += 4) DOT_BLOCKS_BF16(4)
+                }
+                for (; r < r1; r++) {
+                    DOT_BLOCKS_BF16(1)
+                }
+            }
+        }
+        free(xb);
+        return;
+    }
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
         const int64_t r1 = r0 + row_block < rows ? r0 + row_block : rows;
         for (int64_t t = 0; t < m; t += MOE_TOKENS) {
@@ -222,15 +300,17 @@ static void gemm_rows(const void *W, int64_t ldw, int bf16, const float *const *
 
 int moetide_moe_abi_version(void) { return 1; }
 
-/* The lanes of the vector path gemm_rows was built with (16: AVX-512, 8: AVX2, 1: plain C): where the native
-   linear beats torch's GEMM depends on it (engine/models/ops.py). */
-int moetide_linear_lanes(void) {
-#if defined(MOE_AVX512)
-    return 16;
+/* The vector path gemm_rows was built with: 3 AVX-512 with AVX512-BF16 dot products, 2 AVX-512, 1 AVX2, 0 plain C.
+   Where the native linear beats torch's GEMM depends on it (engine/models/ops.py). */
+int moetide_linear_isa(void) {
+#if defined(MOE_AVX512) && defined(MOE_BF16_DOT)
+    return 3;
+#elif defined(MOE_AVX512)
+    return 2;
 #elif defined(MOE_AVX2)
-    return 8;
-#else
     return 1;
+#else
+    return 0;
 #endif
 }
 

@@ -2,14 +2,15 @@
 
 Where the bytes live: like vLLM's hybrid allocator, a hybrid model's fixed-size per-sequence state is carved from
 the same pool as KV — ``KVCacheManager(num_state_blocks_per_request=n)`` gives each running request ``n`` private
-blocks with its first allocation and frees them with the request. The state of one sequence, all linear layers,
-is laid out as one byte string (``StateLayout``: per layer ``conv`` [C, kernel-1] in the model dtype then
+blocks with its first allocation and frees them with the request. The state of one sequence, all linear layers, is
+laid out as one byte string (``StateLayout``: per layer ``conv`` [C, kernel-1] in the model dtype then
 ``recurrent`` [Hv, Dk, Dv] in fp32, each 64-byte aligned) cut into ``kv_block_bytes`` pieces, piece i in the
 request's state block i. A request's state blocks need not be adjacent in the arena, so a layer's state cannot be
 one tensor view; instead each step *gathers* the scheduled sequences' state blocks into a contiguous scratch
 (``native.copy_blocks``, one memcpy per block into a scratch kept across steps; without the native library an
-indexed torch copy), the model updates views of the scratch in place, and ``commit`` scatters the scratch back. Two copies of the state per step — the recurrent update itself reads and writes it several
-times — for exact memory accounting by the pool and no second allocator.
+indexed torch copy), the model updates views of the scratch in place, and ``commit`` scatters the scratch back. Two
+copies of the state per step — the recurrent update itself reads and writes it several times — for exact memory
+accounting by the pool and no second allocator.
 
 Correctness across preemption: a linear state cannot be rebuilt from a cached attention prefix (it summarises
 every earlier token), so for hybrid models the engine disables prefix caching and a preempted request recomputes

@@ -126,6 +126,23 @@ static inline __attribute__((always_inline)) __m512 load16(const char *w, int64_
     return _mm512_loadu_ps((const float *)w + i);
 }
 
+/* The end of every dot product of a block: the accumulator reduced, then elements from..n one by one. */
+static inline __attribute__((always_inline)) void finish_dots(__m512 acc[4][MOE_TOKENS], const char *W, int64_t ldb,
+                                                              int bf16, const float *const *xs, int64_t t,
+                                                              int64_t r, int64_t from, int64_t n, float *Y,
+                                                              int64_t ldy, const int NR, const int NT) {
+#pragma GCC unroll 4
+    for (int a = 0; a < NR; a++) {
+        const char *wr = W + (r + a) * ldb;
+#pragma GCC unroll 6
+        for (int b = 0; b < NT; b++) {
+            float s = _mm512_reduce_add_ps(acc[a][b]);
+            for (int64_t k = from; k < n; k++) s += wval(wr, k, bf16) * xs[t + b][k];
+            Y[(t + b) * ldy + r + a] = s;
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void dot_block(const char *W, int64_t ldb, int bf16,
                                                             const float *const *xs, int64_t t, int64_t r,
                                                             int64_t n, float *Y, int64_t ldy, const int NR,
@@ -147,16 +164,7 @@ static inline __attribute__((always_inline)) void dot_block(const char *W, int64
             for (int b = 0; b < NT; b++) acc[a][b] = _mm512_fmadd_ps(w, xv[b], acc[a][b]);
         }
     }
-#pragma GCC unroll 4
-    for (int a = 0; a < NR; a++) {
-        const char *wr = W + (r + a) * ldb;
-#pragma GCC unroll 6
-        for (int b = 0; b < NT; b++) {
-            float s = _mm512_reduce_add_ps(acc[a][b]);
-            for (int64_t k = n16; k < n; k++) s += wval(wr, k, bf16) * xs[t + b][k];
-            Y[(t + b) * ldy + r + a] = s;
-        }
-    }
+    finish_dots(acc, W, ldb, bf16, xs, t, r, n16, n, Y, ldy, NR, NT);
 }
 
 #define DOT_BLOCKS(NR)                                                                                        \
@@ -198,16 +206,7 @@ static inline __attribute__((always_inline)) void dot_block_bf16(const char *W, 
             for (int b = 0; b < NT; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], w, xv[b]);
         }
     }
-#pragma GCC unroll 4
-    for (int a = 0; a < NR; a++) {
-        const char *wr = W + (r + a) * ldb;
-#pragma GCC unroll 6
-        for (int b = 0; b < NT; b++) {
-            float s = _mm512_reduce_add_ps(acc[a][b]);
-            for (int64_t k = n32; k < n; k++) s += wval(wr, k, 1) * xs[t + b][k];
-            Y[(t + b) * ldy + r + a] = s;
-        }
-    }
+    finish_dots(acc, W, ldb, 1, xs, t, r, n32, n, Y, ldy, NR, NT);
 }
 
 #define DOT_BLOCKS_BF16(NR)                                                                                   \

@@ -80,7 +80,8 @@ def test_the_moe_block_takes_the_native_kernel_except_for_a_prefill(monkeypatch)
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_rows", "k", "n"), [(1, 512, 768), (3, 40, 9), (8, 72, 33)])
+@pytest.mark.parametrize(("num_rows", "k", "n"), [(1, 512, 768), (3, 40, 9), (8, 72, 33), (2, 37, 13), (5, 30, 19),
+                                                  (33, 23, 50)])
 def test_native_linear_equals_torch(dtype, num_rows, k, n):
     generator = torch.Generator().manual_seed(k)
     x = torch.randn(num_rows, k, generator=generator).to(dtype)
@@ -90,7 +91,8 @@ def test_native_linear_equals_torch(dtype, num_rows, k, n):
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7  # fp32 round-off; bf16: one rounding of the sum
     scale = float(expected.float().abs().max())
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance * scale)
-    assert torch.equal(native.linear(x[-1:], weight), out[-1:])  # a row's result whatever rows share the call
+    for row in (0, num_rows - 1):  # a row's result whatever rows share the call
+        assert torch.equal(native.linear(x[row : row + 1], weight), out[row : row + 1])
 
 
 def gdn_layer(dtype):

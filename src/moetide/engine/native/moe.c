@@ -4,7 +4,8 @@
    Why grouped: a decode step of T tokens routes T·K (token, expert) pairs to E experts; computed pair by pair,
    an expert chosen by n tokens has its weights read n times from memory, and at real expert sizes (megabytes
    per layer) that traffic is the step. Here each expert's rows are read once per step and applied to all of its
-   tokens while they sit in L1 or L2 (AVX-512: a 4-row × 6-token register block; AVX2: one row × 3 tokens).
+   tokens while they sit in L1 or L2 (AVX-512: fp32 rows with the tokens in the lanes, bf16 rows a 4-row ×
+   6-token block of dot products; AVX2: one row × 3 tokens).
 
    Batch-invariant and order-fixed: every dot product sums in the same lanes and the same reduction whatever the
    number of tokens sharing the expert, and a token adds its experts' outputs in ascending expert id (the order

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 from moetide.engine.loader import load_model  # noqa: E402
 from moetide.engine.models import (  # noqa: E402
     ContiguousKVCache,
+    ExpertProvider,
     ExpertWeights,
     StepBatch,
     StepContext,
@@ -99,7 +100,7 @@ def test_staggered_arrivals_and_chunked_prefill_match_generate(arch, tiny_checkp
     assert got == hf_greedy(arch)
 
 
-class RecordingExperts:
+class RecordingExperts(ExpertProvider):
     """An ExpertProvider that records routing and fetches, optionally zeroing one expert's weights."""
 
     def __init__(self, inner, zero_expert: int | None = None) -> None:

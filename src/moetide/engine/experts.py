@@ -36,7 +36,7 @@ from torch import Tensor
 
 from moetide.core.expert_line import WeightMover
 from moetide.core.experts import ExpertKey, ExpertResidency
-from moetide.engine.models import ExpertWeights
+from moetide.engine.models import ExpertProvider, ExpertWeights
 from moetide.engine.storage import ArenaStorage, ExpertLayout
 
 
@@ -94,7 +94,7 @@ class ExpertStager:
             raise RuntimeError(f"expert {expert_id} was not staged: route() must announce it first") from None
 
 
-class StagedExpertProvider(WeightMover):
+class StagedExpertProvider(WeightMover, ExpertProvider):
     """``ExpertProvider``: routing statistics into ``ExpertResidency``; weights from home pages or staging."""
 
     def __init__(self, storage: ArenaStorage, residency: ExpertResidency, host: Tensor, *,

@@ -195,13 +195,15 @@ class ExpertProvider(Protocol):
         """Weights of one expert the step selected, on the compute device, valid until the layer returns."""
         ...
 
-    # Optional: ``stacked_weights(layer_id) -> (gate_up [E, 2I, H], down [E, H, I]) | None``, called after
-    # ``route``: views of all E experts of the layer, valid for every expert routed in this step (rows of experts
-    # nobody chose may hold anything: they are not read), or None when some routed expert is only reachable
-    # through ``expert_weights`` (staged). With it, the MoE block runs the grouped path (``models.moe``).
+    def stacked_weights(self, layer_id: int) -> tuple[Tensor, Tensor] | None:
+        """Called after ``route``: views (gate_up [E, 2I, H], down [E, H, I]) of all E experts of the layer, valid
+        for every expert routed in this step (rows of experts nobody chose may hold anything: they are not
+        read), or None when some routed expert is only reachable through ``expert_weights`` (staged). With
+        them the MoE block runs the grouped path (``models.moe``); the default, None, serves expert by expert."""
+        return None
 
 
-class ModuleExpertProvider:
+class ModuleExpertProvider(ExpertProvider):
     """The default ``ExpertProvider``: views into each MoE layer's own stacked parameters (read at call time, so
     the model may be moved or cast after this is built); records nothing."""
 

@@ -173,8 +173,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor, experts: ExpertProvider) -> Tensor:
         weights, expert_ids = self.route(x)  # [T, K], [T, K]
         experts.route(self.layer_id, expert_ids)
-        stacked = getattr(experts, "stacked_weights", None)
-        stacked = stacked(self.layer_id) if stacked is not None else None
+        stacked = experts.stacked_weights(self.layer_id)
         T, K = expert_ids.shape
         if stacked is not None and native_takes(x, T * K, *stacked):
             out = native.moe_experts(x, weights, expert_ids, *stacked)

@@ -72,8 +72,11 @@ def test_the_moe_block_takes_the_native_kernel_except_for_a_prefill(monkeypatch)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert moe.native_takes(x, 2 * 4, gate_up, down)
-        assert moe.native_takes(x.float(), moe.NATIVE_PAIRS_PER_EXPERT * 8, gate_up.float(), down.float())
-        assert not moe.native_takes(x, moe.NATIVE_PAIRS_PER_EXPERT * 8 + 1, gate_up, down)
+        cap = moe.NATIVE_PAIRS_PER_EXPERT
+        assert moe.native_takes(x.float(), cap[torch.float32] * 8, gate_up.float(), down.float())
+        assert not moe.native_takes(x.float(), cap[torch.float32] * 8 + 1, gate_up.float(), down.float())
+        assert moe.native_takes(x, cap[torch.bfloat16] * 8, gate_up, down)
+        assert not moe.native_takes(x, cap[torch.bfloat16] * 8 + 1, gate_up, down)
         assert not moe.native_takes(x.float(), 8, gate_up, down)  # activations and weights of two dtypes
     assert not moe.native_takes(x, 8, gate_up, down)  # autograd on: the kernels have no backward
 

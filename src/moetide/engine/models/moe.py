@@ -129,15 +129,16 @@ def expert_mlp(rows: Tensor, w: ExpertWeights) -> Tensor:
     return F.linear(F.silu(gate) * up, w.down).to(device)
 
 
-# above this many (token, expert) pairs per expert (a prefill), torch's GEMMs beat the native kernel (measured
-# at hidden 512, 16 experts of width 256, one thread: torch 10% faster at 16 pairs per expert, native 2.9x at 4)
-NATIVE_PAIRS_PER_EXPERT = 8
+# above this many (token, expert) pairs per expert (a prefill), torch's grouped GEMMs beat the native kernel, by
+# dtype (measured at hidden 512, 16 experts of width 256 and 8 of 512, one thread on Zen 4: fp32 native 0.30-0.89x
+# torch's time from 4 to 128 pairs per expert; bf16 0.32-0.79x from 4 to 16, 1.01-1.07x at 32)
+NATIVE_PAIRS_PER_EXPERT = {torch.float32: 128, torch.bfloat16: 16}
 
 
 def native_takes(x: Tensor, num_pairs: int, gate_up: Tensor, down: Tensor) -> bool:
     """Whether the native grouped kernel runs the step's experts (see the module docstring)."""
     E, two_i, H = gate_up.shape
-    if num_pairs > NATIVE_PAIRS_PER_EXPERT * E:
+    if num_pairs > NATIVE_PAIRS_PER_EXPERT.get(x.dtype, 0) * E:
         return False
     return (native.worth_it(x, num_pairs * 3 * H * two_i // 2, native.EXPERT_DTYPES) and gate_up.dtype == x.dtype
             and native.experts_readable(gate_up, down))

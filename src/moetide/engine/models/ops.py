@@ -7,9 +7,10 @@ core's bandwidth (measured on this machine: 7.5 GB/s against 17-24 GB/s for a pl
 native kernel near all of it. Past a few tokens the step is arithmetic, where torch's GEMM is faster, by how much
 depending on the kernel built: hence ``NATIVE_LINEAR_MAX_TOKENS`` per vector path (measured at K 256-512 and N
 512-1024, one thread, on a Zen 4 core: its AVX-512 kernel beats MKL's fp32 GEMM up to 32 tokens, 0-30% with the
-weights in cache and 25-58% from memory, and with AVX512-BF16 dot products oneDNN's bf16 GEMM up to 16, 5-40%;
-converting bf16 to fp32 instead, it lost past 4; the AVX2 kernel's limits are the ones measured before it). Results equal torch's to one rounding of a sum taken in
-another order (fp32 round-off; bf16 as torch's bf16 linear: fp32 sums rounded once).
+weights in cache and 25-58% from memory, and with AVX512-BF16 oneDNN's bf16 GEMM up to 16, 5-50%; converting
+bf16 to fp32 instead, it lost past 4; the AVX2 kernel's limits are the ones measured before it). Results equal
+torch's to one rounding of a sum taken in another order (fp32 round-off; bf16 as torch's bf16 linear: fp32 sums
+rounded once).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
    Why grouped: a decode step of T tokens routes T·K (token, expert) pairs to E experts; computed pair by pair,
    an expert chosen by n tokens has its weights read n times from memory, and at real expert sizes (megabytes
    per layer) that traffic is the step. Here each expert's rows are read once per step and applied to all of its
-   tokens while they sit in L1 or L2 (AVX-512: fp32 rows with the tokens in the lanes, bf16 rows a 4-row ×
-   6-token block of dot products; AVX2: one row × 3 tokens).
+   tokens while they sit in L1 or L2 (AVX-512: the tokens in the lanes, for bf16 with AVX512-BF16; otherwise
+   blocks of dot products, 4 rows × 6 tokens, and on AVX2 one row × 3 tokens).
 
    Batch-invariant and order-fixed: every dot product sums in the same lanes and the same reduction whatever the
    number of tokens sharing the expert, and a token adds its experts' outputs in ascending expert id (the order
@@ -109,6 +109,10 @@ static inline float wval(const void *w, int64_t i, int bf16) {
     }
 #endif
 
+#if defined(MOE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define MOE_BF16_DOT 1
+#endif
+
 #ifdef MOE_AVX512
 /* AVX-512 (32 registers): NR rows x NT tokens at a time, one 16-lane accumulator per (row, token) dot product,
    so each 16-element chunk of a weight row is loaded once for NT tokens and each chunk of a token once for NR
@@ -178,67 +182,97 @@ static inline __attribute__((always_inline)) void dot_block(const char *W, int64
     default: dot_block(Wc, ldb, bf16, xs, t, r, n, Y, ldy, NR, 1); break;                                     \
     }
 
-/* fp32 weights, tokens in the lanes: each 16-lane accumulator holds 4 tokens x 4 residues of k mod 4, a weight
-   row's next 4 elements are broadcast to all four tokens (one 16-byte load feeds 16 multiply-adds, where a dot
-   product needs a 64-byte load for them), and the weight rows are read front to back, each element once per
-   group of 16 tokens. So the block is multiply-add bound from 4 tokens up (measured on Zen 4: 95-106 GFLOP/s
-   from L2 at 8-64 tokens against 75-83 for the 4 x 6 dot block) and streams the rows at about DRAM rate from 1.
-   Output (t, r) is the same sum whatever the block: four chains over k = i, i+4, ... in order from zero, then
-   (c0 + c1) + (c2 + c3), so a token's result does not depend on the step's other tokens. xt holds the tokens
-   of a group as [k / 4][v][token j of 4][k % 4], zero past the last token and past n. The rows PF_TILES blocks
-   ahead are prefetched into L2 while a block computes: without it, memory and arithmetic take turns (the time
-   at 8 tokens was their sum); the prefetches walk the block ahead front to back, one stream. */
+/* Rows with the tokens in the lanes (fp32 weights, and bf16 with AVX512-BF16): a row is read in 16-byte units
+   (4 fp32 or 8 bf16 elements), each unit broadcast to 4 tokens at once, so one 16-byte load feeds 16 fp32
+   multiply-adds (bf16: 16 pairs by vdpbf16ps), where a dot product needs a 64-byte load for them, and the rows are
+   read front to back, each element once per group of 16 tokens. Each 16-lane accumulator holds 4 tokens x 4
+   lanes; lane i of a token takes element i of every unit (bf16: the pair 2i, 2i+1). So the block is multiply-add
+   bound from 4 tokens up (measured on Zen 4, fp32: 95-106 GFLOP/s from L2 at 8-64 tokens against 75-83 for the
+   4 x 6 dot block) and streams the rows at about DRAM rate from 1. Output (t, r) is the same sum whatever the
+   block: each lane's chain over the units in order from zero, then (c0 + c1) + (c2 + c3), so a token's result
+   does not depend on the step's other tokens. xt holds a group's tokens as [unit][v][token j of 4][16 bytes],
+   zero past the last token and past n. The rows PF_TILES blocks ahead are prefetched into L2 while a block
+   computes (without it memory and arithmetic take turns: at 8 tokens the time was their sum), front to back, one
+   stream. bf16 products are exact in fp32, as in the dot products; only the summation order is this block's. */
 #define LANE_ROWS 8
 #define LANE_VECS 4
 #define LANE_TOKENS (4 * LANE_VECS)
 #define PF_TILES 2
-/* up to 2 tokens, 4 rows at a time: from memory, 8 rows side by side stream slower than 4 (Zen 4: one token
-   20% slower a layer), and 4 rows of 4-lane chains still multiply-add faster than DRAM delivers */
+/* up to 2 tokens, fewer fp32 rows side by side: from memory 8 stream slower than 4 (Zen 4: one token 20% slower a
+   layer), and 4 rows of 4-lane chains still multiply-add faster than DRAM delivers; bf16 rows are half as long,
+   and 8 of them keep vdpbf16ps's chains covered (4: 15% slower a layer at 2 tokens) */
 #define NARROW_MAX 2
-#define NARROW_ROWS 4
+#define NARROW_ROWS(bf16) ((bf16) ? 8 : 4)
+
 /* line i of the block that starts at address ``ahead``, into L2 (a prefetch never faults: past the rows too) */
 static inline __attribute__((always_inline)) void prefetch_line(uintptr_t ahead, int64_t i) {
     _mm_prefetch((const char *)(ahead + (uintptr_t)i * 64), _MM_HINT_T1);
 }
 
-static inline __attribute__((always_inline)) void lane_block(const float *W, int64_t ldw, const float *xt,
+/* the last `left` elements of a row as a unit, zero above: nothing past the row is read */
+static inline __attribute__((always_inline)) __m128i tail_unit(const char *p, int64_t left, int bf16) {
+    const __mmask8 mask = (__mmask8)((1u << left) - 1);
+    return bf16 ? _mm_maskz_loadu_epi16(mask, p) : _mm_castps_si128(_mm_maskz_loadu_ps(mask, (const float *)p));
+}
+
+static inline __attribute__((always_inline)) __m512 madd16(__m512 acc, __m512i w, __m512i x, int bf16) {
+#ifdef MOE_BF16_DOT
+    if (bf16) return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+#endif
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_castsi512_ps(x), acc);
+}
+static inline __attribute__((always_inline)) __m256 madd8(__m256 acc, __m256i w, __m256i x, int bf16) {
+#ifdef MOE_BF16_DOT
+    if (bf16) return _mm256_dpbf16_ps(acc, (__m256bh)w, (__m256bh)x);
+#endif
+    return _mm256_fmadd_ps(_mm256_castsi256_ps(w), _mm256_castsi256_ps(x), acc);
+}
+static inline __attribute__((always_inline)) __m128 madd4(__m128 acc, __m128i w, __m128i x, int bf16) {
+#ifdef MOE_BF16_DOT
+    if (bf16) return _mm_dpbf16_ps(acc, (__m128bh)w, (__m128bh)x);
+#endif
+    return _mm_fmadd_ps(_mm_castsi128_ps(w), _mm_castsi128_ps(x), acc);
+}
+
+/* The end of every lane dot product: token j's four lanes c, summed (c0 + c1) + (c2 + c3). */
+static inline __attribute__((always_inline)) float lane_sum(const float *c) { return (c[0] + c[1]) + (c[2] + c[3]); }
+
+static inline __attribute__((always_inline)) void lane_block(const char *W, int64_t ldb, int bf16, const char *xt,
                                                              int64_t n, int64_t r, int64_t t0, int64_t mt,
                                                              float *Y, int64_t ldy, const int R, const int V) {
-    const int64_t n4 = n & ~(int64_t)3, vs = 16 * V;
+    const int64_t per = bf16 ? 8 : 4, units = n / per, left = n - units * per, vs = 64 * V;
     __m512 acc[LANE_ROWS][LANE_VECS];
-    const float *wr[LANE_ROWS];
+    const char *wr[LANE_ROWS];
 #pragma GCC unroll 8
     for (int a = 0; a < R; a++) {
-        wr[a] = W + (r + a) * ldw;
+        wr[a] = W + (r + a) * ldb;
 #pragma GCC unroll 4
         for (int v = 0; v < V; v++) acc[a][v] = _mm512_setzero_ps();
     }
-    const uintptr_t ahead = (uintptr_t)W + (uintptr_t)((r + PF_TILES * R) * ldw) * sizeof(float);
-    for (int64_t k = 0; k < n4; k += 4) {
-        if ((k & 15) == 0) {
+    const uintptr_t ahead = (uintptr_t)W + (uintptr_t)((r + PF_TILES * R) * ldb);
+    for (int64_t q = 0; q <= units; q++) {
+        if (q == units && !left) break;
+        if ((q & 3) == 0) {
 #pragma GCC unroll 8
-            for (int a = 0; a < R; a++) prefetch_line(ahead, (k / 16) * R + a);
+            for (int a = 0; a < R; a++) prefetch_line(ahead, (q / 4) * R + a);
         }
-        __m512 xv[LANE_VECS];
+        __m512i xv[LANE_VECS];
 #pragma GCC unroll 4
-        for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_ps(xt + (k / 4) * vs + 16 * v);
+        for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_si512((const void *)(xt + q * vs + 64 * v));
+        if (q < units) {
 #pragma GCC unroll 8
-        for (int a = 0; a < R; a++) {
-            const __m512 w = _mm512_broadcast_f32x4(_mm_loadu_ps(wr[a] + k));
+            for (int a = 0; a < R; a++) {
+                const __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(wr[a] + 16 * q)));
 #pragma GCC unroll 4
-            for (int v = 0; v < V; v++) acc[a][v] = _mm512_fmadd_ps(w, xv[v], acc[a][v]);
-        }
-    }
-    if (n4 < n) { /* the last n % 4 elements: masked, so nothing past a row is read */
-        const __mmask8 mask = (__mmask8)((1u << (n - n4)) - 1);
-        __m512 xv[LANE_VECS];
-#pragma GCC unroll 4
-        for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_ps(xt + (n4 / 4) * vs + 16 * v);
+                for (int v = 0; v < V; v++) acc[a][v] = madd16(acc[a][v], w, xv[v], bf16);
+            }
+        } else {
 #pragma GCC unroll 8
-        for (int a = 0; a < R; a++) {
-            const __m512 w = _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(mask, wr[a] + n4));
+            for (int a = 0; a < R; a++) {
+                const __m512i w = _mm512_broadcast_i32x4(tail_unit(wr[a] + 16 * q, left, bf16));
 #pragma GCC unroll 4
-            for (int v = 0; v < V; v++) acc[a][v] = _mm512_fmadd_ps(w, xv[v], acc[a][v]);
+                for (int v = 0; v < V; v++) acc[a][v] = madd16(acc[a][v], w, xv[v], bf16);
+            }
         }
     }
     float lanes[16];
@@ -247,114 +281,121 @@ static inline __attribute__((always_inline)) void lane_block(const float *W, int
 #pragma GCC unroll 4
         for (int v = 0; v < V; v++) {
             _mm512_storeu_ps(lanes, acc[a][v]);
-            for (int64_t j = 0; j < 4 && 4 * v + j < mt; j++) {
-                const float *c = lanes + 4 * j;
-                Y[(t0 + 4 * v + j) * ldy + r + a] = (c[0] + c[1]) + (c[2] + c[3]);
-            }
+            for (int64_t j = 0; j < 4 && 4 * v + j < mt; j++)
+                Y[(t0 + 4 * v + j) * ldy + r + a] = lane_sum(lanes + 4 * j);
         }
 }
 
 /* lane_block for one or two tokens: the same lanes in a 4- or 8-lane register, so the same sums (one token in
-   16 lanes would leave 12 idle and take a 16-lane multiply-add per 4 of its products). */
-static inline __attribute__((always_inline)) void lane_block1(const float *W, int64_t ldw, const float *xt,
-                                                              int64_t n, int64_t r, int64_t t0, int64_t mt,
-                                                              float *Y, int64_t ldy, const int R) {
-    /* one token: a 64-byte load of each row per 4 quads, taken apart in registers (16-byte loads of 8 rows
-       read L3-resident rows at 2/3 of the rate of one 64-byte stream) */
-    (void)mt;
-    const int64_t n16 = n & ~(int64_t)15, n4 = n & ~(int64_t)3;
+   16 lanes would leave 12 idle and take a 16-lane multiply-add per 4 of its). One token reads each row 64 bytes
+   at a time and takes the units apart in registers (16-byte loads of L3-resident rows came at 2/3 the rate). */
+static inline __attribute__((always_inline)) void lane_block1(const char *W, int64_t ldb, int bf16, const char *xt,
+                                                              int64_t n, int64_t r, int64_t t0, float *Y,
+                                                              int64_t ldy, const int R) {
+    const int64_t per = bf16 ? 8 : 4, units = n / per, left = n - units * per, units4 = units & ~(int64_t)3;
     __m128 acc[LANE_ROWS];
-    const float *wr[LANE_ROWS];
+    const char *wr[LANE_ROWS];
 #pragma GCC unroll 8
     for (int a = 0; a < R; a++) {
-        wr[a] = W + (r + a) * ldw;
+        wr[a] = W + (r + a) * ldb;
         acc[a] = _mm_setzero_ps();
     }
-    const uintptr_t ahead = (uintptr_t)W + (uintptr_t)((r + PF_TILES * R) * ldw) * sizeof(float);
-    int64_t k = 0;
-    for (; k < n16; k += 16) {
-        const __m128 x0 = _mm_loadu_ps(xt + (k / 4) * 16), x1 = _mm_loadu_ps(xt + (k / 4 + 1) * 16),
-                     x2 = _mm_loadu_ps(xt + (k / 4 + 2) * 16), x3 = _mm_loadu_ps(xt + (k / 4 + 3) * 16);
+    const uintptr_t ahead = (uintptr_t)W + (uintptr_t)((r + PF_TILES * R) * ldb);
+    int64_t q = 0;
+    for (; q < units4; q += 4) {
+        const __m128i x0 = _mm_loadu_si128((const __m128i *)(xt + 64 * q)),
+                      x1 = _mm_loadu_si128((const __m128i *)(xt + 64 * (q + 1))),
+                      x2 = _mm_loadu_si128((const __m128i *)(xt + 64 * (q + 2))),
+                      x3 = _mm_loadu_si128((const __m128i *)(xt + 64 * (q + 3)));
 #pragma GCC unroll 8
         for (int a = 0; a < R; a++) {
-            prefetch_line(ahead, (k / 16) * R + a);
-            const __m512 w = _mm512_loadu_ps(wr[a] + k);
-            acc[a] = _mm_fmadd_ps(_mm512_castps512_ps128(w), x0, acc[a]);
-            acc[a] = _mm_fmadd_ps(_mm512_extractf32x4_ps(w, 1), x1, acc[a]);
-            acc[a] = _mm_fmadd_ps(_mm512_extractf32x4_ps(w, 2), x2, acc[a]);
-            acc[a] = _mm_fmadd_ps(_mm512_extractf32x4_ps(w, 3), x3, acc[a]);
+            prefetch_line(ahead, (q / 4) * R + a);
+            const __m512i w = _mm512_loadu_si512((const void *)(wr[a] + 16 * q));
+            acc[a] = madd4(acc[a], _mm512_castsi512_si128(w), x0, bf16);
+            acc[a] = madd4(acc[a], _mm512_extracti32x4_epi32(w, 1), x1, bf16);
+            acc[a] = madd4(acc[a], _mm512_extracti32x4_epi32(w, 2), x2, bf16);
+            acc[a] = madd4(acc[a], _mm512_extracti32x4_epi32(w, 3), x3, bf16);
         }
     }
-    for (; k < n; k += 4) {
-        const __mmask8 mask = k < n4 ? 0xf : (__mmask8)((1u << (n - n4)) - 1);
-        const __m128 xv = _mm_loadu_ps(xt + (k / 4) * 16);
+    for (; q < units + (left > 0); q++) {
+        const __m128i xv = _mm_loadu_si128((const __m128i *)(xt + 64 * q));
 #pragma GCC unroll 8
-        for (int a = 0; a < R; a++) acc[a] = _mm_fmadd_ps(_mm_maskz_loadu_ps(mask, wr[a] + k), xv, acc[a]);
+        for (int a = 0; a < R; a++) {
+            const __m128i unit = q < units ? _mm_loadu_si128((const __m128i *)(wr[a] + 16 * q))
+                                           : tail_unit(wr[a] + 16 * q, left, bf16);
+            acc[a] = madd4(acc[a], unit, xv, bf16);
+        }
     }
-    float c[4];
+    float lanes[4];
 #pragma GCC unroll 8
     for (int a = 0; a < R; a++) {
-        _mm_storeu_ps(c, acc[a]);
-        Y[t0 * ldy + r + a] = (c[0] + c[1]) + (c[2] + c[3]);
+        _mm_storeu_ps(lanes, acc[a]);
+        Y[t0 * ldy + r + a] = lane_sum(lanes);
     }
 }
-static inline __attribute__((always_inline)) void lane_block2(const float *W, int64_t ldw, const float *xt,
-                                                              int64_t n, int64_t r, int64_t t0, int64_t mt,
-                                                              float *Y, int64_t ldy, const int R) {
-    const int64_t n4 = n & ~(int64_t)3;
+
+static inline __attribute__((always_inline)) void lane_block2(const char *W, int64_t ldb, int bf16, const char *xt,
+                                                              int64_t n, int64_t r, int64_t t0, float *Y,
+                                                              int64_t ldy, const int R) {
+    const int64_t per = bf16 ? 8 : 4, units = n / per, left = n - units * per;
     __m256 acc[LANE_ROWS];
-    const float *wr[LANE_ROWS];
+    const char *wr[LANE_ROWS];
 #pragma GCC unroll 8
     for (int a = 0; a < R; a++) {
-        wr[a] = W + (r + a) * ldw;
+        wr[a] = W + (r + a) * ldb;
         acc[a] = _mm256_setzero_ps();
     }
-    const uintptr_t ahead = (uintptr_t)W + (uintptr_t)((r + PF_TILES * R) * ldw) * sizeof(float);
-    for (int64_t k = 0; k < n; k += 4) {
-        if ((k & 15) == 0) {
+    const uintptr_t ahead = (uintptr_t)W + (uintptr_t)((r + PF_TILES * R) * ldb);
+    for (int64_t q = 0; q < units + (left > 0); q++) {
+        if ((q & 3) == 0) {
 #pragma GCC unroll 8
-            for (int a = 0; a < R; a++) prefetch_line(ahead, (k / 16) * R + a);
+            for (int a = 0; a < R; a++) prefetch_line(ahead, (q / 4) * R + a);
         }
-        const __mmask8 mask = k < n4 ? 0xf : (__mmask8)((1u << (n - n4)) - 1);
-        const __m256 xv = _mm256_loadu_ps(xt + (k / 4) * 16);
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xt + 64 * q));
+        if (q < units) {
 #pragma GCC unroll 8
-        for (int a = 0; a < R; a++)
-            acc[a] = _mm256_fmadd_ps(_mm256_broadcast_f32x4(_mm_maskz_loadu_ps(mask, wr[a] + k)), xv, acc[a]);
+            for (int a = 0; a < R; a++) {
+                const __m128i unit = _mm_loadu_si128((const __m128i *)(wr[a] + 16 * q));
+                acc[a] = madd8(acc[a], _mm256_broadcastsi128_si256(unit), xv, bf16);
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int a = 0; a < R; a++)
+                acc[a] = madd8(acc[a], _mm256_broadcastsi128_si256(tail_unit(wr[a] + 16 * q, left, bf16)), xv, bf16);
+        }
     }
     float lanes[8];
 #pragma GCC unroll 8
     for (int a = 0; a < R; a++) {
         _mm256_storeu_ps(lanes, acc[a]);
-        for (int64_t j = 0; j < 2 && j < mt; j++) {
-            const float *c = lanes + 4 * j;
-            Y[(t0 + j) * ldy + r + a] = (c[0] + c[1]) + (c[2] + c[3]);
-        }
+        Y[t0 * ldy + r + a] = lane_sum(lanes);
+        Y[(t0 + 1) * ldy + r + a] = lane_sum(lanes + 4);
     }
 }
 
 #define LANE_BLOCKS(R)                                                                                        \
     if (mt == 1) {                                                                                            \
-        lane_block1(W, ldw, xg, n, r, t0, mt, Y, ldy, R);                                                     \
+        lane_block1(Wc, ldb, bf16, xg, n, r, t0, Y, ldy, R);                                                  \
     } else if (mt == 2) {                                                                                     \
-        lane_block2(W, ldw, xg, n, r, t0, mt, Y, ldy, R);                                                     \
+        lane_block2(Wc, ldb, bf16, xg, n, r, t0, Y, ldy, R);                                                  \
     } else {                                                                                                  \
         switch (V) {                                                                                          \
-        case 1: lane_block(W, ldw, xg, n, r, t0, mt, Y, ldy, R, 1); break;                                    \
-        case 2: lane_block(W, ldw, xg, n, r, t0, mt, Y, ldy, R, 2); break;                                    \
-        case 3: lane_block(W, ldw, xg, n, r, t0, mt, Y, ldy, R, 3); break;                                    \
-        default: lane_block(W, ldw, xg, n, r, t0, mt, Y, ldy, R, 4); break;                                   \
+        case 1: lane_block(Wc, ldb, bf16, xg, n, r, t0, mt, Y, ldy, R, 1); break;                             \
+        case 2: lane_block(Wc, ldb, bf16, xg, n, r, t0, mt, Y, ldy, R, 2); break;                             \
+        case 3: lane_block(Wc, ldb, bf16, xg, n, r, t0, mt, Y, ldy, R, 3); break;                             \
+        default: lane_block(Wc, ldb, bf16, xg, n, r, t0, mt, Y, ldy, R, 4); break;                            \
         }                                                                                                     \
     }
 
 /* The tokens' lane copy: one buffer per thread, kept and grown, never given back. A fresh allocation per call
    (32 KiB for one token at K 512) came back from the heap's top as new pages each time, and their faults cost a
    batch-1 step more than the arithmetic. */
-static float *lane_scratch(size_t bytes) {
-    static __thread float *buffer;
+static char *lane_scratch(size_t bytes) {
+    static __thread char *buffer;
     static __thread size_t capacity;
     if (bytes > capacity) {
         const size_t grown = (bytes + 65535) & ~(size_t)65535;
-        float *fresh = (float *)aligned_alloc(64, grown);
+        char *fresh = (char *)aligned_alloc(64, grown);
         if (!fresh) return 0;
         free(buffer);
         buffer = fresh;
@@ -363,31 +404,41 @@ static float *lane_scratch(size_t bytes) {
     return buffer;
 }
 
-/* Y[t, r] for fp32 rows by lane_block: row blocks of ~256 KiB (L2) outside, groups of 16 tokens inside, so
-   past 16 tokens a row block is read from memory once. Returns 0 where the scratch cannot be had. */
-static int gemm_rows_lanes(const float *W, int64_t ldw, const float *const *xs, int64_t m, int64_t n,
+/* Y[t, r] by lane_block: row blocks of ~256 KiB (L2) outside, groups of 16 tokens inside, so past 16 tokens a
+   row block is read from memory once. Returns 0 where the scratch cannot be had. */
+static int gemm_rows_lanes(const void *W, int64_t ldw, int bf16, const float *const *xs, int64_t m, int64_t n,
                            int64_t rows, float *Y, int64_t ldy) {
-    const int64_t quads = (n + 3) / 4, groups = (m + LANE_TOKENS - 1) / LANE_TOKENS;
-    const int64_t group_floats = quads * 16 * LANE_VECS;
-    float *xt = lane_scratch((size_t)(groups * group_floats * 4));
+    const int64_t esz = bf16 ? 2 : 4, per = bf16 ? 8 : 4, units = (n + per - 1) / per;
+    const int64_t groups = (m + LANE_TOKENS - 1) / LANE_TOKENS, group_bytes = units * 64 * LANE_VECS;
+    char *xt = lane_scratch((size_t)(groups * group_bytes));
     if (!xt) return 0;
     for (int64_t g = 0; g < groups; g++) {
         const int64_t t0 = g * LANE_TOKENS, mt = m - t0 < LANE_TOKENS ? m - t0 : LANE_TOKENS;
-        const int64_t vs = 16 * ((mt + 3) / 4);
-        float *xg = xt + g * group_floats;
-        for (int64_t q = 0; q < quads; q++)
-            for (int64_t l = 0; l < vs; l++) {
-                const int64_t j = l / 4, k = 4 * q + l % 4;
-                xg[q * vs + l] = j < mt && k < n ? xs[t0 + j][k] : 0.f;
-            }
+        const int64_t V = (mt + 3) / 4;
+        char *xg = xt + g * group_bytes;
+        for (int64_t q = 0; q < units; q++)
+            for (int64_t v = 0; v < V; v++)
+                for (int64_t j = 0; j < 4; j++)
+                    for (int64_t i = 0; i < per; i++) {
+                        const int64_t t = 4 * v + j, k = per * q + i;
+                        const float x = t < mt && k < n ? xs[t0 + t][k] : 0.f;
+                        char *slot = xg + q * 64 * V + 64 * v + 16 * j + esz * i;
+                        if (bf16) {
+                            const uint16_t h = f32_to_bf16(x);
+                            memcpy(slot, &h, 2);
+                        } else {
+                            memcpy(slot, &x, 4);
+                        }
+                    }
     }
-    const int64_t block = 262144 / (n * 4) >= 24 ? 262144 / (n * 4) / 24 * 24 : 24;
+    const char *Wc = (const char *)W;
+    const int64_t ldb = ldw * esz, fit = 262144 / (n * esz), block = fit >= 24 ? fit / 24 * 24 : 24;
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
         const int64_t r1 = r0 + block < rows ? r0 + block : rows;
         for (int64_t g = 0; g < groups; g++) {
             const int64_t t0 = g * LANE_TOKENS, mt = m - t0 < LANE_TOKENS ? m - t0 : LANE_TOKENS;
-            const int V = (int)((mt + 3) / 4), R = mt <= NARROW_MAX ? NARROW_ROWS : V <= 2 ? 8 : 6;
-            const float *xg = xt + g * group_floats;
+            const int V = (int)((mt + 3) / 4), R = mt <= NARROW_MAX ? NARROW_ROWS(bf16) : V <= 2 ? 8 : 6;
+            const char *xg = xt + g * group_bytes;
             int64_t r = r0;
             if (R == 8) {
                 for (; r + 8 <= r1; r += 8) LANE_BLOCKS(8)
@@ -401,50 +452,6 @@ static int gemm_rows_lanes(const float *W, int64_t ldw, const float *const *xs, 
     }
     return 1;
 }
-
-#if defined(__AVX512BF16__)
-/* bf16 weights with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs and adds each pair into one of 16 fp32 lanes
-   (odd element first, then even, each rounded to fp32), twice the multiply-adds of an fp32 FMA. The tokens are
-   bf16 values held in fp32 (x in bf16, or silu(gate) * up rounded to bf16), so converting them back is exact:
-   the products are the ones the fp32 path forms, only summed in another fixed order (and denormal inputs read as
-   zero). Every dot product still sums alike whatever the block: 32-element chunks in order, the reduction, then
-   the last n % 32 elements one by one. xb holds the tokens in bf16, n elements each, nb apart. */
-static inline __attribute__((always_inline)) void dot_block_bf16(const char *W, int64_t ldb, const uint16_t *xb,
-                                                                 int64_t nb, const float *const *xs, int64_t t,
-                                                                 int64_t r, int64_t n, float *Y, int64_t ldy,
-                                                                 const int NR, const int NT) {
-    const int64_t n32 = n - n % 32;
-    __m512 acc[4][MOE_TOKENS];
-#pragma GCC unroll 4
-    for (int a = 0; a < NR; a++)
-#pragma GCC unroll 6
-        for (int b = 0; b < NT; b++) acc[a][b] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n32; i += 32) {
-        __m512bh xv[MOE_TOKENS];
-#pragma GCC unroll 6
-        for (int b = 0; b < NT; b++) xv[b] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (t + b) * nb + i));
-#pragma GCC unroll 4
-        for (int a = 0; a < NR; a++) {
-            const uint16_t *wr = (const uint16_t *)(W + (r + a) * ldb);
-            const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(wr + i));
-#pragma GCC unroll 6
-            for (int b = 0; b < NT; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], w, xv[b]);
-        }
-    }
-    finish_dots(acc, W, ldb, 1, xs, t, r, n32, n, Y, ldy, NR, NT);
-}
-
-#define DOT_BLOCKS_BF16(NR)                                                                                   \
-    switch (nt) {                                                                                             \
-    case 6: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 6); break;                               \
-    case 5: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 5); break;                               \
-    case 4: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 4); break;                               \
-    case 3: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 3); break;                               \
-    case 2: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 2); break;                               \
-    default: dot_block_bf16(Wc, ldb, xb, nb, xs, t, r, n, Y, ldy, NR, 1); break;                              \
-    }
-#define MOE_BF16_DOT 1
-#endif
 #endif
 
 static void gemm_rows(const void *W, int64_t ldw, int bf16, const float *const *xs, int64_t m, int64_t n,
@@ -456,30 +463,11 @@ static void gemm_rows(const void *W, int64_t ldw, int bf16, const float *const *
     const char *Wc = (const char *)W;
     const int64_t fit = 16384 / (n * esz), row_block = fit >= 4 ? fit & ~(int64_t)3 : 4;
 #ifdef MOE_BF16_DOT
-    /* the tokens in bf16 once, rows 64-byte aligned; where that memory cannot be had, the fp32 path below */
-    const int64_t nb = n + (-n & 31);
-    uint16_t *xb = bf16 && n >= 32 ? (uint16_t *)aligned_alloc(64, (size_t)(m * nb * 2)) : 0;
-    if (xb) {
-        for (int64_t t = 0; t < m; t++)
-            for (int64_t i = 0; i < n; i++) xb[t * nb + i] = f32_to_bf16(xs[t][i]);
-        for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
-            const int64_t r1 = r0 + row_block < rows ? r0 + row_block : rows;
-            for (int64_t t = 0; t < m; t += MOE_TOKENS) {
-                const int64_t nt = m - t < MOE_TOKENS ? m - t : MOE_TOKENS;
-                int64_t r = r0;
-                if (t > 0) {
-                    for (; r + 4 <= r1; r += 4) DOT_BLOCKS_BF16(4)
-                }
-                for (; r < r1; r++) {
-                    DOT_BLOCKS_BF16(1)
-                }
-            }
-        }
-        free(xb);
-        return;
-    }
+    if (gemm_rows_lanes(W, ldw, bf16, xs, m, n, rows, Y, ldy)) return;
+#else
+    if (!bf16 && gemm_rows_lanes(W, ldw, 0, xs, m, n, rows, Y, ldy)) return;
 #endif
-    if (!bf16 && gemm_rows_lanes((const float *)W, ldw, xs, m, n, rows, Y, ldy)) return;
+    /* bf16 rows without AVX512-BF16, or no scratch: dot products, 4 rows x 6 tokens once the rows are cached */
     for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
         const int64_t r1 = r0 + row_block < rows ? r0 + row_block : rows;
         for (int64_t t = 0; t < m; t += MOE_TOKENS) {

@@ -234,6 +234,14 @@ static inline __attribute__((always_inline)) __m128 madd4(__m128 acc, __m128i w,
     return _mm_fmadd_ps(_mm_castsi128_ps(w), _mm_castsi128_ps(x), acc);
 }
 
+/* Rows r .. r+R-1 of a block; returns the address of the block PF_TILES blocks ahead (what to prefetch). */
+static inline __attribute__((always_inline)) uintptr_t lane_rows(const char **wr, const char *W, int64_t ldb,
+                                                                 int64_t r, const int R) {
+#pragma GCC unroll 8
+    for (int a = 0; a < R; a++) wr[a] = W + (r + a) * ldb;
+    return (uintptr_t)W + (uintptr_t)((r + PF_TILES * R) * ldb);
+}
+
 /* The end of every lane dot product: token j's four lanes c, summed (c0 + c1) + (c2 + c3). */
 static inline __attribute__((always_inline)) float lane_sum(const float *c) { return (c[0] + c[1]) + (c[2] + c[3]); }
 
@@ -243,13 +251,11 @@ static inline __attribute__((always_inline)) void lane_block(const char *W, int6
     const int64_t per = bf16 ? 8 : 4, units = n / per, left = n - units * per, vs = 64 * V;
     __m512 acc[LANE_ROWS][LANE_VECS];
     const char *wr[LANE_ROWS];
+    const uintptr_t ahead = lane_rows(wr, W, ldb, r, R);
 #pragma GCC unroll 8
-    for (int a = 0; a < R; a++) {
-        wr[a] = W + (r + a) * ldb;
+    for (int a = 0; a < R; a++)
 #pragma GCC unroll 4
         for (int v = 0; v < V; v++) acc[a][v] = _mm512_setzero_ps();
-    }
-    const uintptr_t ahead = (uintptr_t)W + (uintptr_t)((r + PF_TILES * R) * ldb);
     for (int64_t q = 0; q <= units; q++) {
         if (q == units && !left) break;
         if ((q & 3) == 0) {
@@ -295,12 +301,9 @@ static inline __attribute__((always_inline)) void lane_block1(const char *W, int
     const int64_t per = bf16 ? 8 : 4, units = n / per, left = n - units * per, units4 = units & ~(int64_t)3;
     __m128 acc[LANE_ROWS];
     const char *wr[LANE_ROWS];
+    const uintptr_t ahead = lane_rows(wr, W, ldb, r, R);
 #pragma GCC unroll 8
-    for (int a = 0; a < R; a++) {
-        wr[a] = W + (r + a) * ldb;
-        acc[a] = _mm_setzero_ps();
-    }
-    const uintptr_t ahead = (uintptr_t)W + (uintptr_t)((r + PF_TILES * R) * ldb);
+    for (int a = 0; a < R; a++) acc[a] = _mm_setzero_ps();
     int64_t q = 0;
     for (; q < units4; q += 4) {
         const __m128i x0 = _mm_loadu_si128((const __m128i *)(xt + 64 * q)),
@@ -340,12 +343,9 @@ static inline __attribute__((always_inline)) void lane_block2(const char *W, int
     const int64_t per = bf16 ? 8 : 4, units = n / per, left = n - units * per;
     __m256 acc[LANE_ROWS];
     const char *wr[LANE_ROWS];
+    const uintptr_t ahead = lane_rows(wr, W, ldb, r, R);
 #pragma GCC unroll 8
-    for (int a = 0; a < R; a++) {
-        wr[a] = W + (r + a) * ldb;
-        acc[a] = _mm256_setzero_ps();
-    }
-    const uintptr_t ahead = (uintptr_t)W + (uintptr_t)((r + PF_TILES * R) * ldb);
+    for (int a = 0; a < R; a++) acc[a] = _mm256_setzero_ps();
     for (int64_t q = 0; q < units + (left > 0); q++) {
         if ((q & 3) == 0) {
 #pragma GCC unroll 8

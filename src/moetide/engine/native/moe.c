@@ -193,7 +193,8 @@ static inline __attribute__((always_inline)) void dot_block(const char *W, int64
    does not depend on the step's other tokens. xt holds a group's tokens as [unit][v][token j of 4][16 bytes],
    zero past the last token and past n. The rows PF_TILES blocks ahead are prefetched into L2 while a block
    computes (without it memory and arithmetic take turns: at 8 tokens the time was their sum), front to back, one
-   stream. bf16 products are exact in fp32, as in the dot products; only the summation order is this block's. */
+   stream. bf16 products are exact in fp32 (vdpbf16ps reads denormal inputs as zero); the summation order is this
+   block's. */
 #define LANE_ROWS 8
 #define LANE_VECS 4
 #define LANE_TOKENS (4 * LANE_VECS)

@@ -294,8 +294,9 @@ static inline __attribute__((always_inline)) void lane_block(const char *W, int6
 }
 
 /* lane_block for one or two tokens: the same lanes in a 4- or 8-lane register, so the same sums (one token in
-   16 lanes would leave 12 idle and take a 16-lane multiply-add per 4 of its). One token reads each row 64 bytes
-   at a time and takes the units apart in registers (16-byte loads of L3-resident rows came at 2/3 the rate). */
+   16 lanes would leave 12 idle and take a 16-lane multiply-add per 4 of its). Both read each row 64 bytes at a
+   time and take the units apart in registers (16-byte loads of L3-resident rows came at 2/3 the rate for one
+   token, half for two). */
 static inline __attribute__((always_inline)) void lane_block1(const char *W, int64_t ldb, int bf16, const char *xt,
                                                               int64_t n, int64_t r, int64_t t0, float *Y,
                                                               int64_t ldy, const int R) {
@@ -341,28 +342,36 @@ static inline __attribute__((always_inline)) void lane_block1(const char *W, int
 static inline __attribute__((always_inline)) void lane_block2(const char *W, int64_t ldb, int bf16, const char *xt,
                                                               int64_t n, int64_t r, int64_t t0, float *Y,
                                                               int64_t ldy, const int R) {
-    const int64_t per = bf16 ? 8 : 4, units = n / per, left = n - units * per;
+    const int64_t per = bf16 ? 8 : 4, units = n / per, left = n - units * per, units4 = units & ~(int64_t)3;
     __m256 acc[LANE_ROWS];
     const char *wr[LANE_ROWS];
     const uintptr_t ahead = lane_rows(wr, W, ldb, r, R);
 #pragma GCC unroll 8
     for (int a = 0; a < R; a++) acc[a] = _mm256_setzero_ps();
-    for (int64_t q = 0; q < units + (left > 0); q++) {
-        if ((q & 3) == 0) {
+    int64_t q = 0;
+    for (; q < units4; q += 4) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xt + 64 * q)),
+                      x1 = _mm256_loadu_si256((const __m256i *)(xt + 64 * (q + 1))),
+                      x2 = _mm256_loadu_si256((const __m256i *)(xt + 64 * (q + 2))),
+                      x3 = _mm256_loadu_si256((const __m256i *)(xt + 64 * (q + 3)));
 #pragma GCC unroll 8
-            for (int a = 0; a < R; a++) prefetch_line(ahead, (q / 4) * R + a);
+        for (int a = 0; a < R; a++) {
+            prefetch_line(ahead, (q / 4) * R + a);
+            const __m512i w = _mm512_loadu_si512((const void *)(wr[a] + 16 * q));
+            const __m512i lo = _mm512_shuffle_i64x2(w, w, 0x50), hi = _mm512_shuffle_i64x2(w, w, 0xfa);
+            acc[a] = madd8(acc[a], _mm512_castsi512_si256(lo), x0, bf16);
+            acc[a] = madd8(acc[a], _mm512_extracti64x4_epi64(lo, 1), x1, bf16);
+            acc[a] = madd8(acc[a], _mm512_castsi512_si256(hi), x2, bf16);
+            acc[a] = madd8(acc[a], _mm512_extracti64x4_epi64(hi, 1), x3, bf16);
         }
+    }
+    for (; q < units + (left > 0); q++) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xt + 64 * q));
-        if (q < units) {
 #pragma GCC unroll 8
-            for (int a = 0; a < R; a++) {
-                const __m128i unit = _mm_loadu_si128((const __m128i *)(wr[a] + 16 * q));
-                acc[a] = madd8(acc[a], _mm256_broadcastsi128_si256(unit), xv, bf16);
-            }
-        } else {
-#pragma GCC unroll 8
-            for (int a = 0; a < R; a++)
-                acc[a] = madd8(acc[a], _mm256_broadcastsi128_si256(tail_unit(wr[a] + 16 * q, left, bf16)), xv, bf16);
+        for (int a = 0; a < R; a++) {
+            const __m128i unit = q < units ? _mm_loadu_si128((const __m128i *)(wr[a] + 16 * q))
+                                           : tail_unit(wr[a] + 16 * q, left, bf16);
+            acc[a] = madd8(acc[a], _mm256_broadcastsi128_si256(unit), xv, bf16);
         }
     }
     float lanes[8];

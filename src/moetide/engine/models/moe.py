@@ -131,7 +131,7 @@ def expert_mlp(rows: Tensor, w: ExpertWeights) -> Tensor:
 
 # above this many (token, expert) pairs per expert (a prefill), torch's grouped GEMMs beat the native kernel, by
 # dtype (measured at hidden 512, 16 experts of width 256 and 8 of 512, one thread on Zen 4: fp32 native 0.30-0.89x
-# torch's time from 4 to 128 pairs per expert; bf16 0.32-0.79x from 4 to 16, 1.01-1.07x at 32)
+# torch's time from 4 to 128 pairs per expert; bf16 0.54-0.82x at 8-16, 0.85-1.07x at 32, 1.08-1.24x at 64)
 NATIVE_PAIRS_PER_EXPERT = {torch.float32: 128, torch.bfloat16: 16}
 
 

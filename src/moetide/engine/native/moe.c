@@ -216,6 +216,12 @@ static inline __attribute__((always_inline)) __m128i tail_unit(const char *p, in
     return bf16 ? _mm_maskz_loadu_epi16(mask, p) : _mm_castps_si128(_mm_maskz_loadu_ps(mask, (const float *)p));
 }
 
+/* unit q of a row of n = units * per + left elements: a plain load, or for q == units the masked tail */
+static inline __attribute__((always_inline)) __m128i row_unit(const char *row, int64_t q, int64_t units, int64_t left,
+                                                              int bf16) {
+    return q < units ? _mm_loadu_si128((const __m128i *)(row + 16 * q)) : tail_unit(row + 16 * q, left, bf16);
+}
+
 static inline __attribute__((always_inline)) __m512 madd16(__m512 acc, __m512i w, __m512i x, int bf16) {
 #ifdef MOE_BF16_DOT
     if (bf16) return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
@@ -257,8 +263,7 @@ static inline __attribute__((always_inline)) void lane_block(const char *W, int6
     for (int a = 0; a < R; a++)
 #pragma GCC unroll 4
         for (int v = 0; v < V; v++) acc[a][v] = _mm512_setzero_ps();
-    for (int64_t q = 0; q <= units; q++) {
-        if (q == units && !left) break;
+    for (int64_t q = 0; q < units + (left > 0); q++) {
         if ((q & 3) == 0) {
 #pragma GCC unroll 8
             for (int a = 0; a < R; a++) prefetch_line(ahead, (q / 4) * R + a);
@@ -266,20 +271,11 @@ static inline __attribute__((always_inline)) void lane_block(const char *W, int6
         __m512i xv[LANE_VECS];
 #pragma GCC unroll 4
         for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_si512((const void *)(xt + q * vs + 64 * v));
-        if (q < units) {
 #pragma GCC unroll 8
-            for (int a = 0; a < R; a++) {
-                const __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(wr[a] + 16 * q)));
+        for (int a = 0; a < R; a++) {
+            const __m512i w = _mm512_broadcast_i32x4(row_unit(wr[a], q, units, left, bf16));
 #pragma GCC unroll 4
-                for (int v = 0; v < V; v++) acc[a][v] = madd16(acc[a][v], w, xv[v], bf16);
-            }
-        } else {
-#pragma GCC unroll 8
-            for (int a = 0; a < R; a++) {
-                const __m512i w = _mm512_broadcast_i32x4(tail_unit(wr[a] + 16 * q, left, bf16));
-#pragma GCC unroll 4
-                for (int v = 0; v < V; v++) acc[a][v] = madd16(acc[a][v], w, xv[v], bf16);
-            }
+            for (int v = 0; v < V; v++) acc[a][v] = madd16(acc[a][v], w, xv[v], bf16);
         }
     }
     float lanes[16];
@@ -325,11 +321,7 @@ static inline __attribute__((always_inline)) void lane_block1(const char *W, int
     for (; q < units + (left > 0); q++) {
         const __m128i xv = _mm_loadu_si128((const __m128i *)(xt + 64 * q));
 #pragma GCC unroll 8
-        for (int a = 0; a < R; a++) {
-            const __m128i unit = q < units ? _mm_loadu_si128((const __m128i *)(wr[a] + 16 * q))
-                                           : tail_unit(wr[a] + 16 * q, left, bf16);
-            acc[a] = madd4(acc[a], unit, xv, bf16);
-        }
+        for (int a = 0; a < R; a++) acc[a] = madd4(acc[a], row_unit(wr[a], q, units, left, bf16), xv, bf16);
     }
     float lanes[4];
 #pragma GCC unroll 8
@@ -368,11 +360,8 @@ static inline __attribute__((always_inline)) void lane_block2(const char *W, int
     for (; q < units + (left > 0); q++) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xt + 64 * q));
 #pragma GCC unroll 8
-        for (int a = 0; a < R; a++) {
-            const __m128i unit = q < units ? _mm_loadu_si128((const __m128i *)(wr[a] + 16 * q))
-                                           : tail_unit(wr[a] + 16 * q, left, bf16);
-            acc[a] = madd8(acc[a], _mm256_broadcastsi128_si256(unit), xv, bf16);
-        }
+        for (int a = 0; a < R; a++)
+            acc[a] = madd8(acc[a], _mm256_broadcastsi128_si256(row_unit(wr[a], q, units, left, bf16)), xv, bf16);
     }
     float lanes[8];
 #pragma GCC unroll 8
@@ -468,16 +457,16 @@ static void gemm_rows(const void *W, int64_t ldw, int bf16, const float *const *
                       int64_t rows, float *Y, int64_t ldy) {
     const int64_t esz = bf16 ? 2 : 4;
 #if defined(MOE_AVX512)
-    /* blocks of rows (~16 KiB, a multiple of 4) x blocks of MOE_TOKENS tokens */
-    const int64_t ldb = ldw * esz;
-    const char *Wc = (const char *)W;
-    const int64_t fit = 16384 / (n * esz), row_block = fit >= 4 ? fit & ~(int64_t)3 : 4;
 #ifdef MOE_BF16_DOT
     if (gemm_rows_lanes(W, ldw, bf16, xs, m, n, rows, Y, ldy)) return;
 #else
     if (!bf16 && gemm_rows_lanes(W, ldw, 0, xs, m, n, rows, Y, ldy)) return;
 #endif
-    /* bf16 rows without AVX512-BF16, or no scratch: dot products, 4 rows x 6 tokens once the rows are cached */
+    /* bf16 rows without AVX512-BF16, or no scratch: dot products, 4 rows x 6 tokens once the rows are cached, in
+       blocks of rows (~16 KiB, a multiple of 4) x blocks of MOE_TOKENS tokens */
+    const int64_t ldb = ldw * esz;
+    const char *Wc = (const char *)W;
+    const int64_t fit = 16384 / (n * esz), row_block = fit >= 4 ? fit & ~(int64_t)3 : 4;
     for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
         const int64_t r1 = r0 + row_block < rows ? r0 + row_block : rows;
         for (int64_t t = 0; t < m; t += MOE_TOKENS) {

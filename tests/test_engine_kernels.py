@@ -125,7 +125,7 @@ def test_native_gdn_decode_equals_the_torch_rule_and_updates_the_states_in_place
     prompt = torch.randn(3 * 5, 48, generator=generator).to(dtype)  # 3 sequences, 5 tokens of context each
     step = torch.randn(3, 48, generator=generator).to(dtype)
     results, calls, kernel = {}, [], native.gdn_decode
-    monkeypatch.setattr(native, "gdn_decode", lambda *args: calls.append(len(args[2])) or kernel(*args))
+    monkeypatch.setattr(native, "gdn_decode", lambda *args: calls.append(len(args[4])) or kernel(*args))
     for path in ("native", "torch"):
         if path == "torch":
             monkeypatch.setattr(native, "worth_it", lambda *args, **kwargs: False)
@@ -145,6 +145,48 @@ def test_native_gdn_decode_equals_the_torch_rule_and_updates_the_states_in_place
     for a, b in pairs:
         torch.testing.assert_close(a.float(), b.float(), rtol=tolerance, atol=tolerance * float(b.float().abs().max()))
     assert not torch.equal(states[0].recurrent, torch.zeros_like(states[0].recurrent))  # written in place
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_gdn_decode_updates_states_in_scattered_blocks_that_cut_rows(dtype):
+    """A state cut into 200-byte blocks in shuffled order (so the conv state and some 64-byte recurrent rows cross a
+    block boundary) is updated exactly as the same state in one contiguous row, fresh sequences included."""
+    from moetide.engine.models.hooks import DictLinearStateStore, StateBlocks
+
+    layer = gdn_layer(dtype)
+    store = DictLinearStateStore({0: layer.state_shape()}, dtype)
+    layout, block_bytes = store.layout, 200
+    conv, recurrent = layout.fields[0]
+    assert any((recurrent.offset + i * 64) % block_bytes + 64 > block_bytes for i in range(4 * 16))
+    assert conv.offset // block_bytes != (conv.offset + conv.nbytes - 1) // block_bytes
+    generator = torch.Generator().manual_seed(4)
+    B, n = 3, layout.num_blocks(block_bytes)
+    for s in range(B):  # random states, in the layout's dtypes
+        st = store.state(0, s)
+        st.conv.copy_(torch.randn(st.conv.shape, generator=generator).to(dtype))
+        st.recurrent.copy_(torch.randn(st.recurrent.shape, generator=generator))
+    pool = torch.zeros(B * n + 5, block_bytes, dtype=torch.uint8)
+    tables = torch.randperm(pool.shape[0], generator=generator)[: B * n].view(B, n)
+    for s in range(B):
+        row = torch.zeros(n * block_bytes, dtype=torch.uint8)
+        layout.views(row, 0).conv.copy_(store.state(0, s).conv)
+        layout.views(row, 0).recurrent.copy_(store.state(0, s).recurrent)
+        pool[tables[s]] = row.view(n, block_bytes)
+    scattered = StateBlocks(pool.data_ptr() + tables * block_bytes, block_bytes, layout)
+    mixed = torch.randn(B, conv.shape[0], generator=generator).to(dtype)
+    g, beta = -torch.rand(B, 4, generator=generator), torch.rand(B, 4, generator=generator)
+    fresh = [False, True, False]
+    with torch.inference_mode():
+        args = (layer.conv1d.weight, 0, fresh, g, beta, 2, 16, 16)
+        expected = native.gdn_decode(mixed, args[0], store.state_blocks(list(range(B))), *args[1:])
+        out = native.gdn_decode(mixed, args[0], scattered, *args[1:])
+    assert torch.equal(out, expected)
+    for s in range(B):
+        got, want = layout.views(pool[tables[s]].reshape(-1), 0), store.state(0, s)
+        assert torch.equal(got.conv, want.conv) and torch.equal(got.recurrent, want.recurrent)
+    assert torch.equal(pool[~torch.isin(torch.arange(pool.shape[0]), tables)], torch.zeros(5, block_bytes,
+                                                                                          dtype=torch.uint8))
 
 
 @needs_native

@@ -17,6 +17,7 @@ Conventions: ``T`` = tokens in the step, ``B`` = sequences, ``H`` = hidden size,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -144,33 +145,101 @@ class LinearStateShape:
     recurrent: tuple[int, ...]
 
 
+STATE_ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class StateField:
+    offset: int  # bytes from the start of the sequence's state
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Byte layout of one sequence's state over all linear layers: layer id -> (conv field, recurrent field), per
+    layer ``conv`` [C, kernel-1] in the model dtype then ``recurrent`` [Hv, Dk, Dv] in fp32, each 64-byte aligned.
+    Both stores keep a sequence's state as these bytes, so one native kernel reads either in place."""
+
+    fields: dict[int, tuple[StateField, StateField]]
+    total_bytes: int
+
+    @classmethod
+    def of(cls, shapes: dict[int, LinearStateShape], conv_dtype: torch.dtype) -> StateLayout:
+        def align(n: int) -> int:
+            return -(-n // STATE_ALIGN_BYTES) * STATE_ALIGN_BYTES
+
+        fields, offset = {}, 0
+        for layer_id in sorted(shapes):
+            conv = StateField(offset, shapes[layer_id].conv, conv_dtype)
+            offset = align(offset + conv.nbytes)
+            recurrent = StateField(offset, shapes[layer_id].recurrent, torch.float32)
+            offset = align(offset + recurrent.nbytes)
+            fields[layer_id] = (conv, recurrent)
+        return cls(fields, offset)
+
+    def num_blocks(self, block_bytes: int) -> int:
+        return -(-self.total_bytes // block_bytes) if self.total_bytes else 0
+
+    def views(self, row: Tensor, layer_id: int) -> LinearState:
+        """The layer's state as tensors over ``row``, one sequence's ``total_bytes`` (or more) of uint8."""
+        conv, recurrent = self.fields[layer_id]
+        return LinearState(*(row[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape)
+                             for f in (conv, recurrent)))
+
+
+@dataclass(frozen=True)
+class StateBlocks:
+    """Where some sequences' state bytes lie, for a kernel that updates them in place: sequence ``s``'s byte
+    ``o`` of ``layout`` is at address ``addresses[s, o // block_bytes] + o % block_bytes`` (CPU memory, valid
+    until the step ends; int64 [B, layout.num_blocks(block_bytes)])."""
+
+    addresses: Tensor
+    block_bytes: int
+    layout: StateLayout
+
+
 class LinearStateStore(Protocol):
     def state(self, layer_id: int, seq_id: int) -> LinearState:
         """The sequence's state in ``layer_id``. Contents are ignored (read as zeros) when the step says the
         sequence has no computed tokens, so a store may hand out recycled memory without clearing it."""
         ...
 
+    def state_blocks(self, seq_ids: list[int]) -> StateBlocks | None:
+        """The sequences' state bytes in place, in ``seq_ids`` order, or None where the store can only hand out
+        tensors (the default). What a kernel writes there is what ``state`` reads afterwards, and the reverse."""
+        return None
 
-class DictLinearStateStore:
-    """The reference ``LinearStateStore``: one pair of tensors per (layer, sequence), allocated on first use."""
+
+class DictLinearStateStore(LinearStateStore):
+    """The reference ``LinearStateStore``: one zeroed byte row per sequence in ``StateLayout``, allocated on first
+    use."""
 
     def __init__(self, shapes: dict[int, LinearStateShape], conv_dtype: torch.dtype,
-                 device: torch.device | str = "cpu", recurrent_dtype: torch.dtype = torch.float32) -> None:
-        self.shapes, self.conv_dtype, self.recurrent_dtype, self.device = shapes, conv_dtype, recurrent_dtype, device
-        self._states: dict[tuple[int, int], LinearState] = {}
+                 device: torch.device | str = "cpu") -> None:
+        self.layout, self.device = StateLayout.of(shapes, conv_dtype), torch.device(device)
+        self._rows: dict[int, Tensor] = {}
+
+    def _row(self, seq_id: int) -> Tensor:
+        if seq_id not in self._rows:
+            self._rows[seq_id] = torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+        return self._rows[seq_id]
 
     def state(self, layer_id: int, seq_id: int) -> LinearState:
-        key = (layer_id, seq_id)
-        if key not in self._states:
-            shape = self.shapes[layer_id]
-            self._states[key] = LinearState(torch.zeros(shape.conv, dtype=self.conv_dtype, device=self.device),
-                                            torch.zeros(shape.recurrent, dtype=self.recurrent_dtype,
-                                                        device=self.device))
-        return self._states[key]
+        return self.layout.views(self._row(seq_id), layer_id)
+
+    def state_blocks(self, seq_ids: list[int]) -> StateBlocks | None:
+        if self.device.type != "cpu" or not self.layout.total_bytes:
+            return None
+        addresses = torch.tensor([[self._row(s).data_ptr()] for s in seq_ids], dtype=torch.int64)
+        return StateBlocks(addresses, self.layout.total_bytes, self.layout)
 
     def free(self, seq_id: int) -> None:
-        for key in [key for key in self._states if key[1] == seq_id]:
-            del self._states[key]
+        self._rows.pop(seq_id, None)
 
 
 # ---- experts -----------------------------------------------------------------------------------------------

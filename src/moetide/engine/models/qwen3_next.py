@@ -23,6 +23,7 @@ transformers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -156,8 +157,10 @@ class GatedRMSNorm(nn.Module):
         return (normed * F.silu(gate.float())).to(x.dtype)
 
 
+@functools.lru_cache(maxsize=2)
 def _groups_by_length(batch: StepBatch, device: torch.device) -> list[tuple[Tensor, list[tuple[int, int]]]]:
-    """Sequences with equal new-token counts, batched: (their token indices, in order; [(seq_id, computed)])."""
+    """Sequences with equal new-token counts, batched: (their token indices, in order; [(seq_id, computed)]).
+    Every linear layer of a step asks the same; the step's batch is the cache key (read-only results)."""
     groups: dict[int, tuple[list[Tensor], list[tuple[int, int]]]] = {}
     for seq_id, sl, computed in zip(batch.seq_ids, batch.token_slices(), batch.num_computed_tokens):
         idx, seqs = groups.setdefault(sl.stop - sl.start, ([], []))
@@ -205,9 +208,13 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log decay, fp32
-        core = x.new_empty(T, self.num_v_heads, self.head_v_dim)
-        for token_idx, seqs in _groups_by_length(ctx.batch, x.device):
-            core[token_idx] = self._run_group(mixed[token_idx], beta[token_idx], g[token_idx], seqs, ctx)
+        groups = _groups_by_length(ctx.batch, x.device)
+        if len(groups) == 1:  # one group holds every token, in order
+            core = self._run_group(mixed, beta, g, groups[0][1], ctx)
+        else:
+            core = x.new_empty(T, self.num_v_heads, self.head_v_dim)
+            for token_idx, seqs in groups:
+                core[token_idx] = self._run_group(mixed[token_idx], beta[token_idx], g[token_idx], seqs, ctx)
         out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return linear(out.view(T, -1), self.out_proj.weight)
 
@@ -215,11 +222,14 @@ class GatedDeltaNet(nn.Module):
                    ctx: StepContext) -> Tensor:
         """B sequences with Ts new tokens each (rows sequence-major) -> core output [B*Ts, Hv, Dv]."""
         B, Ts, r = len(seqs), mixed.shape[0] // len(seqs), self.num_v_heads // self.num_k_heads
-        states = [ctx.linear_states.state(self.layer_id, seq_id) for seq_id, _ in seqs]
         if Ts == 1 and native.worth_it(mixed, B * self.num_v_heads * self.head_k_dim * self.head_v_dim * 3,
-                                       native.EXPERT_DTYPES) and all(native.gdn_state_readable(s) for s in states):
-            return native.gdn_decode(mixed, self.conv1d.weight, states, [computed == 0 for _, computed in seqs], g,
-                                     beta, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+                                       native.EXPERT_DTYPES):
+            blocks = ctx.linear_states.state_blocks([seq_id for seq_id, _ in seqs])
+            if blocks is not None:
+                return native.gdn_decode(mixed, self.conv1d.weight, blocks, self.layer_id,
+                                         [computed == 0 for _, computed in seqs], g, beta, self.num_k_heads,
+                                         self.head_k_dim, self.head_v_dim)
+        states = [ctx.linear_states.state(self.layer_id, seq_id) for seq_id, _ in seqs]
         conv0 = torch.stack([s.conv if computed else torch.zeros_like(s.conv)
                              for s, (_, computed) in zip(states, seqs)])  # [B, C, kernel-1]
         rec0 = torch.stack([s.recurrent if computed else torch.zeros_like(s.recurrent)

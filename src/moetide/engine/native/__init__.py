@@ -25,12 +25,16 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from moetide.engine.models.hooks import StateBlocks
+
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c"))
-_ABI_VERSION = 12
+_ABI_VERSION = 13
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
@@ -117,7 +121,8 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_linear_isa.argtypes = []
         lib.moetide_linear_isa.restype = ctypes.c_int
         lib.linear_isa = _LINEAR_ISAS[lib.moetide_linear_isa()]  # read on every projection: asked once
-        lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, p, p, p, p, i64, i64, i64, i64, p, p]
+        lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, i64, i64,
+                                              i64, i64, p, p, p]
         lib.moetide_gdn_decode.restype = None
         lib.moetide_copy_blocks.argtypes = [p, p, i64, i64, i64]
         lib.moetide_copy_blocks.restype = None
@@ -251,42 +256,41 @@ def copy_blocks(scratch: Tensor, blocks: Tensor, index: tuple[Tensor, Tensor], t
     lib.moetide_copy_blocks(scratch.data_ptr(), addrs.data_ptr(), groups.numel(), nbytes, int(to_blocks))
 
 
-def gdn_state_readable(state) -> bool:
-    """Whether ``gdn_decode`` can update this ``LinearState`` in place: contiguous CPU tensors, fp32 recurrent."""
-    return (state.conv.is_contiguous() and state.recurrent.is_contiguous() and state.conv.device.type == "cpu"
-            and state.recurrent.dtype == torch.float32)
-
-
-def gdn_decode(mixed: Tensor, conv_weight: Tensor, states: list, fresh: list[bool], g: Tensor, beta: Tensor,
-               num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
+def gdn_decode(mixed: Tensor, conv_weight: Tensor, blocks: StateBlocks, layer_id: int, fresh: list[bool], g: Tensor,
+               beta: Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
     """One Gated DeltaNet decode step (``gdn.c``): mixed [B, C] (q | k | v before the conv) fp32 or bf16;
-    conv_weight [C, kernel] (or [C, 1, kernel]) of that dtype; ``states`` each sequence's ``LinearState``
-    (conv [C, kernel-1] of that dtype, recurrent [Hv, Dk, Dv] fp32, contiguous), updated in place, read as zeros
-    where ``fresh``; g, beta [B, Hv] -> the rule's output [B, Hv, Dv] in mixed's dtype."""
+    conv_weight [C, kernel] (or [C, 1, kernel]) of that dtype; ``blocks`` (``models.StateBlocks``) where the B
+    sequences' states lie, layer ``layer_id``'s conv [C, kernel-1] of that dtype and recurrent [Hv, Dk, Dv] fp32
+    updated there in place, read as zeros where ``fresh``; g, beta [B, Hv] -> the rule's output [B, Hv, Dv] in
+    mixed's dtype."""
     lib = _library()
     B, C = mixed.shape
     w = conv_weight.reshape(C, -1).contiguous()
     g, beta = g.float().contiguous(), beta.float().contiguous()
     Hv = g.shape[1]
-    if lib is None or mixed.dtype not in EXPERT_DTYPES or w.dtype != mixed.dtype or len(states) != B:
+    if lib is None or mixed.dtype not in EXPERT_DTYPES or w.dtype != mixed.dtype or len(fresh) != B:
         raise ValueError("gdn_decode needs the native library, fp32 or bf16 activations and conv weights of one "
-                         "dtype, and one state per sequence")
-    for st in states:
-        if (st.conv.dtype != mixed.dtype or st.recurrent.dtype != torch.float32 or not st.conv.is_contiguous()
-                or not st.recurrent.is_contiguous() or st.conv.shape != (C, w.shape[1] - 1)
-                or st.recurrent.shape != (Hv, head_k_dim, head_v_dim) or st.conv.device.type != "cpu"):
-            raise ValueError(f"gdn_decode: a state must be a contiguous conv [{C}, {w.shape[1] - 1}] in "
-                             f"{mixed.dtype} and recurrent [{Hv}, {head_k_dim}, {head_v_dim}] fp32 on the CPU")
-    mixed = mixed.contiguous()
-    conv_ptrs = torch.tensor([st.conv.data_ptr() for st in states], dtype=torch.int64)
-    rec_ptrs = torch.tensor([st.recurrent.data_ptr() for st in states], dtype=torch.int64)
+                         "dtype, and one fresh flag per sequence")
+    conv, recurrent = blocks.layout.fields[layer_id]
+    addresses = blocks.addresses
+    if (conv.dtype != mixed.dtype or conv.shape != (C, w.shape[1] - 1) or recurrent.dtype != torch.float32
+            or recurrent.shape != (Hv, head_k_dim, head_v_dim)):
+        raise ValueError(f"gdn_decode: layer {layer_id}'s state must be conv [{C}, {w.shape[1] - 1}] in "
+                         f"{mixed.dtype} and recurrent [{Hv}, {head_k_dim}, {head_v_dim}] fp32, the layout has "
+                         f"{list(conv.shape)} {conv.dtype} and {list(recurrent.shape)} {recurrent.dtype}")
+    if (addresses.dtype != torch.int64 or addresses.shape != (B, blocks.layout.num_blocks(blocks.block_bytes))
+            or blocks.block_bytes % 4):
+        raise ValueError(f"gdn_decode: StateBlocks.addresses must be int64 [{B}, blocks per state] and blocks a "
+                         f"multiple of 4 bytes, got {addresses.dtype} {list(addresses.shape)}, {blocks.block_bytes}")
+    mixed, addresses = mixed.contiguous(), addresses.contiguous()
     fresh_t = torch.tensor(fresh, dtype=torch.int64)
     out = torch.empty(B, Hv, head_v_dim, dtype=mixed.dtype)
-    scratch = torch.empty(C + 2 * head_v_dim, dtype=torch.float32)
+    scratch = torch.empty(C + 2 * head_v_dim + head_k_dim * head_v_dim + C * (w.shape[1] - 1), dtype=torch.float32)
+    rows = torch.empty(head_k_dim, dtype=torch.int64)
     lib.moetide_gdn_decode(mixed.data_ptr(), B, C, mixed.dtype == torch.bfloat16, w.data_ptr(), w.shape[1],
-                           conv_ptrs.data_ptr(), rec_ptrs.data_ptr(), fresh_t.data_ptr(), g.data_ptr(),
-                           beta.data_ptr(), num_k_heads, Hv, head_k_dim, head_v_dim, out.data_ptr(),
-                           scratch.data_ptr())
+                           addresses.data_ptr(), addresses.shape[1], blocks.block_bytes, conv.offset,
+                           recurrent.offset, fresh_t.data_ptr(), g.data_ptr(), beta.data_ptr(), num_k_heads, Hv,
+                           head_k_dim, head_v_dim, out.data_ptr(), scratch.data_ptr(), rows.data_ptr())
     return out
 
 

@@ -51,23 +51,41 @@ static void l2norm_scaled(float *x, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] * inv * scale;
 }
 
+/* A sequence's state bytes in place (models.StateBlocks): byte off lies at table[off / bb] + off % bb. */
+static char *state_at(const int64_t *table, int64_t bb, int64_t off) {
+    return (char *)(intptr_t)table[off / bb] + off % bb;
+}
+
+/* Copies n state bytes from byte off to buf (to_state == 0) or back, across block boundaries. */
+static void copy_state(const int64_t *table, int64_t bb, int64_t off, char *buf, int64_t n, int to_state) {
+    while (n > 0) {
+        const int64_t piece = bb - off % bb < n ? bb - off % bb : n;
+        char *at = state_at(table, bb, off);
+        if (to_state) memcpy(at, buf, (size_t)piece);
+        else memcpy(buf, at, (size_t)piece);
+        off += piece, buf += piece, n -= piece;
+    }
+}
+
 /* B sequences, one token each. mixed [B, C] (C = 2·Hk·Dk + Hv·Dv: q, k, v) in the model dtype (bf16 != 0: bf16,
-   else fp32); conv_w [C, kernel] model dtype; conv_states[s] [C, kernel-1] model dtype and rec_states[s]
-   [Hv, Dk, Dv] fp32, updated in place (zeros first where fresh[s]); g, beta [B, Hv] fp32; value head h reads key
-   head h / (Hv / Hk). out [B, Hv, Dv] model dtype. scratch holds C + 2 Dv floats. */
+   else fp32); conv_w [C, kernel] model dtype. Sequence s's state is read and updated where it lies: tables[s] holds
+   the addresses of its table_len blocks of block_bytes, its conv state [C, kernel-1] (model dtype) starts at byte
+   conv_off and its recurrent state [Hv, Dk, Dv] (fp32) at rec_off (zeros first where fresh[s]). The conv state is
+   small and is worked on in a copy; a recurrent row is updated in its block unless it crosses into the next one.
+   g, beta [B, Hv] fp32; value head h reads key head h / (Hv / Hk). out [B, Hv, Dv] model dtype. scratch holds
+   C + 2 Dv + Dk Dv floats and C (kernel-1) conv elements; rows holds Dk pointers. */
 void moetide_gdn_decode(const void *mixed, int64_t B, int64_t C, int64_t bf16, const void *conv_w, int64_t kernel,
-                        void *const *conv_states, float *const *rec_states, const int64_t *fresh, const float *g,
-                        const float *beta, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, void *out,
-                        float *scratch) {
+                        const int64_t *tables, int64_t table_len, int64_t bb, int64_t conv_off, int64_t rec_off,
+                        const int64_t *fresh, const float *g, const float *beta, int64_t Hk, int64_t Hv, int64_t Dk,
+                        int64_t Dv, void *out, float *scratch, float **rows) {
     const int64_t km1 = kernel - 1, esz = bf16 ? 2 : 4, group = Hv / Hk, key_dim = Hk * Dk;
-    float *act = scratch, *kv = scratch + C, *o = kv + Dv;
+    const int64_t conv_bytes = C * km1 * esz, row_bytes = Dv * (int64_t)sizeof(float);
+    float *act = scratch, *kv = scratch + C, *o = kv + Dv, *crossing = o + Dv;
+    char *cs = (char *)(crossing + Dk * Dv);
     for (int64_t s = 0; s < B; s++) {
-        void *cs = conv_states[s];
-        float *rs = rec_states[s];
-        if (fresh[s]) {
-            memset(cs, 0, (size_t)(C * km1 * esz));
-            memset(rs, 0, (size_t)(Hv * Dk * Dv) * sizeof(float));
-        }
+        const int64_t *table = tables + s * table_len;
+        if (fresh[s]) memset(cs, 0, (size_t)conv_bytes);
+        else copy_state(table, bb, conv_off, cs, conv_bytes, 0);
         const char *xs = (const char *)mixed + s * C * esz;
         for (int64_t c = 0; c < C; c++) {  /* causal conv over [state, x], SiLU; the state shifts in x */
             const float x = load_any(xs, c, (int)bf16);
@@ -80,6 +98,7 @@ void moetide_gdn_decode(const void *mixed, int64_t B, int64_t C, int64_t bf16, c
                 store_any(cs, c * km1 + j, load_any(cs, c * km1 + j + 1, (int)bf16), (int)bf16);
             if (km1 > 0) store_any(cs, c * km1 + km1 - 1, x, (int)bf16);
         }
+        copy_state(table, bb, conv_off, cs, conv_bytes, 1);
         const float scale = 1.f / sqrtf((float)Dk);
         for (int64_t h = 0; h < Hk; h++) {
             l2norm_scaled(act + h * Dk, Dk, scale);  /* q */
@@ -89,22 +108,35 @@ void moetide_gdn_decode(const void *mixed, int64_t B, int64_t C, int64_t bf16, c
             const float *q = act + (h / group) * Dk, *k = act + key_dim + (h / group) * Dk;
             const float *v = act + 2 * key_dim + h * Dv;
             const float decay = expf(g[s * Hv + h]), b = beta[s * Hv + h];
-            float *S = rs + h * Dk * Dv;
+            for (int64_t i = 0; i < Dk; i++) {
+                const int64_t off = rec_off + (h * Dk + i) * row_bytes;
+                if (off % bb + row_bytes <= bb) {
+                    rows[i] = (float *)state_at(table, bb, off);
+                } else {
+                    rows[i] = crossing + i * Dv;
+                    copy_state(table, bb, off, (char *)rows[i], row_bytes, 0);
+                }
+                if (fresh[s]) memset(rows[i], 0, (size_t)row_bytes);
+            }
             for (int64_t d = 0; d < Dv; d++) kv[d] = 0.f;
             for (int64_t i = 0; i < Dk; i++) {  /* pass 1: kv = (decay S)^T k, S not yet written */
-                const float ki = k[i], *row = S + i * Dv;
+                const float ki = k[i], *row = rows[i];
                 for (int64_t d = 0; d < Dv; d++) kv[d] += (row[d] * decay) * ki;
             }
             for (int64_t d = 0; d < Dv; d++) kv[d] = (v[d] - kv[d]) * b;  /* delta */
             for (int64_t d = 0; d < Dv; d++) o[d] = 0.f;
             for (int64_t i = 0; i < Dk; i++) {  /* pass 2: S = decay S + k delta^T; out = S^T q */
                 const float ki = k[i], qi = q[i];
-                float *row = S + i * Dv;
+                float *row = rows[i];
                 for (int64_t d = 0; d < Dv; d++) {
                     const float updated = row[d] * decay + ki * kv[d];
                     row[d] = updated;
                     o[d] += updated * qi;
                 }
+            }
+            for (int64_t i = 0; i < Dk; i++) {
+                if (rows[i] == crossing + i * Dv)
+                    copy_state(table, bb, rec_off + (h * Dk + i) * row_bytes, (char *)rows[i], row_bytes, 1);
             }
             for (int64_t d = 0; d < Dv; d++) store_any(out, (s * Hv + h) * Dv + d, o[d], (int)bf16);
         }

@@ -190,6 +190,38 @@ def test_native_gdn_decode_updates_states_in_scattered_blocks_that_cut_rows(dtyp
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["plain", "zero_centered", "gated"])
+def test_native_rms_norm_equals_the_torch_forms(dtype, form, monkeypatch):
+    """Each RMSNorm form in one native call: fp32 to round-off; bf16 rounds where torch does, so an element
+    differs only where fp32 round-off crosses a bf16 rounding boundary (at most one bf16 step, rarely)."""
+    from moetide.engine.models.common import RMSNorm
+    from moetide.engine.models.qwen3_next import GatedRMSNorm
+
+    generator = torch.Generator().manual_seed(6)
+    x = (torch.randn(37, 136, generator=generator) * 3).to(dtype)
+    gate = torch.randn(37, 136, generator=generator).to(dtype)
+    norm = GatedRMSNorm(136, 1e-6) if form == "gated" else RMSNorm(136, 1e-6, zero_centered=form == "zero_centered")
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(136, generator=generator) * 0.5)
+    norm = norm.to(dtype)
+    calls, kernel = [], native.rms_norm
+    monkeypatch.setattr(native, "rms_norm", lambda *args: calls.append(args[3]) or kernel(*args))
+    with torch.inference_mode():
+        args = (x, gate) if form == "gated" else (x,)
+        out = norm(*args)
+        monkeypatch.setattr(native, "worth_it", lambda *args, **kwargs: False)
+        ref = norm(*args)
+    assert calls == [form == "zero_centered"] and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        step = ref.float().abs() * 2 ** -7
+        assert bool(((out.float() - ref.float()).abs() <= step + 1e-30).all())
+        assert (out != ref).float().mean() < 0.005
+
+
+@needs_native
 def test_native_decode_attention_reads_a_bf16_cache_as_sdpa_does():
     from moetide.engine.attention import attend_gathered, gather_kv
 

@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 from moetide.engine.loader import load_model  # noqa: E402
 from moetide.engine.models import StepBatch, causal_attention  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
-from moetide.engine.state import StateLayout  # noqa: E402
+from moetide.engine.models import StateLayout  # noqa: E402
+from moetide.engine import native  # noqa: E402
 from moetide.engine.storage import ExpertLayout, default_page_bytes, pack_experts  # noqa: E402
 from engine_parity import BLOCK_SIZE, PAGE_BYTES  # noqa: E402
 
@@ -166,6 +167,32 @@ def test_linear_state_survives_a_round_trip_through_scattered_blocks(tiny_checkp
         assert torch.equal(state.conv, conv) and torch.equal(state.recurrent, recurrent)
     assert state.recurrent.dtype == torch.float32
     store.commit()
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+def test_state_blocks_are_the_pool_blocks_until_a_layer_gathers_them(tiny_checkpoint):
+    """In place, ``state_blocks`` gives each block's own address; once ``state`` has gathered the step's rows it
+    points into that scratch, so bytes written through either are what the other reads and ``commit`` keeps."""
+    import ctypes
+
+    engine = Engine(tiny_checkpoint("qwen3_next"), kv_budget_mib=1, block_size=BLOCK_SIZE, page_bytes=PAGE_BYTES)
+    store, storage = engine.parts.linear_states, engine.storage
+    ids = storage.arena.kv_block_ids()
+    tables = [ids[1::2][: store.num_blocks], ids[0::2][: store.num_blocks][::-1]]
+    layer_id = min(store.layout.fields)
+    conv = store.layout.fields[layer_id][0]
+    store.prepare(StepBatch.of([(10, 1, 3), (11, 1, 3)]), tables)
+    blocks = store.state_blocks([11, 10])
+    assert blocks.addresses.tolist() == [[storage.kv_block(b).data_ptr() for b in table] for table in tables[::-1]]
+    ctypes.memset(int(blocks.addresses[0, 0]) + conv.offset, 0x3F, 2)  # sequence 11's first conv element, in place
+    state = store.state(layer_id, 11)  # gathers
+    assert state.conv.reshape(-1).view(torch.uint8)[:2].tolist() == [0x3F, 0x3F]
+    gathered = store.state_blocks([11])
+    assert int(gathered.addresses[0, 0]) + conv.offset == state.conv.data_ptr()
+    ctypes.memset(int(gathered.addresses[0, 0]) + conv.offset + 2, 0x41, 2)  # through the scratch's address
+    assert state.conv.reshape(-1).view(torch.uint8)[2:4].tolist() == [0x41, 0x41]
+    store.commit()
+    assert storage.kv_block(tables[1][0])[conv.offset : conv.offset + 4].tolist() == [0x3F, 0x3F, 0x41, 0x41]
 
 
 def test_state_layout_is_aligned_and_sized():

@@ -85,7 +85,8 @@ def rms_normalize(x: Tensor, eps: float) -> Tensor:
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim. ``zero_centered`` (Qwen3-Next) scales by ``1 + weight`` in fp32 and casts last;
     the plain form (Qwen3-MoE, Mixtral) casts the normalized input back first, then scales by ``weight`` — in one
-    native call for fp32 on the CPU without autograd (``engine.native``; equal to fp32 round-off)."""
+    native call for fp32 and bf16 on the CPU without autograd (``engine.native.rms_norm``; equal to fp32
+    round-off before the roundings)."""
 
     def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
         super().__init__()
@@ -93,10 +94,10 @@ class RMSNorm(nn.Module):
         self.eps, self.zero_centered = eps, zero_centered
 
     def forward(self, x: Tensor) -> Tensor:
+        if native.worth_it(x, x.numel(), native.EXPERT_DTYPES) and self.weight.dtype == x.dtype:  # one call
+            rows = x.reshape(-1, x.shape[-1])
+            return native.rms_norm(rows, self.eps, self.weight, self.zero_centered).view(x.shape)
         if not self.zero_centered:
-            if native.worth_it(x, x.numel()):  # one call instead of seven ops (same to fp32 round-off)
-                rows = x.reshape(-1, 1, x.shape[-1]).contiguous()
-                return native.rms_norm_rope(rows, self.eps, (self.weight, None)).view(x.shape)
             return self.weight * rms_normalize(x, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

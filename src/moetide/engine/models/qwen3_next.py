@@ -152,6 +152,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        if native.worth_it(x, x.numel(), native.EXPERT_DTYPES) and self.weight.dtype == x.dtype == gate.dtype:
+            return native.rms_norm(x, self.eps, self.weight, False, gate)
         x32 = x.float()
         normed = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (normed * F.silu(gate.float())).to(x.dtype)

@@ -124,6 +124,8 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, i64, i64,
                                               i64, i64, p, p, p]
         lib.moetide_gdn_decode.restype = None
+        lib.moetide_rms_norm.argtypes = [p, i64, i64, i64, i64, ctypes.c_float, p, i64, p, i64, p]
+        lib.moetide_rms_norm.restype = None
         lib.moetide_copy_blocks.argtypes = [p, p, i64, i64, i64]
         lib.moetide_copy_blocks.restype = None
         lib.moetide_paged_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
@@ -340,6 +342,26 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
         raise ValueError(f"key_rows must lie in [0, {num_rows})" if status == 1
                          else f"lengths must lie in [0, {L}]")
     return out if out.dtype == dtype else out.to(dtype)
+
+
+def rms_norm(x: Tensor, eps: float, weight: Tensor, zero_centered: bool, gate: Tensor | None = None) -> Tensor:
+    """x [T, D] fp32 or bf16 (rows of D contiguous; any row stride) -> [T, D] in x's dtype: ``models.common``'s
+    ``RMSNorm`` (``zero_centered``: scaled by 1 + weight) or, with ``gate`` [T, D], Qwen3-Next's gated norm, in one
+    call (``gdn.c``; equal to the torch forms to fp32 round-off before their roundings to the model dtype)."""
+    lib = _library()
+    T, D = x.shape
+    x, w = (x if x.stride(1) == 1 else x.contiguous()), weight.contiguous()
+    gate = gate if gate is None or gate.stride(-1) == 1 else gate.contiguous()
+    if (lib is None or x.dtype not in EXPERT_DTYPES or w.dtype != x.dtype or w.shape != (D,)
+            or x.device.type != "cpu"):
+        raise ValueError(f"rms_norm needs the native library, CPU rows of {D} contiguous fp32 or bf16 values and "
+                         f"a [{D}] weight of their dtype")
+    if gate is not None and (gate.shape != (T, D) or gate.dtype != x.dtype):
+        raise ValueError(f"rms_norm: the gate must be [{T}, {D}] rows of {x.dtype}")
+    out = torch.empty(T, D, dtype=x.dtype)
+    lib.moetide_rms_norm(x.data_ptr(), T, x.stride(0), D, x.dtype == torch.bfloat16, eps, w.data_ptr(),
+                         zero_centered, _ptr(gate), 0 if gate is None else gate.stride(0), out.data_ptr())
+    return out
 
 
 def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Tensor | None] = (None, None),

@@ -51,6 +51,41 @@ static void l2norm_scaled(float *x, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] * inv * scale;
 }
 
+/* RMSNorm over rows of D in the model dtype (bf16 != 0: bf16, else fp32), x rows x_stride elements apart, out
+   [T, D] contiguous, w [D] model dtype; the sum of squares in fp32 over eight lanes. zero_centered (Qwen3-Next):
+   out = x·inv·(1 + w) rounded once, as transformers' Qwen3NextRMSNorm; else out = w · round(x·inv), as
+   Qwen3MoeRMSNorm; with gate (rows gate_stride apart, the gated norm of Gated DeltaNet) that is then multiplied
+   by SiLU(gate) in fp32 and rounded again. */
+void moetide_rms_norm(const void *x, int64_t T, int64_t x_stride, int64_t D, int64_t bf16, float eps,
+                      const void *w, int64_t zero_centered, const void *gate, int64_t gate_stride, void *out) {
+    const int b = (int)bf16;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t base = t * x_stride;
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8)
+            for (int j = 0; j < 8; j++) {
+                const float v = load_any(x, base + d + j, b);
+                acc[j] += v * v;
+            }
+        float ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for (; d < D; d++) {
+            const float v = load_any(x, base + d, b);
+            ss += v * v;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        for (d = 0; d < D; d++) {
+            const float normed = load_any(x, base + d, b) * inv, wd = load_any(w, d, b);
+            float y = zero_centered ? normed * (1.f + wd) : to_dtype(wd * to_dtype(normed, b), b);
+            if (gate != 0) {
+                const float gd = load_any(gate, t * gate_stride + d, b);
+                y = y * (gd / (1.f + expf(-gd)));
+            }
+            store_any(out, t * D + d, y, b);
+        }
+    }
+}
+
 /* A sequence's state bytes in place (models.StateBlocks): byte off lies at table[off / bb] + off % bb. */
 static char *state_at(const int64_t *table, int64_t bb, int64_t off) {
     return (char *)(intptr_t)table[off / bb] + off % bb;

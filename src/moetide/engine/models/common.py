@@ -180,7 +180,9 @@ class Attention(nn.Module):
         if self.joint_qk:
             heads = qkv.view(T, Hq + 2 * Hkv, D)
             qk, v = heads[:, : Hq + Hkv], heads[:, Hq + Hkv :]  # [T, Hq + Hkv, D], [T, Hkv, D]
-            if native.worth_it(x, qk.numel()):  # q/k norms and RoPE in one call (same to fp32 round-off)
+            if (native.worth_it(x, qk.numel(), native.EXPERT_DTYPES) and rope[0].dtype == x.dtype
+                    and (not self.qk_norm or self.q_norm.weight.dtype == self.k_norm.weight.dtype == x.dtype)):
+                # q/k norms and RoPE in one call (same to fp32 round-off before each bf16 rounding)
                 if self.qk_norm:
                     qk = native.rms_norm_rope(qk, self.q_norm.eps, (self.q_norm.weight, self.k_norm.weight), Hq, rope)
                 else:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from moetide.engine.models.hooks import StateBlocks
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c"))
+_HEADERS = (Path(__file__).with_name("bf16.h"),)  # part of the build's key, not compiled on their own
 _ABI_VERSION = 13
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
@@ -74,7 +75,7 @@ def _cpu_signature() -> str:
 
 
 def _build(compiler: str, flags: list[str], cache_dir: Path) -> Path:
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
     target = cache_dir / f"moetide_kernels_{key}.so"
     if target.is_file():
@@ -131,9 +132,9 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_paged_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
                                                        ctypes.c_float, p, p, p, p, i64, p]
         lib.moetide_paged_decode_attention.restype = ctypes.c_int
-        lib.moetide_rms_norm_rope_f32.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, p, i64,
-                                                  p, p]
-        lib.moetide_rms_norm_rope_f32.restype = None
+        lib.moetide_rms_norm_rope.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, p, i64, p,
+                                              p, i64]
+        lib.moetide_rms_norm_rope.restype = None
         return lib
     _reason.append("the native kernels did not build: " + "; ".join(errors))
     return None
@@ -366,16 +367,20 @@ def rms_norm(x: Tensor, eps: float, weight: Tensor, zero_centered: bool, gate: T
 
 def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Tensor | None] = (None, None),
                   split: int = 1, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """x [T, heads, D] fp32 (rows of D contiguous; any token stride) -> [T, heads, D]: RMSNorm over D unless
-    ``eps`` is None, scaled by ``weights[0]`` for the first ``split`` heads and ``weights[1]`` for the others
-    (either may be None), then RoPE with ``engine.models.common``'s (cos, signed sin) tables [T, rotary] if
-    given. The same as ``RMSNorm``/``rms_normalize`` then ``apply_rope``, to fp32 round-off."""
+    """x [T, heads, D] fp32 or bf16 (rows of D contiguous; any token stride) -> [T, heads, D]: RMSNorm over D
+    unless ``eps`` is None, scaled by ``weights[0]`` for the first ``split`` heads and ``weights[1]`` for the
+    others (either may be None), then RoPE with ``engine.models.common``'s (cos, signed sin) tables [T, rotary] if
+    given; weights and tables in x's dtype. The same as ``RMSNorm``/``rms_normalize`` then ``apply_rope``, to fp32
+    round-off before each of their roundings to bf16."""
     lib = _library()
     T, heads, D = x.shape
     if lib is None or x.stride(2) != 1 or x.stride(1) != D:
         raise ValueError("rms_norm_rope needs the native library and rows of D contiguous floats")
     w1, w2 = (None if w is None else w.contiguous() for w in weights)
-    _require_f32("rms_norm_rope", x, w1, w2, *(rope or ()))
+    tensors = [t for t in (x, w1, w2, *(rope or ())) if t is not None]
+    if x.dtype not in EXPERT_DTYPES or any(t.dtype != x.dtype or t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"rms_norm_rope takes CPU tensors of one dtype, fp32 or bf16, got "
+                         f"{sorted({str(t.dtype) for t in tensors})} on {sorted({str(t.device) for t in tensors})}")
     if any(w is not None and w.shape != (D,) for w in (w1, w2)) or not 0 <= split <= heads:
         raise ValueError(f"rms_norm_rope: weights must be [{D}] and split within [0, {heads}]")
     rotary = 0
@@ -386,7 +391,8 @@ def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Te
         if cos.shape != (T, rotary) or sin.shape != (T, rotary) or rotary > D or rotary % 2:
             raise ValueError(f"rope tables must be [T, rotary] with an even rotary <= {D}")
     out = torch.empty(T, heads, D, dtype=x.dtype)
-    scratch = x.new_empty(D) if rotary else None  # the normed row before it is rotated
-    lib.moetide_rms_norm_rope_f32(x.data_ptr(), T, x.stride(0), heads, D, eps is not None, eps or 0.0, _ptr(w1),
-                                  split, _ptr(w2), _ptr(cos), _ptr(sin), rotary, out.data_ptr(), _ptr(scratch))
+    scratch = torch.empty(2 * D, dtype=torch.float32)  # a row widened, and normed before it is rotated
+    lib.moetide_rms_norm_rope(x.data_ptr(), T, x.stride(0), heads, D, eps is not None, eps or 0.0, _ptr(w1), split,
+                              _ptr(w2), _ptr(cos), _ptr(sin), rotary, out.data_ptr(), scratch.data_ptr(),
+                              x.dtype == torch.bfloat16)
     return out

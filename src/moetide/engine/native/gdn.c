@@ -16,33 +16,20 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float gdn_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t gdn_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 static inline float load_any(const void *p, int64_t i, int bf16) {
-    return bf16 ? gdn_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void store_any(void *p, int64_t i, float v, int bf16) {
     if (bf16)
-        ((uint16_t *)p)[i] = gdn_f32_to_bf16(v);
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
     else
         ((float *)p)[i] = v;
 }
 
-static inline float to_dtype(float v, int bf16) { return bf16 ? gdn_bf16_to_f32(gdn_f32_to_bf16(v)) : v; }
+static inline float to_dtype(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
 
 static void l2norm_scaled(float *x, int64_t n, float scale) {
     float ss = 0.f;
@@ -51,38 +38,53 @@ static void l2norm_scaled(float *x, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] * inv * scale;
 }
 
+/* One row of rms_norm; bf16 is a constant at each call, so each dtype's loops are compiled (and vectorized) on
+   their own. */
+static inline __attribute__((always_inline)) void rms_norm_row(const void *x, int64_t D, const int bf16, float eps,
+                                                               const void *w, int64_t zero_centered,
+                                                               const void *gate, void *out) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8)
+        for (int j = 0; j < 8; j++) {
+            const float v = load_any(x, d + j, bf16);
+            acc[j] += v * v;
+        }
+    float ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; d < D; d++) {
+        const float v = load_any(x, d, bf16);
+        ss += v * v;
+    }
+    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+    if (zero_centered) {
+        for (d = 0; d < D; d++) store_any(out, d, (load_any(x, d, bf16) * inv) * (1.f + load_any(w, d, bf16)), bf16);
+    } else {
+        for (d = 0; d < D; d++) store_any(out, d, load_any(w, d, bf16) * to_dtype(load_any(x, d, bf16) * inv, bf16), bf16);
+    }
+    if (gate != 0) {
+        for (d = 0; d < D; d++) {
+            const float gd = load_any(gate, d, bf16);
+            store_any(out, d, load_any(out, d, bf16) * (gd / (1.f + expf(-gd))), bf16);
+        }
+    }
+}
+
 /* RMSNorm over rows of D in the model dtype (bf16 != 0: bf16, else fp32), x rows x_stride elements apart, out
    [T, D] contiguous, w [D] model dtype; the sum of squares in fp32 over eight lanes. zero_centered (Qwen3-Next):
    out = x·inv·(1 + w) rounded once, as transformers' Qwen3NextRMSNorm; else out = w · round(x·inv), as
-   Qwen3MoeRMSNorm; with gate (rows gate_stride apart, the gated norm of Gated DeltaNet) that is then multiplied
-   by SiLU(gate) in fp32 and rounded again. */
+   Qwen3MoeRMSNorm; with gate (rows gate_stride apart, the gated norm of Gated DeltaNet) that rounded result is
+   then multiplied by SiLU(gate) in fp32 and rounded again. */
 void moetide_rms_norm(const void *x, int64_t T, int64_t x_stride, int64_t D, int64_t bf16, float eps,
                       const void *w, int64_t zero_centered, const void *gate, int64_t gate_stride, void *out) {
-    const int b = (int)bf16;
+    const int64_t esz = bf16 ? 2 : 4;
     for (int64_t t = 0; t < T; t++) {
-        const int64_t base = t * x_stride;
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        int64_t d = 0;
-        for (; d + 8 <= D; d += 8)
-            for (int j = 0; j < 8; j++) {
-                const float v = load_any(x, base + d + j, b);
-                acc[j] += v * v;
-            }
-        float ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        for (; d < D; d++) {
-            const float v = load_any(x, base + d, b);
-            ss += v * v;
-        }
-        const float inv = 1.f / sqrtf(ss / (float)D + eps);
-        for (d = 0; d < D; d++) {
-            const float normed = load_any(x, base + d, b) * inv, wd = load_any(w, d, b);
-            float y = zero_centered ? normed * (1.f + wd) : to_dtype(wd * to_dtype(normed, b), b);
-            if (gate != 0) {
-                const float gd = load_any(gate, t * gate_stride + d, b);
-                y = y * (gd / (1.f + expf(-gd)));
-            }
-            store_any(out, t * D + d, y, b);
-        }
+        const char *xt = (const char *)x + t * x_stride * esz;
+        const char *gt = gate != 0 ? (const char *)gate + t * gate_stride * esz : 0;
+        char *ot = (char *)out + t * D * esz;
+        if (bf16)
+            rms_norm_row(xt, D, 1, eps, w, zero_centered, gt, ot);
+        else
+            rms_norm_row(xt, D, 0, eps, w, zero_centered, gt, ot);
     }
 }
 

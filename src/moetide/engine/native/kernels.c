@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MOETIDE_AVX2 1
@@ -206,36 +208,67 @@ int moetide_paged_decode_attention(const float *q, int64_t b, int64_t Hq, int64_
     return 0;
 }
 
-/* RMSNorm and RoPE over T x heads rows of D: row (t, h) starts at x + t*x_stride + h*D; out [T, heads, D]
-   contiguous. With norm, y = w * (x / sqrt(mean(x^2) + eps)) (transformers' plain RMSNorm), w = w1 for the first
-   `split` heads of a token and w2 for the rest (q and k heads of one projection), no weight where NULL; else
-   y = x. With rotary > 0, the first `rotary` dims of y are rotated, halves convention: out = y*cos + swap(y)*sin
-   with cos and a sign-folded sin ([T, rotary] each, sin's first half negated: engine.models.common's tables);
-   the other dims pass through. */
-void moetide_rms_norm_rope_f32(const float *x, int64_t T, int64_t x_stride, int64_t heads, int64_t D, int64_t norm,
-                               float eps, const float *w1, int64_t split, const float *w2, const float *cos_t,
-                               const float *sin_t, int64_t rotary, float *out, float *scratch) {
+/* RMSNorm and RoPE over T x heads rows of D: row (t, h) starts at element t*x_stride + h*D of x; out [T, heads, D]
+   contiguous; x, w1, w2, the tables and out all fp32, or all bf16 where bf16 != 0. With norm,
+   y = w * (x / sqrt(mean(x^2) + eps)) (transformers' plain RMSNorm), w = w1 for the first `split` heads of a token
+   and w2 for the rest (q and k heads of one projection), no weight where NULL; else y = x. With rotary > 0, the
+   first `rotary` dims of y are rotated, halves convention: out = y*cos + swap(y)*sin with cos and a sign-folded
+   sin ([T, rotary] each, sin's first half negated: engine.models.common's tables); the other dims pass through.
+   In bf16 every product and sum is rounded where torch's bf16 ops round (x / rms, then * w; y * cos, swap(y) *
+   sin, their sum), so only the fp32 sum of squares is in another order. scratch holds 2 D floats. */
+static inline float rnd(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
+static inline float ld(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* One row (t, h) of moetide_rms_norm_rope; bf16 is a constant at each call, so each dtype is compiled apart. */
+static inline __attribute__((always_inline)) void norm_rope_row(const void *xr, int64_t D, int64_t norm, float eps,
+                                                                const void *w, const void *c, const void *sn,
+                                                                int64_t rotary, void *restrict o,
+                                                                float *restrict wide, float *restrict y, const int b) {
     const int64_t half = rotary / 2;
+    const float *row = (const float *)xr;
+    if (b) {
+        for (int64_t d = 0; d < D; d++) wide[d] = bf16_to_f32(((const uint16_t *)xr)[d]);
+        row = wide;
+    }
+    if (norm) {
+        const float inv = 1.f / sqrtf(dot(row, row, D) / (float)D + eps);
+        if (w != 0) {
+            for (int64_t d = 0; d < D; d++) y[d] = rnd(ld(w, d, b) * rnd(row[d] * inv, b), b);
+        } else {
+            for (int64_t d = 0; d < D; d++) y[d] = rnd(row[d] * inv, b);
+        }
+        row = y;
+    }
+    for (int64_t d = 0; d < half; d++) {
+        st(o, d, rnd(row[d] * ld(c, d, b), b) + rnd(row[d + half] * ld(sn, d, b), b), b);
+        st(o, d + half, rnd(row[d + half] * ld(c, d + half, b), b) + rnd(row[d] * ld(sn, d + half, b), b), b);
+    }
+    for (int64_t d = rotary; d < D; d++) st(o, d, row[d], b);
+}
+
+void moetide_rms_norm_rope(const void *x, int64_t T, int64_t x_stride, int64_t heads, int64_t D, int64_t norm,
+                           float eps, const void *w1, int64_t split, const void *w2, const void *cos_t,
+                           const void *sin_t, int64_t rotary, void *out, float *scratch, int64_t bf16) {
+    const int64_t esz = bf16 ? 2 : 4;
     for (int64_t t = 0; t < T; t++) {
+        const char *c = (const char *)cos_t + t * rotary * esz, *sn = (const char *)sin_t + t * rotary * esz;
         for (int64_t h = 0; h < heads; h++) {
-            const float *row = x + t * x_stride + h * D;
-            float *o = out + (t * heads + h) * D;
-            float *y = rotary > 0 ? scratch : o;
-            if (norm) {
-                const float inv = 1.f / sqrtf(dot(row, row, D) / (float)D + eps);
-                const float *w = h < split ? w1 : w2;
-                for (int64_t d = 0; d < D; d++) y[d] = w != 0 ? w[d] * (row[d] * inv) : row[d] * inv;
-            } else {
-                for (int64_t d = 0; d < D; d++) y[d] = row[d];
-            }
-            if (rotary > 0) {
-                const float *c = cos_t + t * rotary, *sn = sin_t + t * rotary;
-                for (int64_t d = 0; d < half; d++) {
-                    o[d] = y[d] * c[d] + y[d + half] * sn[d];
-                    o[d + half] = y[d + half] * c[d + half] + y[d] * sn[d + half];
-                }
-                for (int64_t d = rotary; d < D; d++) o[d] = y[d];
-            }
+            const char *xr = (const char *)x + (t * x_stride + h * D) * esz;
+            char *o = (char *)out + (t * heads + h) * D * esz;
+            const void *w = h < split ? w1 : w2;
+            if (bf16)
+                norm_rope_row(xr, D, norm, eps, w, c, sn, rotary, o, scratch, scratch + D, 1);
+            else
+                norm_rope_row(xr, D, norm, eps, w, c, sn, rotary, o, scratch, scratch + D, 0);
         }
     }
 }

@@ -152,9 +152,9 @@ def worth_it(x: Tensor, macs: int, dtypes: tuple[torch.dtype, ...] = (torch.floa
     """Whether a native kernel should take work of ``macs`` multiply-adds on tensors like ``x``: CPU tensors of
     one of the kernel's ``dtypes``, with autograd off (the kernels have no backward; the engine runs under
     ``torch.inference_mode``)."""
-    if x.device.type != "cpu" or x.dtype not in dtypes or torch.is_grad_enabled() or not available():
+    if not x.is_cpu or x.dtype not in dtypes or torch.is_grad_enabled() or _library() is None:
         return False
-    return torch.get_num_threads() == 1 or macs <= _SINGLE_THREAD_MACS
+    return macs <= _SINGLE_THREAD_MACS or torch.get_num_threads() == 1
 
 
 def decode_worth_it(q: Tensor, num_keys: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
@@ -233,9 +233,9 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     x = x.contiguous()
     y = torch.empty(T, N, dtype=x.dtype)
     bf16 = x.dtype == torch.bfloat16
-    scratch = torch.empty(T * (K + N) if bf16 else 0, dtype=torch.float32)
+    scratch = torch.empty(T * (K + N), dtype=torch.float32) if bf16 else None
     pointers = torch.empty(T, dtype=torch.int64)
-    lib.moetide_linear(x.data_ptr(), T, K, bf16, weight.data_ptr(), N, y.data_ptr(), scratch.data_ptr(),
+    lib.moetide_linear(x.data_ptr(), T, K, bf16, weight.data_ptr(), N, y.data_ptr(), _ptr(scratch),
                        pointers.data_ptr())
     return y
 

@@ -6,12 +6,12 @@ Why: the engine benchmark (``engine_throughput.py``) measures whole decode steps
 with attention and each engine's Python (vLLM runs its model as a torch.compile'd graph); this one isolates the
 parts both engines implement in C/C++ with the same arithmetic, on the same weights and inputs, one thread.
 
-Experts (``--what experts``): ``--layers`` MoE layers of ``--experts`` experts (hidden 512, ``--intermediate`` wide, top-``--top-k``),
-weights random. moetide reads them where the engine's arena keeps them (each expert's gate_up then down, one
-expert after another); vLLM reads them as its loader leaves them, prepacked by ``cpu_prepack_moe_weight`` ("vec",
-the ISA vLLM picks on a CPU without AMX). Each token count gets ``--steps`` steps with fresh random routing, so a
-step touches the experts its tokens chose, from memory once the layers outgrow the cache (the defaults: 4 layers
-of 8 Mixtral-shaped experts, 96 MiB in fp32). A round runs every step through every layer, moetide then vLLM;
+Experts (``--what experts``): ``--layers`` MoE layers of ``--experts`` experts (hidden 512, ``--intermediate``
+wide, top-``--top-k``), weights random. moetide reads them where the engine's arena keeps them (each expert's
+gate_up then down, one expert after another); vLLM reads them as its loader leaves them, prepacked by
+``cpu_prepack_moe_weight`` ("vec", the ISA vLLM picks on a CPU without AMX). Each token count gets ``--steps``
+steps with fresh random routing, so a step touches the experts its tokens chose, from memory once the layers
+outgrow the cache (the defaults: 4 layers of 8 Mixtral-shaped experts, 96 MiB in fp32). A round runs every step through every layer, moetide then vLLM;
 ``--repeats`` rounds, each pair back to back.
 
 Projections (``--what linear``): weights [N, 512] for N in 512, 768, 1024 (o, qkv and lm_head of the engine

@@ -1,4 +1,5 @@
-/* bf16 <-> fp32 for moetide's native kernels (included by each source, one definition per translation unit). */
+/* bf16 <-> fp32 for moetide's native kernels (included by each source, one definition per translation unit),
+   and reads and writes of arrays whose dtype is a runtime flag. */
 #ifndef MOETIDE_BF16_H
 #define MOETIDE_BF16_H
 
@@ -22,5 +23,20 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* element i of an fp32 or (bf16 != 0) bf16 array, as fp32; a store rounds to the array's dtype */
+static inline float load_any(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_any(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* v rounded to the dtype, kept in fp32 (where a torch op in that dtype would round) */
+static inline float to_dtype(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
 
 #endif

@@ -18,19 +18,6 @@
 
 #include "bf16.h"
 
-static inline float load_any(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void store_any(void *p, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
-static inline float to_dtype(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
-
 static void l2norm_scaled(float *x, int64_t n, float scale) {
     float ss = 0.f;
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
@@ -59,7 +46,8 @@ static inline __attribute__((always_inline)) void rms_norm_row(const void *x, in
     if (zero_centered) {
         for (d = 0; d < D; d++) store_any(out, d, (load_any(x, d, bf16) * inv) * (1.f + load_any(w, d, bf16)), bf16);
     } else {
-        for (d = 0; d < D; d++) store_any(out, d, load_any(w, d, bf16) * to_dtype(load_any(x, d, bf16) * inv, bf16), bf16);
+        for (d = 0; d < D; d++)
+            store_any(out, d, load_any(w, d, bf16) * to_dtype(load_any(x, d, bf16) * inv, bf16), bf16);
     }
     if (gate != 0) {
         for (d = 0; d < D; d++) {

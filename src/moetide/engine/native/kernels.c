@@ -216,18 +216,6 @@ int moetide_paged_decode_attention(const float *q, int64_t b, int64_t Hq, int64_
    sin ([T, rotary] each, sin's first half negated: engine.models.common's tables); the other dims pass through.
    In bf16 every product and sum is rounded where torch's bf16 ops round (x / rms, then * w; y * cos, swap(y) *
    sin, their sum), so only the fp32 sum of squares is in another order. scratch holds 2 D floats. */
-static inline float rnd(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
-static inline float ld(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void st(void *p, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
 /* One row (t, h) of moetide_rms_norm_rope; bf16 is a constant at each call, so each dtype is compiled apart. */
 static inline __attribute__((always_inline)) void norm_rope_row(const void *xr, int64_t D, int64_t norm, float eps,
                                                                 const void *w, const void *c, const void *sn,
@@ -242,17 +230,20 @@ static inline __attribute__((always_inline)) void norm_rope_row(const void *xr, 
     if (norm) {
         const float inv = 1.f / sqrtf(dot(row, row, D) / (float)D + eps);
         if (w != 0) {
-            for (int64_t d = 0; d < D; d++) y[d] = rnd(ld(w, d, b) * rnd(row[d] * inv, b), b);
+            for (int64_t d = 0; d < D; d++) y[d] = to_dtype(load_any(w, d, b) * to_dtype(row[d] * inv, b), b);
         } else {
-            for (int64_t d = 0; d < D; d++) y[d] = rnd(row[d] * inv, b);
+            for (int64_t d = 0; d < D; d++) y[d] = to_dtype(row[d] * inv, b);
         }
         row = y;
     }
     for (int64_t d = 0; d < half; d++) {
-        st(o, d, rnd(row[d] * ld(c, d, b), b) + rnd(row[d + half] * ld(sn, d, b), b), b);
-        st(o, d + half, rnd(row[d + half] * ld(c, d + half, b), b) + rnd(row[d] * ld(sn, d + half, b), b), b);
+        const float lo = to_dtype(row[d] * load_any(c, d, b), b) + to_dtype(row[d + half] * load_any(sn, d, b), b);
+        const float hi = to_dtype(row[d + half] * load_any(c, d + half, b), b)
+                         + to_dtype(row[d] * load_any(sn, d + half, b), b);
+        store_any(o, d, lo, b);
+        store_any(o, d + half, hi, b);
     }
-    for (int64_t d = rotary; d < D; d++) st(o, d, row[d], b);
+    for (int64_t d = rotary; d < D; d++) store_any(o, d, row[d], b);
 }
 
 void moetide_rms_norm_rope(const void *x, int64_t T, int64_t x_stride, int64_t heads, int64_t D, int64_t norm,

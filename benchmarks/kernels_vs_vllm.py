@@ -11,8 +11,8 @@ wide, top-``--top-k``), weights random. moetide reads them where the engine's ar
 gate_up then down, one expert after another); vLLM reads them as its loader leaves them, prepacked by
 ``cpu_prepack_moe_weight`` ("vec", the ISA vLLM picks on a CPU without AMX). Each token count gets ``--steps``
 steps with fresh random routing, so a step touches the experts its tokens chose, from memory once the layers
-outgrow the cache (the defaults: 4 layers of 8 Mixtral-shaped experts, 96 MiB in fp32). A round runs every step through every layer, moetide then vLLM;
-``--repeats`` rounds, each pair back to back.
+outgrow the cache (the defaults: 4 layers of 8 Mixtral-shaped experts, 96 MiB in fp32). A round runs every step
+through every layer, moetide then vLLM; ``--repeats`` rounds, each pair back to back.
 
 Projections (``--what linear``): weights [N, 512] for N in 512, 768, 1024 (o, qkv and lm_head of the engine
 benchmark's checkpoints), ``--linear-weights`` of each so that they stream from memory, vLLM's handlers built by

@@ -76,7 +76,7 @@ class ReplayConfig:
     cpu: str = "ddr5-4800-8ch"  # DGX H200's host: 2 x Xeon Platinum 8480C (Sapphire Rapids), one per 4 GPUs
     gpus_per_socket: int = 1
     cpu_matmul_tflops: float | None = None  # the socket's expert-GEMM rate (None: fp32 FMA peak x 0.5; AMX: more)
-    vamp_horizon_s: float = 300.0  # time constant of vamp's rate estimates (the step mix: STAGING_MIX_HORIZONS of it)
+    vamp_horizon_s: float = VampParams.horizon_s  # vamp's rate time constant (the step mix: STAGING_MIX_HORIZONS of it)
     # a host KV tier of this many GiB (sim.host_kv; 0: none): KV spills there instead of preempting, and each step
     # splits it between the ``cpu`` socket (in place) and the link (streamed) by ``split_policy``
     kv_host_gib: float = 0.0

@@ -1,10 +1,10 @@
-/* moetide's native Gated DeltaNet decode step (Qwen3-Next's linear attention, one new token per sequence), called
-   through ctypes (engine/native/__init__.py).
+/* moetide's native Gated DeltaNet decode step (Qwen3-Next's linear attention, one new token per sequence) and the
+   model-dtype RMSNorm forms around it, called through ctypes (engine/native/__init__.py).
 
    Why: at decode the layer's torch path is a few dozen small ops per step — a depthwise conv1d over a stacked
    window (in bf16 alone a third of a Qwen3-Next step on the CPU), l2 norms, the recurrent delta rule over
-   [Hv, Dk, Dv] states gathered into one tensor and copied back. Here each sequence's conv and recurrent state is
-   updated in place where it lies (no stack, no copy back), in two passes over the recurrent state per head.
+   [Hv, Dk, Dv] states gathered into one tensor and copied back. Here each sequence's state is updated where it
+   lies in its pool blocks (no gather, no scatter), in two passes over the recurrent state per head.
 
    Arithmetic as transformers' torch fallback (torch_causal_conv1d_update, torch_recurrent_gated_delta_rule):
    the conv sums in fp32 and rounds to the model dtype, SiLU rounds again; q and k are l2-normalized in fp32

@@ -17,7 +17,7 @@ from moetide.engine.models import StepBatch, causal_attention  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.engine.models import StateLayout  # noqa: E402
 from moetide.engine import native  # noqa: E402
-from moetide.engine.storage import ExpertLayout, default_page_bytes, pack_experts  # noqa: E402
+from moetide.engine.storage import ExpertLayout, default_page_bytes, host_zeros, pack_experts  # noqa: E402
 from engine_parity import BLOCK_SIZE, PAGE_BYTES  # noqa: E402
 
 
@@ -29,6 +29,18 @@ def test_default_page_bytes_fits_one_expert_up_to_two_mib():
     assert default_page_bytes(24 * 1024) == 32 * 1024
     assert default_page_bytes(100) == 4096
     assert default_page_bytes(50 * 1024 * 1024) == 2 * 1024 * 1024
+
+
+@pytest.mark.parametrize("nbytes", [0, 4096, 9 << 20])
+def test_host_zeros_is_a_zeroed_writable_tensor_from_its_first_byte(nbytes):
+    """The arena's CPU memory (a huge-page-advised mapping when large): zeros, storage offset 0 (the arena's views
+    give absolute storage offsets), and writes land where a view of it reads them."""
+    data = host_zeros(nbytes)
+    assert data.dtype == torch.uint8 and data.shape == (nbytes,) and data.storage_offset() == 0
+    assert int(data.count_nonzero()) == 0
+    if nbytes:
+        data[nbytes - 1] = 9
+        assert int(data.as_strided((1,), (1,), storage_offset=nbytes - 1)) == 9
 
 
 def test_a_blocks_kv_lives_where_the_arena_puts_the_block(mixtral_engine):

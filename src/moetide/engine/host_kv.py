@@ -30,7 +30,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from moetide.engine.storage import KVLayout, dtype_bytes, layer_kv_rows, layer_kv_views
+from moetide.engine.storage import KVLayout, dtype_bytes, host_zeros, layer_kv_rows, layer_kv_views
 
 
 class HostKVStorage:
@@ -42,7 +42,8 @@ class HostKVStorage:
                              f"must be >= 0")
         self.layout, self.num_blocks, self.first_block_id = layout, num_blocks, first_block_id
         self.block_bytes = layout.block_bytes
-        self.data = torch.zeros(num_blocks * self.block_bytes, dtype=torch.uint8, pin_memory=pin)
+        nbytes = num_blocks * self.block_bytes  # pinned for a CUDA device's copies; else huge pages where offered
+        self.data = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True) if pin else host_zeros(nbytes)
         self.block_bytes_view = self.data.view(num_blocks, self.block_bytes)  # [num_blocks, kv_block_bytes]
         elt = dtype_bytes(layout.dtype)
         width = layout.num_kv_heads * layout.head_dim  # elements of one token slot of one K (or V): one row

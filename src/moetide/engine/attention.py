@@ -70,9 +70,8 @@ class _StepPlan:
         for table, n, computed in zip(self.block_tables, self.batch.num_new_tokens, self.batch.num_computed_tokens):
             blocks += [table[p // bs] for p in range(computed, computed + n)]
             offsets += [p % bs for p in range(computed, computed + n)]
-        groups, slots = self.storage.block_coords(torch.tensor(blocks, dtype=torch.long))
-        device = self.storage.device
-        return groups.to(device), slots.to(device), torch.tensor(offsets, dtype=torch.long, device=device)
+        return (*self.storage.block_coords(blocks),
+                torch.tensor(offsets, dtype=torch.long, device=self.storage.device))
 
 
 class PagedAttentionBackend:

@@ -150,8 +150,7 @@ class SplitAttentionBackend:
         self.counters.host_tokens_written += len(hst[0])
         device_writes = host_writes = None
         if dev[0]:
-            groups, slots = self.storage.block_coords(torch.tensor(dev[0], dtype=torch.long))
-            index = (groups.to(self.device), slots.to(self.device), torch.tensor(dev[1], device=self.device))
+            index = (*self.storage.block_coords(dev[0]), torch.tensor(dev[1], device=self.device))
             tokens = None if len(dev[0]) == token else torch.tensor(dev[2], device=self.device)
             device_writes = _Writes(index, tokens)
         if hst[0]:

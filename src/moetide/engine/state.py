@@ -73,9 +73,9 @@ class BlockLinearStateStore(LinearStateStore):
         if self.host is not None and any(self.host.is_host(b) for b in flat):
             self._prepare_tiered(flat, len(state_tables))
             return
-        groups, slots = self.storage.block_coords(torch.tensor(flat, dtype=torch.long))
-        shape, device = (len(state_tables), self.num_blocks), self.storage.device
-        self._index = (groups.to(device).view(shape), slots.to(device).view(shape))
+        shape = (len(state_tables), self.num_blocks)
+        groups, slots = self.storage.block_coords(flat)
+        self._index = (groups.view(shape), slots.view(shape))
 
     def _gather(self) -> Tensor:
         """The step's state rows as one contiguous scratch, gathered on first use (module docstring)."""
@@ -103,8 +103,7 @@ class BlockLinearStateStore(LinearStateStore):
         dev_pos = [i for i, h in enumerate(on_host) if not h]
         host_pos = [i for i, h in enumerate(on_host) if h]
         scratch = torch.empty(len(flat), self.block_bytes, dtype=torch.uint8, device=device)
-        groups, slots = self.storage.block_coords(torch.tensor([flat[i] for i in dev_pos], dtype=torch.long))
-        self._index = (groups.to(device), slots.to(device))
+        self._index = self.storage.block_coords([flat[i] for i in dev_pos])
         dev_pos_t = torch.tensor(dev_pos, device=device, dtype=torch.long)
         if dev_pos:
             scratch[dev_pos_t] = self.storage.block_bytes_view[self._index]

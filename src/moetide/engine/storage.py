@@ -212,10 +212,10 @@ class ArenaStorage:
         """(K, V) of full-attention layer ``attn_index`` (position in ``KVLayout.attn_layer_ids``)."""
         return self._kv_views[attn_index]
 
-    def block_coords(self, block_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """(group, slot) of each block id (int64 [n] -> two int64 [n]): the first two indices of every view here."""
-        bpg = self.arena.config.blocks_per_group
-        return block_ids // bpg, block_ids % bpg
+    def block_coords(self, block_ids: list[int]) -> tuple[Tensor, Tensor]:
+        """(group, slot) of each block id, two int64 [n] on the device: the first two indices of every view here."""
+        ids, bpg = torch.tensor(block_ids, dtype=torch.long), self.arena.config.blocks_per_group
+        return (ids // bpg).to(self.device), (ids % bpg).to(self.device)
 
     def kv_block(self, block_id: int) -> Tensor:
         """The raw bytes of one KV block (a view)."""

@@ -24,6 +24,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from moetide.units import cdiv
+
 
 @dataclass(frozen=True)
 class StepBatch:
@@ -171,7 +173,7 @@ class StateLayout:
     @classmethod
     def of(cls, shapes: dict[int, LinearStateShape], conv_dtype: torch.dtype) -> StateLayout:
         def align(n: int) -> int:
-            return -(-n // STATE_ALIGN_BYTES) * STATE_ALIGN_BYTES
+            return cdiv(n, STATE_ALIGN_BYTES) * STATE_ALIGN_BYTES
 
         fields, offset = {}, 0
         for layer_id in sorted(shapes):
@@ -183,7 +185,7 @@ class StateLayout:
         return cls(fields, offset)
 
     def num_blocks(self, block_bytes: int) -> int:
-        return -(-self.total_bytes // block_bytes) if self.total_bytes else 0
+        return cdiv(self.total_bytes, block_bytes) if self.total_bytes else 0
 
     def views(self, row: Tensor, layer_id: int) -> LinearState:
         """The layer's state as tensors over ``row``, one sequence's ``total_bytes`` (or more) of uint8."""

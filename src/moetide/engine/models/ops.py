@@ -35,13 +35,9 @@ def _max_tokens(dtype: torch.dtype) -> int:
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N]."""
-    if x.dim() == 2:  # the engine's case, checked first: one shape read
-        num_rows = x.shape[0]
-    else:
-        num_rows = x.numel() // x.shape[-1] if x.dim() else 0
+    num_rows = x.numel() // x.shape[-1] if x.dim() else 0
     if (num_rows <= _max_tokens(x.dtype) and weight.dtype == x.dtype and weight.dim() == 2
             and weight.is_contiguous() and native.worth_it(x, num_rows * weight.numel(), native.EXPERT_DTYPES)):
-        if x.dim() == 2:
-            return native.linear(x, weight)
-        return native.linear(x.reshape(num_rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        y = native.linear(x if x.dim() == 2 else x.reshape(num_rows, x.shape[-1]), weight)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)

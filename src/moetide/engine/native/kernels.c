@@ -118,6 +118,174 @@ static const float *kv_row(const void *base, int64_t row, int64_t row_stride, in
     return buf;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define MOETIDE_ATTN512 1
+
+/* 16 lanes of a K or V head row, widened from bf16 where the cache holds bf16 */
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *row, int64_t i, const int bf16) {
+    if (bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)row + i);
+}
+
+/* e^x in 16 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in r, then r scaled by 2^n
+   with scalef, which also gives the subnormals and zero of a large negative x); within 1 ulp of glibc's expf
+   wherever that is a normal number (checked over [-87, 0], the range a softmax takes it). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  /* e^-104 is 0 in fp32; a NaN stays NaN */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* lane i of the result = the sum of v[i]'s 16 lanes (pairs within 128-bit lanes, then across them) */
+static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 *v) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; k++)
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        const __m512d c = _mm512_castps_pd(t[2 * k]), d = _mm512_castps_pd(t[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+    }
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+/* For the 4 heads a of a tile: oh[a][16 c] = inv[a] * sum_j ph[a][j] V_j[off + 16 c], c < NC, the sums kept in
+   4 x NC registers over all n keys (only the first nh heads are stored; the others repeat one of them). */
+static inline __attribute__((always_inline)) void pv_tile(const void *v_base, const int64_t *rows, int64_t n,
+                                                         int64_t row_stride, int64_t off, const float *const *ph,
+                                                         float *const *oh, const float *inv, int nh, const int NC,
+                                                         const int bf16, int prefetch, int64_t row_bytes) {
+    __m512 acc[4][4];
+    for (int a = 0; a < 4; a++)
+        for (int c = 0; c < NC; c++) acc[a][c] = _mm512_setzero_ps();
+    const int64_t esz = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < n; j++) {
+        if (prefetch && j + PREFETCH_ROWS < n)
+            prefetch_row(kv_at(v_base, rows[j + PREFETCH_ROWS], row_stride, esz), row_bytes);
+        const char *vr = (const char *)kv_at(v_base, rows[j], row_stride, esz) + off * esz;
+        __m512 vv[4];
+        for (int c = 0; c < NC; c++) vv[c] = kv_load16(vr, 16 * c, bf16);
+        for (int a = 0; a < 4; a++) {
+            const __m512 pb = _mm512_set1_ps(ph[a][j]);
+            for (int c = 0; c < NC; c++) acc[a][c] = _mm512_fmadd_ps(pb, vv[c], acc[a][c]);
+        }
+    }
+    for (int a = 0; a < nh; a++)
+        for (int c = 0; c < NC; c++)
+            _mm512_storeu_ps(oh[a] + 16 * c, _mm512_mul_ps(acc[a][c], _mm512_set1_ps(inv[a])));
+}
+
+/* One sequence of moetide_paged_decode_attention with AVX-512, for D a multiple of 16: scores for 4 keys x 4
+   heads of a group at a time (16 register accumulators, one horizontal reduction for the 16), a vector softmax
+   per head, and p·V with each tile of the output in registers across all keys. Same arithmetic as the portable
+   loop below, summed in another order. */
+static inline __attribute__((always_inline)) void attend512(const float *qs, int64_t n, const int64_t *rows,
+                                                           const void *k_base, const void *v_base, int64_t row_stride,
+                                                           int64_t head_stride, int64_t Hq, int64_t Hkv, int64_t D,
+                                                           int64_t L, float scale, float *scores, float *m,
+                                                           float *sum, float *os, float *lse_s, const int bf16) {
+    const int64_t group = Hq / Hkv, esz = bf16 ? 2 : 4, row_bytes = Hkv * head_stride * esz;
+    for (int64_t j0 = 0; j0 < n; j0 += 4) {
+        const int nk = n - j0 < 4 ? (int)(n - j0) : 4;
+        const char *kr[4];
+        for (int i = 0; i < 4; i++) kr[i] = (const char *)kv_at(k_base, rows[j0 + (i < nk ? i : nk - 1)], row_stride, esz);
+        for (int64_t r = j0 + PREFETCH_ROWS; r < j0 + PREFETCH_ROWS + 4 && r < n; r++)
+            prefetch_row(kv_at(k_base, rows[r], row_stride, esz), row_bytes);
+        for (int64_t g = 0; g < Hkv; g++)
+            for (int64_t h0 = 0; h0 < group; h0 += 4) {
+                const int nh = group - h0 < 4 ? (int)(group - h0) : 4;
+                const float *qh[4];
+                for (int a = 0; a < 4; a++) qh[a] = qs + (g * group + h0 + (a < nh ? a : 0)) * D;
+                __m512 acc[16];
+                for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < D; c += 16) {
+                    __m512 kv[4];
+                    for (int i = 0; i < 4; i++) kv[i] = kv_load16(kr[i] + g * head_stride * esz, c, bf16);
+                    for (int a = 0; a < 4; a++) {
+                        const __m512 qv = _mm512_loadu_ps(qh[a] + c);
+                        for (int i = 0; i < 4; i++) acc[4 * a + i] = _mm512_fmadd_ps(qv, kv[i], acc[4 * a + i]);
+                    }
+                }
+                float out[16];
+                _mm512_storeu_ps(out, _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale)));
+                for (int a = 0; a < nh; a++)
+                    memcpy(scores + (g * group + h0 + a) * L + j0, out + 4 * a, (size_t)nk * 4);
+            }
+    }
+    for (int64_t h = 0; h < Hq; h++) {  /* softmax numerators in place; the max first */
+        float *sh = scores + h * L;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, sh + j));
+        }
+        m[h] = _mm512_reduce_max_ps(mx);
+        const __m512 mv = _mm512_set1_ps(m[h]);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+            const __m512 p = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + j), mv)));
+            _mm512_mask_storeu_ps(sh + j, k, p);
+            total = _mm512_add_ps(total, p);
+        }
+        sum[h] = _mm512_reduce_add_ps(total);
+        if (lse_s != 0) lse_s[h] = m[h] + logf(sum[h]);
+    }
+    for (int64_t g = 0; g < Hkv; g++)
+        for (int64_t h0 = 0; h0 < group; h0 += 4) {
+            const int nh = group - h0 < 4 ? (int)(group - h0) : 4;
+            const float *ph[4];
+            float *oh[4], inv[4];
+            for (int a = 0; a < 4; a++) {
+                const int64_t h = g * group + h0 + (a < nh ? a : 0);
+                ph[a] = scores + h * L;
+                oh[a] = os + h * D;
+                inv[a] = 1.0f / sum[h];
+            }
+            for (int64_t c0 = 0; c0 < D; c0 += 64) {
+                const int64_t off = g * head_stride + c0, left = (D - c0) / 16;
+                const int pf = g == 0 && h0 == 0 && c0 == 0;  /* the first pass over the rows brings them in */
+                if (left >= 4)
+                    pv_tile(v_base, rows, n, row_stride, off, ph, oh, inv, nh, 4, bf16, pf, row_bytes);
+                else if (left == 3)
+                    pv_tile(v_base, rows, n, row_stride, off, ph, oh, inv, nh, 3, bf16, pf, row_bytes);
+                else if (left == 2)
+                    pv_tile(v_base, rows, n, row_stride, off, ph, oh, inv, nh, 2, bf16, pf, row_bytes);
+                else
+                    pv_tile(v_base, rows, n, row_stride, off, ph, oh, inv, nh, 1, bf16, pf, row_bytes);
+                for (int a = 0; a < 4; a++) oh[a] += 64;
+            }
+        }
+}
+
+static void attend512_f32(const float *qs, int64_t n, const int64_t *rows, const void *k_base, const void *v_base,
+                          int64_t row_stride, int64_t head_stride, int64_t Hq, int64_t Hkv, int64_t D, int64_t L,
+                          float scale, float *scores, float *m, float *sum, float *os, float *lse_s) {
+    attend512(qs, n, rows, k_base, v_base, row_stride, head_stride, Hq, Hkv, D, L, scale, scores, m, sum, os, lse_s, 0);
+}
+
+static void attend512_bf16(const float *qs, int64_t n, const int64_t *rows, const void *k_base, const void *v_base,
+                           int64_t row_stride, int64_t head_stride, int64_t Hq, int64_t Hkv, int64_t D, int64_t L,
+                           float scale, float *scores, float *m, float *sum, float *os, float *lse_s) {
+    attend512(qs, n, rows, k_base, v_base, row_stride, head_stride, Hq, Hkv, D, L, scale, scores, m, sum, os, lse_s, 1);
+}
+#endif
+
 /* Decode attention over paged KV, read in place: b sequences, one query each. q [b, Hq, D] contiguous; key j of
    sequence s is row key_rows[s*L + j] (j < lengths[s]) of the K and V views, whose rows are row_stride elements
    apart and whose heads are head_stride apart; query head h reads KV head h / (Hq / Hkv). Softmax in fp32 with the
@@ -157,6 +325,14 @@ int moetide_paged_decode_attention(const float *q, int64_t b, int64_t Hq, int64_
         const int64_t n = lengths[s];
         const int64_t *rows = key_rows + s * L;
         const float *qs = q + s * Hq * D;
+#ifdef MOETIDE_ATTN512
+        if (n > 0 && D % 16 == 0) {
+            (bf16 ? attend512_bf16 : attend512_f32)(qs, n, rows, k_base, v_base, row_stride, head_stride, Hq, Hkv, D,
+                                                    L, scale, scores, m, sum, out + s * Hq * D,
+                                                    lse == 0 ? 0 : lse + s * Hq);
+            continue;
+        }
+#endif
         for (int64_t i = 0; i < Hq * D; i++) acc[i] = 0.f;
         for (int64_t h = 0; h < Hq; h++) {
             m[h] = -INFINITY;

@@ -253,7 +253,7 @@ def test_projections_take_the_native_linear_up_to_the_cap_of_the_kernel_built(dt
     taken = []
     real = native.linear
     monkeypatch.setattr(native, "linear", lambda x, w: taken.append(x.shape[0]) or real(x, w))
-    weight = torch.randn(48, 40).to(dtype)
+    weight = torch.randn(ops.NATIVE_LINEAR_MIN_OUTPUTS_FP32, 40).to(dtype)
     with torch.inference_mode():
         for rows in sorted({1, max(cap, 1), cap + 1}):
             x = torch.randn(rows, 40).to(dtype)
@@ -261,6 +261,27 @@ def test_projections_take_the_native_linear_up_to_the_cap_of_the_kernel_built(dt
             torch.testing.assert_close(ops.linear(x, weight).float(), torch.nn.functional.linear(x, weight).float(),
                                        rtol=tolerance, atol=tolerance * 40)
     assert taken == [r for r in sorted({1, max(cap, 1), cap + 1}) if r <= cap]
+
+
+@needs_native
+def test_projections_with_few_outputs_go_to_torch(monkeypatch):
+    """A router's gate (N = the expert count) and a one-output gate cost the native call's fixed price: fp32 below
+    ``NATIVE_LINEAR_MIN_OUTPUTS_FP32`` outputs, and bf16 up to ``TORCH_BF16_SMALL_PRODUCT`` = T·N, go to torch."""
+    taken = []
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda x, w: taken.append((x.shape[0], w.shape[0], x.dtype)) or real(x, w))
+    small = ops.NATIVE_LINEAR_MIN_OUTPUTS_FP32
+    cases = [(4, small - 1, torch.float32), (4, small, torch.float32), (1, 8, torch.bfloat16),
+             (2, 8, torch.bfloat16), (8, 1, torch.bfloat16), (16, 1, torch.bfloat16)]
+    with torch.inference_mode():
+        for rows, outputs, dtype in cases:
+            x, weight = torch.randn(rows, 32).to(dtype), torch.randn(outputs, 32).to(dtype)
+            tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
+            torch.testing.assert_close(ops.linear(x, weight).float(), torch.nn.functional.linear(x, weight).float(),
+                                       rtol=tolerance, atol=tolerance * 32)
+    caps = ops.NATIVE_LINEAR_MAX_TOKENS.get(native.linear_isa(), {})
+    native_sized = [(4, small, torch.float32), (2, 8, torch.bfloat16), (16, 1, torch.bfloat16)]
+    assert taken == [case for case in native_sized if case[0] <= caps.get(case[2], 0)]
 
 
 @needs_native

@@ -11,6 +11,13 @@ weights in cache and 25-58% from memory, and with AVX512-BF16 oneDNN's bf16 GEMM
 bf16 to fp32 instead, it lost past 4; the AVX2 kernel's limits are the ones measured before it). Results equal
 torch's to one rounding of a sum taken in another order (fp32 round-off; bf16 as torch's bf16 linear: fp32 sums
 rounded once).
+
+Projections with few outputs (a router's gate, N = the expert count; Qwen3-Next's shared-expert gate, N = 1) go
+to torch whatever the row count: the native call's fixed cost is most of theirs. Measured one thread on the Zen 4
+core with 24 MiB streamed between calls, as the experts do: fp32 at K 512, N 8-64, torch 1.4-3.7x faster from 1
+to 32 rows, even at N 256 and the native kernel ahead from N 512; at K 2048 even at N 128 (0.77-1.37x). bf16:
+torch's small path (about 10 us) serves T·N <= 8, its next path costs about 48 us, where the native kernel is
+0.6-0.9x of it.
 """
 
 from __future__ import annotations
@@ -29,15 +36,27 @@ NATIVE_LINEAR_MAX_TOKENS = {
 }
 
 
+# fewest outputs for which the native kernel takes an fp32 projection (see above)
+NATIVE_LINEAR_MIN_OUTPUTS_FP32 = 128
+# most T·N of a bf16 projection that torch's small GEMM path serves faster than the native kernel
+TORCH_BF16_SMALL_PRODUCT = 8
+
+
 def _max_tokens(dtype: torch.dtype) -> int:
     return NATIVE_LINEAR_MAX_TOKENS.get(native.linear_isa(), {}).get(dtype, 0)
+
+
+def _few_outputs(num_rows: int, num_outputs: int, dtype: torch.dtype) -> bool:
+    if dtype == torch.float32:
+        return num_outputs < NATIVE_LINEAR_MIN_OUTPUTS_FP32
+    return num_rows * num_outputs <= TORCH_BF16_SMALL_PRODUCT
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N]."""
     num_rows = x.numel() // x.shape[-1] if x.dim() else 0
     if (num_rows <= _max_tokens(x.dtype) and weight.dtype == x.dtype and weight.dim() == 2
-            and weight.is_contiguous() and native.worth_it(x, num_rows * weight.numel(), native.EXPERT_DTYPES)):
+            and not _few_outputs(num_rows, weight.shape[0], x.dtype) and weight.is_contiguous() and native.worth_it(x, num_rows * weight.numel(), native.EXPERT_DTYPES)):
         y = native.linear(x if x.dim() == 2 else x.reshape(num_rows, x.shape[-1]), weight)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)

@@ -266,10 +266,10 @@ static inline __attribute__((always_inline)) void lane_block(const char *W, int6
 #pragma GCC unroll 8
     for (int a = 0; a < R; a++)
 #pragma GCC unroll 4
-        for (int v = 0; v < V; v++) {
-            _mm512_storeu_ps(lanes, acc[a][v]);
-            for (int64_t j = 0; j < 4 && 4 * v + j < mt; j++)
-                Y[(t0 + 4 * v + j) * ldy + r + a] = lane_sum(lanes + 4 * j);
+        for (int v = 0; v < V; v++) {  /* lane_sum of all four tokens at once: lane 4j = (c0 + c1) + (c2 + c3) */
+            const __m512 pairs = _mm512_add_ps(acc[a][v], _mm512_permute_ps(acc[a][v], 0xB1));
+            _mm512_storeu_ps(lanes, _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0x4E)));
+            for (int64_t j = 0; j < 4 && 4 * v + j < mt; j++) Y[(t0 + 4 * v + j) * ldy + r + a] = lanes[4 * j];
         }
 }
 

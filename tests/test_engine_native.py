@@ -290,3 +290,44 @@ def test_a_native_library_another_user_could_write_is_not_loaded(native_env, tmp
     native._library.cache_clear()
     loaded = native._library()  # it builds another (the next flag set) rather than load the writable one
     assert loaded is None or Path(loaded._name) != library
+
+
+@needs_native
+@pytest.mark.parametrize(("num_experts", "top_k"), [(16, 2), (8, 2), (512, 10), (4, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_native_route_equals_softmax_and_topk(num_experts, top_k, renormalize):
+    generator = torch.Generator().manual_seed(num_experts + top_k)
+    logits = torch.randn(33, num_experts, generator=generator) * 3
+    for rows in (logits, logits.to(torch.bfloat16)):
+        probs = torch.softmax(rows, dim=-1, dtype=torch.float32)
+        expected_weights, expected_ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            expected_weights = expected_weights / expected_weights.sum(dim=-1, keepdim=True)
+        weights, ids = native.moe_route(rows, top_k, renormalize)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+        assert_close(weights, expected_weights)
+        if rows.dtype == torch.float32:  # bf16 logits tie, and of tied experts torch.topk's order is its own
+            assert torch.equal(ids, expected_ids)
+        else:
+            assert torch.equal(probs.gather(1, ids), probs.gather(1, expected_ids))
+    with pytest.raises(ValueError, match="top_k 0 must lie"):
+        native.moe_route(logits, 0, True)
+
+
+@needs_native
+def test_sparse_moe_routes_fp32_natively_and_bf16_through_torch(monkeypatch):
+    recorded = count_calls(monkeypatch, "moe_route")
+    config = type("Config", (), dict(num_experts_per_tok=2, hidden_size=16, num_experts=8, moe_intermediate_size=8))
+    block = moe.SparseMoE(config, 0, norm_topk_prob=True, cast_weights=True)
+    with torch.no_grad():
+        block.gate.weight.normal_()
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        weights, ids = block.route(x)
+        assert len(recorded["moe_route"]) == 1
+        probs = torch.softmax(x @ block.gate.weight.T, dim=-1)
+        expected_weights, expected_ids = torch.topk(probs, 2, dim=-1)
+        assert torch.equal(ids, expected_ids)
+        assert_close(weights, expected_weights / expected_weights.sum(dim=-1, keepdim=True))
+        block.to(torch.bfloat16).route(x.to(torch.bfloat16))
+        assert len(recorded["moe_route"]) == 1

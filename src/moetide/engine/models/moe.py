@@ -165,6 +165,11 @@ class SparseMoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         logits = linear(x, self.gate.weight)  # [T, E]
+        # fp32: the five ops below in one call. Not bf16, whose logits tie often (8 bits of mantissa), and of tied
+        # experts torch.topk's pick is its own: transformers' choice there is kept by keeping its ops
+        if native.worth_it(logits, logits.numel()):
+            weights, expert_ids = native.moe_route(logits, self.top_k, self.norm_topk_prob)
+            return (weights.to(logits.dtype) if self.cast_weights else weights), expert_ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K], [T, K]
         if self.norm_topk_prob:

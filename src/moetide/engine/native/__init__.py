@@ -135,6 +135,8 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_rms_norm_rope.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, p, i64, p,
                                               p, i64]
         lib.moetide_rms_norm_rope.restype = None
+        lib.moetide_moe_route.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p]
+        lib.moetide_moe_route.restype = None
         return lib
     _reason.append("the native kernels did not build: " + "; ".join(errors))
     return None
@@ -211,6 +213,25 @@ def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor,
     if status:  # the kernel checks the indices before it touches memory
         raise ValueError(f"expert_ids must lie in [0, {E})")
     return out
+
+
+def moe_route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """``models.moe.SparseMoE.route`` after the gate, in one call: logits [T, E] fp32 or bf16 (rows of E
+    contiguous) -> (weights [T, K] fp32, expert ids [T, K] int64): softmax in fp32, the top ``top_k`` in
+    descending order, renormalized to sum 1 if asked. Equal to torch's softmax and topk to fp32 round-off (expf
+    and the sum's order are the kernel's); of equal probabilities the lower expert id comes first, where torch's
+    order is its own (the engine routes bf16 logits, which tie, through torch)."""
+    lib = _library()
+    T, E = logits.shape
+    if lib is None or logits.dtype not in EXPERT_DTYPES or logits.device.type != "cpu" or logits.stride(1) != 1:
+        raise ValueError("moe_route needs the native library and CPU fp32 or bf16 logits with contiguous rows")
+    if not 0 < top_k <= E:
+        raise ValueError(f"moe_route: top_k {top_k} must lie in [1, {E}]")
+    weights = torch.empty(T, top_k, dtype=torch.float32)
+    ids = torch.empty(T, top_k, dtype=torch.int64)
+    lib.moetide_moe_route(logits.data_ptr(), T, E, logits.stride(0), logits.dtype == torch.bfloat16, top_k,
+                          int(renormalize), weights.data_ptr(), ids.data_ptr())
+    return weights, ids
 
 
 def linear_isa() -> str:

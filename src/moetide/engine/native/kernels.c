@@ -439,3 +439,43 @@ void moetide_rms_norm_rope(const void *x, int64_t T, int64_t x_stride, int64_t h
         }
     }
 }
+
+/* The router's choice for T tokens, as engine.models.moe.SparseMoE.route computes it with torch: a softmax of
+   each row of E logits in fp32 (max subtracted, the sum in index order), the K largest probabilities in
+   descending order (of equal ones the lower expert id first), divided by their sum (p0 + p1 + ...) when renorm.
+   logits [T, E] fp32 or (bf16 != 0) bf16, rows ld elements apart; weights [T, K] fp32 and ids [T, K] out.
+   Why: torch spends five ops on this per MoE layer (softmax, topk, sum, divide, cast), a few microseconds each at
+   decode sizes, for a few hundred flops. */
+void moetide_moe_route(const void *logits, int64_t T, int64_t E, int64_t ld, int64_t bf16, int64_t K, int64_t renorm,
+                       float *weights, int64_t *ids) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t base = t * ld;
+        float m = -INFINITY, s = 0.f;
+        for (int64_t e = 0; e < E; e++) {
+            const float l = load_any(logits, base + e, (int)bf16);
+            if (l > m) m = l;
+        }
+        float *w = weights + t * K;
+        int64_t *id = ids + t * K;
+        int64_t kept = 0;
+        for (int64_t e = 0; e < E; e++) {
+            const float p = expf(load_any(logits, base + e, (int)bf16) - m);
+            s += p;
+            if (kept == K && !(p > w[K - 1])) continue;
+            int64_t at = kept < K ? kept++ : K - 1;  /* insert p, keeping the list descending; later ids after ties */
+            for (; at > 0 && p > w[at - 1]; at--) {
+                w[at] = w[at - 1];
+                id[at] = id[at - 1];
+            }
+            w[at] = p;
+            id[at] = e;
+        }
+        float total = 0.f;
+        for (int64_t k = 0; k < K; k++) {
+            w[k] = w[k] / s;
+            total += w[k];
+        }
+        if (renorm)
+            for (int64_t k = 0; k < K; k++) w[k] = w[k] / total;
+    }
+}

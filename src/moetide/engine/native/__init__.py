@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c"))
 _HEADERS = (Path(__file__).with_name("bf16.h"),)  # part of the build's key, not compiled on their own
-_ABI_VERSION = 13
+_ABI_VERSION = 14
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
@@ -130,7 +130,7 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_copy_blocks.argtypes = [p, p, i64, i64, i64]
         lib.moetide_copy_blocks.restype = None
         lib.moetide_paged_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
-                                                       ctypes.c_float, p, p, p, p, i64, p]
+                                                       ctypes.c_float, p, i64, p, i64, p, p, i64, p]
         lib.moetide_paged_decode_attention.restype = ctypes.c_int
         lib.moetide_rms_norm_rope.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, p, i64, p,
                                               p, i64]
@@ -348,8 +348,9 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     if key_rows.shape[0] != b or lengths.shape != (b,):
         raise ValueError(f"key_rows {list(key_rows.shape)} and lengths {list(lengths.shape)} must be [b, L] and [b]")
     k_new = v_new = None
-    if new_kv is not None:
-        k_new, v_new = (t.to(k_rows.dtype).contiguous() for t in new_kv)
+    if new_kv is not None:  # read in place where each token's heads are packed (views of the projection)
+        k_new, v_new = (t if t.dtype == k_rows.dtype and t.stride()[1:] == (D, 1) else t.to(k_rows.dtype).contiguous()
+                        for t in new_kv)
         if k_new.shape != (b, Hkv, D) or v_new.shape != (b, Hkv, D):
             raise ValueError(f"new_kv must be [b, Hkv, D] = {[b, Hkv, D]}, got {list(k_new.shape)}")
     if lse is not None and (lse.shape != (b, Hq) or not lse.is_contiguous()):
@@ -358,8 +359,10 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     out, scratch = torch.empty_like(q), q.new_empty(Hq * (L + D + 3) + 5 * Hkv * D)
     status = lib.moetide_paged_decode_attention(q.data_ptr(), b, Hq, Hkv, D, k_rows.data_ptr(), v_rows.data_ptr(),
                                                 num_rows, k_rows.stride(0), k_rows.stride(1), key_rows.data_ptr(),
-                                                lengths.data_ptr(), L, scale, _ptr(k_new), _ptr(v_new),
-                                                out.data_ptr(), _ptr(lse), bf16, scratch.data_ptr())
+                                                lengths.data_ptr(), L, scale, _ptr(k_new),
+                                                0 if k_new is None else k_new.stride(0), _ptr(v_new),
+                                                0 if v_new is None else v_new.stride(0), out.data_ptr(), _ptr(lse),
+                                                bf16, scratch.data_ptr())
     if status:  # the kernel checks the indices before it touches memory
         raise ValueError(f"key_rows must lie in [0, {num_rows})" if status == 1
                          else f"lengths must lie in [0, {L}]")

@@ -84,7 +84,7 @@ static void axpy4(float *y, const float *a, const float *x0, const float *x1, co
     for (int64_t i = 0; i < n; i++) y[i] += ((a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]));
 }
 
-int moetide_abi_version(void) { return 13; }
+int moetide_abi_version(void) { return 14; }
 
 /* Move n blocks of nbytes each between a contiguous scratch (block i at i * nbytes) and their own addresses:
    gather (to_blocks == 0) or scatter back. The engine's linear-attention states live in pool blocks that need
@@ -291,7 +291,8 @@ static void attend512_bf16(const float *qs, int64_t n, const int64_t *rows, cons
    apart and whose heads are head_stride apart; query head h reads KV head h / (Hq / Hkv). Softmax in fp32 with the
    max subtracted. out [b, Hq, D] contiguous; scratch holds Hq (L + D + 3) + 5 Hkv D floats.
    A sequence of length 0 gets zeros.
-   With k_new and v_new ([b, Hkv, D] contiguous, else NULL), every sequence's new key and value are first written
+   With k_new and v_new ([b, Hkv, D], else NULL; heads D apart, sequences new_k_stride and new_v_stride elements
+   apart: views of the step's projection need no copy), every sequence's new key and value are first written
    into its last row, key_rows[s*L + lengths[s] - 1] (the decode token's own slot), before any sequence attends.
    With lse ([b, Hq], else NULL), each row's log-sum-exp of its scaled scores (natural log; -inf with no key),
    what a split merge needs. With bf16 != 0 the K/V views (and k_new, v_new) hold bf16: each row read is widened
@@ -300,7 +301,8 @@ static void attend512_bf16(const float *qs, int64_t n, const int64_t *rows, cons
 int moetide_paged_decode_attention(const float *q, int64_t b, int64_t Hq, int64_t Hkv, int64_t D, void *k_base,
                                    void *v_base, int64_t num_rows, int64_t row_stride, int64_t head_stride,
                                    const int64_t *key_rows, const int64_t *lengths, int64_t L, float scale,
-                                   const void *k_new, const void *v_new, float *out, float *lse, int64_t bf16,
+                                   const void *k_new, int64_t new_k_stride, const void *v_new,
+                                   int64_t new_v_stride, float *out, float *lse, int64_t bf16,
                                    float *scratch) {
     for (int64_t s = 0; s < b; s++) {  /* checked before anything is read or written */
         if (lengths[s] < 0 || lengths[s] > L) return 2;
@@ -316,8 +318,8 @@ int moetide_paged_decode_attention(const float *q, int64_t b, int64_t Hq, int64_
         if (n == 0) continue;
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t at = (key_rows[s * L + n - 1] * row_stride + h * head_stride) * esz;
-            memcpy((char *)k_base + at, (const char *)k_new + (s * Hkv + h) * D * esz, (size_t)(D * esz));
-            memcpy((char *)v_base + at, (const char *)v_new + (s * Hkv + h) * D * esz, (size_t)(D * esz));
+            memcpy((char *)k_base + at, (const char *)k_new + (s * new_k_stride + h * D) * esz, (size_t)(D * esz));
+            memcpy((char *)v_base + at, (const char *)v_new + (s * new_v_stride + h * D) * esz, (size_t)(D * esz));
         }
     }
     const int64_t row_bytes = Hkv * head_stride * esz;

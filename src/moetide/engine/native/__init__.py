@@ -1,5 +1,5 @@
-"""Native CPU kernels for decode-sized steps: the routed experts of a few tokens, decode attention read in place
-from the paged arena, and RMSNorm with RoPE (``kernels.c``). On the CPU, at decode sizes, torch's per-op dispatch
+"""Native CPU kernels for decode-sized steps: the router's top-k and the routed experts of a few tokens, decode
+attention read in place from the paged arena, and RMSNorm with RoPE (``kernels.c``). On the CPU, at decode sizes, torch's per-op dispatch
 costs more than the arithmetic: a MoE layer is ~20 ops, a paged attention ~10 (write, gather, mask, SDPA), q/k
 norms with RoPE ~10; each kernel here is one call. vLLM's CPU build does the same with its C++ kernels.
 

@@ -90,7 +90,8 @@ def test_native_experts_equal_the_grouped_path(num_tokens, top_k):
 
 
 @needs_native
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (6, 6, 20), (8, 1, 16), (16, 2, 128), (5, 1, 80)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(4, 2, 64), (6, 6, 20), (8, 1, 16), (16, 2, 128), (5, 1, 80)])
 def test_native_decode_attention_equals_gather_and_sdpa(heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(heads * head_dim)
     num_rows, b, L = 300, 5, 37

@@ -56,7 +56,8 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N]."""
     num_rows = x.numel() // x.shape[-1] if x.dim() else 0
     if (num_rows <= _max_tokens(x.dtype) and weight.dtype == x.dtype and weight.dim() == 2
-            and not _few_outputs(num_rows, weight.shape[0], x.dtype) and weight.is_contiguous() and native.worth_it(x, num_rows * weight.numel(), native.EXPERT_DTYPES)):
+            and not _few_outputs(num_rows, weight.shape[0], x.dtype) and weight.is_contiguous()
+            and native.worth_it(x, num_rows * weight.numel(), native.EXPERT_DTYPES)):
         y = native.linear(x if x.dim() == 2 else x.reshape(num_rows, x.shape[-1]), weight)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)

@@ -1,7 +1,8 @@
 """Native CPU kernels for decode-sized steps: the router's top-k and the routed experts of a few tokens, decode
-attention read in place from the paged arena, and RMSNorm with RoPE (``kernels.c``). On the CPU, at decode sizes, torch's per-op dispatch
-costs more than the arithmetic: a MoE layer is ~20 ops, a paged attention ~10 (write, gather, mask, SDPA), q/k
-norms with RoPE ~10; each kernel here is one call. vLLM's CPU build does the same with its C++ kernels.
+attention read in place from the paged arena, and RMSNorm with RoPE (``kernels.c``). On the CPU, at decode sizes,
+torch's per-op dispatch costs more than the arithmetic: a MoE layer is ~20 ops, a paged attention ~10 (write,
+gather, mask, SDPA), q/k norms with RoPE ~10; each kernel here is one call. vLLM's CPU build does the same with
+its C++ kernels.
 
 Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native``) into a cache directory
 (``$MOETIDE_NATIVE_DIR``, else ``~/.cache/moetide/native``, else a private temp directory), keyed by the
@@ -10,7 +11,7 @@ source, the flags and the CPU, and loaded with ``ctypes`` only if this user owns
 ``MOETIDE_NATIVE=0``, ``available()`` is False and the engine keeps its torch paths — the same results to fp32
 round-off (tested), only slower; the reason is in ``unavailable_reason()``.
 
-Only fp32 CPU tensors (the experts also bf16), without autograd; the kernels are single-threaded, so
+CPU tensors in fp32 (most kernels also bf16), without autograd; the kernels are single-threaded, so
 ``worth_it`` keeps torch (which may use several threads) for work large enough to gain from them.
 """
 

@@ -203,7 +203,8 @@ static inline __attribute__((always_inline)) void attend512(const float *qs, int
     for (int64_t j0 = 0; j0 < n; j0 += 4) {
         const int nk = n - j0 < 4 ? (int)(n - j0) : 4;
         const char *kr[4];
-        for (int i = 0; i < 4; i++) kr[i] = (const char *)kv_at(k_base, rows[j0 + (i < nk ? i : nk - 1)], row_stride, esz);
+        for (int i = 0; i < 4; i++)  /* past the last key: the last key again, its scores not stored */
+            kr[i] = (const char *)kv_at(k_base, rows[j0 + (i < nk ? i : nk - 1)], row_stride, esz);
         for (int64_t r = j0 + PREFETCH_ROWS; r < j0 + PREFETCH_ROWS + 4 && r < n; r++)
             prefetch_row(kv_at(k_base, rows[r], row_stride, esz), row_bytes);
         for (int64_t g = 0; g < Hkv; g++)

@@ -109,6 +109,26 @@ def test_native_decode_attention_equals_gather_and_sdpa(heads, kv_heads, head_di
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 24])  # the vector path (a multiple of 16) and the portable loop
+def test_native_decode_attention_reads_heads_that_are_not_adjacent(dtype, head_dim):
+    """K/V views whose heads lie farther apart than D (a row holds other data between them), in fp32 and bf16."""
+    generator = torch.Generator().manual_seed(head_dim)
+    num_rows, b, L, Hq, Hkv = 40, 3, 19, 4, 2
+    data = torch.randn(2, num_rows, Hkv, 2 * head_dim, generator=generator).to(dtype)
+    k_rows, v_rows = data[0, :, :, :head_dim], data[1, :, :, head_dim:]  # head stride 2D, row stride 2 Hkv D
+    lengths = torch.tensor([19, 5, 1])
+    key_rows = torch.randint(0, num_rows, (b, L), generator=generator)
+    q = torch.randn(b, Hq, head_dim, generator=generator).to(dtype)
+    expected = reference_decode(q.float(), k_rows.float(), v_rows.float(), key_rows, lengths, 0.2)
+    out = native.paged_decode_attention(q, k_rows, v_rows, key_rows, lengths, 0.2)
+    if dtype == torch.float32:
+        assert_close(out, expected)
+    else:
+        torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=2 ** -7)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("norm", "rotary"), [(True, 16), (True, 0), (False, 16), (True, 10)])
 def test_native_norm_and_rope_equal_the_torch_ops(norm, rotary, dtype):
     """fp32 to round-off; bf16 rounded where each torch op rounds, so an element differs only where the fp32 sum of

@@ -159,6 +159,40 @@ def test_native_norm_and_rope_equal_the_torch_ops(norm, rotary, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_rmsnorm_add_forward_is_the_add_then_the_norm(dtype, zero_centered, monkeypatch):
+    """vLLM's fused_add_rms_norm: the same bits as the residual add and then the norm, the sum written into the
+    residual's memory; with autograd on, the torch ops (and the residual untouched)."""
+    recorded = count_calls(monkeypatch, "rms_norm")
+    norm = RMSNorm(48, 1e-6, zero_centered)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48) * 0.5)
+    norm = norm.to(dtype)
+    x, residual = (torch.randn(7, 48) * 3).to(dtype), (torch.randn(7, 48) * 3).to(dtype)
+    with torch.inference_mode():
+        expected_sum = x + residual
+        expected = norm(expected_sum)
+        running = residual.clone()
+        normed, total = norm.add_forward(x, running)
+    assert any(kwargs.get("residual") is not None for kwargs in recorded["rms_norm"])
+    assert total.data_ptr() == running.data_ptr() and torch.equal(total, expected_sum)
+    if dtype == torch.float32:
+        assert_close(normed, expected)
+    else:  # the fp32 sum of squares in another order may cross a bf16 rounding, rarely
+        assert (normed != expected).float().mean() < 0.02
+    kept = residual.clone()
+    normed, total = norm.add_forward(x.clone().requires_grad_(), kept)
+    assert torch.equal(kept, residual) and torch.equal(total.detach(), expected_sum)
+
+
+@needs_native
+def test_native_rms_norm_refuses_a_residual_of_another_shape():
+    with pytest.raises(ValueError, match="residual must be a contiguous CPU"):
+        native.rms_norm(torch.randn(3, 8), 1e-6, torch.ones(8), False, residual=torch.zeros(3, 4))
+
+
+@needs_native
 def test_rmsnorm_takes_the_native_kernel_and_equals_the_torch_ops():
     norm = RMSNorm(48, 1e-5)
     with torch.no_grad():

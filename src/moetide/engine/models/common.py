@@ -103,6 +103,16 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(norm(x + residual), x + residual) for x, residual [T, D]: the decoder layer's residual add and the norm
+        after it. Natively one call (vLLM's fused_add_rms_norm), the sum written into ``residual``'s memory (the
+        layer's running sum, which nothing else holds); the same bits as the add, then ``self``."""
+        if (native.worth_it(x, x.numel(), native.EXPERT_DTYPES) and self.weight.dtype == x.dtype == residual.dtype
+                and x.dim() == 2 and residual.shape == x.shape and residual.is_contiguous()):
+            return native.rms_norm(x, self.eps, self.weight, self.zero_centered, residual=residual), residual
+        total = x + residual
+        return self(total), total
+
 
 def rope_tables(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> Rope:
     """cos and *signed* sin [T, rotary_dim] for LongTensor[T] positions (transformers' default RoPE, inv_freq on
@@ -224,9 +234,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps, zero_centered_norm)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centered_norm)
 
-    def forward(self, x: Tensor, ctx: StepContext, rope: Rope, experts: ExpertProvider) -> Tensor:
-        x = x + getattr(self, self.mixer_name)(self.input_layernorm(x), ctx, rope)
-        return x + self.mlp(self.post_attention_layernorm(x), experts)
+    def forward(self, x: Tensor, residual: Tensor | None, ctx: StepContext, rope: Rope,
+                experts: ExpertProvider) -> tuple[Tensor, Tensor]:
+        """(the MLP's output, the running sum before it) for the layer's input x + residual (x alone in the first
+        layer: residual None), so the next layer's add and norm run together (``RMSNorm.add_forward``)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(getattr(self, self.mixer_name)(h, ctx, rope), residual)
+        return self.mlp(h, experts), residual
 
 
 # ---- the model ---------------------------------------------------------------------------------------------
@@ -271,11 +288,13 @@ class MoECausalLM(nn.Module):
         max_position = max(c + n for c, n in zip(batch.num_computed_tokens, batch.num_new_tokens)) - 1
         rope = self.rope.lookup(batch.positions(x.device), max_position, x.dtype)  # once per step, for all layers
         experts = ctx.experts if ctx.experts is not None else self.own_experts
+        residual = None
         for layer in self.layers:
-            x = layer(x, ctx, rope, experts)
+            x, residual = layer(x, residual, ctx, rope, experts)
         if not all_logits and ctx.batch.num_tokens != len(ctx.batch.seq_ids):  # else each token is a last one
-            x = x[ctx.batch.last_token_indices(x.device)]  # [B, H]
-        x = self.norm(x)
+            last = ctx.batch.last_token_indices(x.device)
+            x, residual = x[last], residual[last]  # [B, H]
+        x = self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
         return linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     # ---- per-sequence state --------------------------------------------------------------------------------

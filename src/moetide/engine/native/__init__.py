@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c"))
 _HEADERS = (Path(__file__).with_name("bf16.h"),)  # part of the build's key, not compiled on their own
-_ABI_VERSION = 14
+_ABI_VERSION = 15
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 _reason: list[str] = []
@@ -126,7 +126,7 @@ def _library() -> ctypes.CDLL | None:
         lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, i64, i64,
                                               i64, i64, p, p, p]
         lib.moetide_gdn_decode.restype = None
-        lib.moetide_rms_norm.argtypes = [p, i64, i64, i64, i64, ctypes.c_float, p, i64, p, i64, p]
+        lib.moetide_rms_norm.argtypes = [p, i64, i64, i64, i64, ctypes.c_float, p, i64, p, i64, p, p]
         lib.moetide_rms_norm.restype = None
         lib.moetide_copy_blocks.argtypes = [p, p, i64, i64, i64]
         lib.moetide_copy_blocks.restype = None
@@ -370,10 +370,13 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def rms_norm(x: Tensor, eps: float, weight: Tensor, zero_centered: bool, gate: Tensor | None = None) -> Tensor:
+def rms_norm(x: Tensor, eps: float, weight: Tensor, zero_centered: bool, gate: Tensor | None = None,
+             residual: Tensor | None = None) -> Tensor:
     """x [T, D] fp32 or bf16 (rows of D contiguous; any row stride) -> [T, D] in x's dtype: ``models.common``'s
     ``RMSNorm`` (``zero_centered``: scaled by 1 + weight) or, with ``gate`` [T, D], Qwen3-Next's gated norm, in one
-    call (``gdn.c``; equal to the torch forms to fp32 round-off before their roundings to the model dtype)."""
+    call (``gdn.c``; equal to the torch forms to fp32 round-off before their roundings to the model dtype). With
+    ``residual`` ([T, D] contiguous, x's dtype), x is first added into it in place (the sum rounded as torch's add
+    rounds) and the sum is normalized: vLLM's fused_add_rms_norm."""
     lib = _library()
     T, D = x.shape
     x, w = (x if x.stride(1) == 1 else x.contiguous()), weight.contiguous()
@@ -384,9 +387,13 @@ def rms_norm(x: Tensor, eps: float, weight: Tensor, zero_centered: bool, gate: T
                          f"a [{D}] weight of their dtype")
     if gate is not None and (gate.shape != (T, D) or gate.dtype != x.dtype):
         raise ValueError(f"rms_norm: the gate must be [{T}, {D}] rows of {x.dtype}")
+    if residual is not None and (residual.shape != (T, D) or residual.dtype != x.dtype or not residual.is_contiguous()
+                                 or residual.device.type != "cpu"):
+        raise ValueError(f"rms_norm: the residual must be a contiguous CPU [{T}, {D}] tensor of {x.dtype}")
     out = torch.empty(T, D, dtype=x.dtype)
     lib.moetide_rms_norm(x.data_ptr(), T, x.stride(0), D, x.dtype == torch.bfloat16, eps, w.data_ptr(),
-                         zero_centered, _ptr(gate), 0 if gate is None else gate.stride(0), out.data_ptr())
+                         zero_centered, _ptr(gate), 0 if gate is None else gate.stride(0), _ptr(residual),
+                         out.data_ptr())
     return out
 
 

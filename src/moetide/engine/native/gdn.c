@@ -61,12 +61,27 @@ static inline __attribute__((always_inline)) void rms_norm_row(const void *x, in
    [T, D] contiguous, w [D] model dtype; the sum of squares in fp32 over eight lanes. zero_centered (Qwen3-Next):
    out = x·inv·(1 + w) rounded once, as transformers' Qwen3NextRMSNorm; else out = w · round(x·inv), as
    Qwen3MoeRMSNorm; with gate (rows gate_stride apart, the gated norm of Gated DeltaNet) that rounded result is
-   then multiplied by SiLU(gate) in fp32 and rounded again. */
+   then multiplied by SiLU(gate) in fp32 and rounded again. With residual ([T, D] contiguous, else NULL), each
+   row is first added into it (rounded to the dtype, as torch's add) and the sum is what is normalized: vLLM's
+   fused_add_rms_norm, one call where the decoder layer had an add and a norm. */
+static inline __attribute__((always_inline)) void add_row(void *r, const void *x, int64_t D, const int bf16) {
+    for (int64_t d = 0; d < D; d++) store_any(r, d, load_any(r, d, bf16) + load_any(x, d, bf16), bf16);
+}
+
 void moetide_rms_norm(const void *x, int64_t T, int64_t x_stride, int64_t D, int64_t bf16, float eps,
-                      const void *w, int64_t zero_centered, const void *gate, int64_t gate_stride, void *out) {
+                      const void *w, int64_t zero_centered, const void *gate, int64_t gate_stride, void *residual,
+                      void *out) {
     const int64_t esz = bf16 ? 2 : 4;
     for (int64_t t = 0; t < T; t++) {
         const char *xt = (const char *)x + t * x_stride * esz;
+        if (residual != 0) {
+            char *rt = (char *)residual + t * D * esz;
+            if (bf16)
+                add_row(rt, xt, D, 1);
+            else
+                add_row(rt, xt, D, 0);
+            xt = rt;
+        }
         const char *gt = gate != 0 ? (const char *)gate + t * gate_stride * esz : 0;
         char *ot = (char *)out + t * D * esz;
         if (bf16)

@@ -57,6 +57,11 @@ static inline __attribute__((always_inline)) void rms_norm_row(const void *x, in
     }
 }
 
+/* r += x over D elements, each sum rounded to the dtype (bf16 != 0) as torch's add rounds */
+static inline __attribute__((always_inline)) void add_row(void *r, const void *x, int64_t D, const int bf16) {
+    for (int64_t d = 0; d < D; d++) store_any(r, d, load_any(r, d, bf16) + load_any(x, d, bf16), bf16);
+}
+
 /* RMSNorm over rows of D in the model dtype (bf16 != 0: bf16, else fp32), x rows x_stride elements apart, out
    [T, D] contiguous, w [D] model dtype; the sum of squares in fp32 over eight lanes. zero_centered (Qwen3-Next):
    out = x·inv·(1 + w) rounded once, as transformers' Qwen3NextRMSNorm; else out = w · round(x·inv), as
@@ -64,10 +69,6 @@ static inline __attribute__((always_inline)) void rms_norm_row(const void *x, in
    then multiplied by SiLU(gate) in fp32 and rounded again. With residual ([T, D] contiguous, else NULL), each
    row is first added into it (rounded to the dtype, as torch's add) and the sum is what is normalized: vLLM's
    fused_add_rms_norm, one call where the decoder layer had an add and a norm. */
-static inline __attribute__((always_inline)) void add_row(void *r, const void *x, int64_t D, const int bf16) {
-    for (int64_t d = 0; d < D; d++) store_any(r, d, load_any(r, d, bf16) + load_any(x, d, bf16), bf16);
-}
-
 void moetide_rms_norm(const void *x, int64_t T, int64_t x_stride, int64_t D, int64_t bf16, float eps,
                       const void *w, int64_t zero_centered, const void *gate, int64_t gate_stride, void *residual,
                       void *out) {

@@ -39,4 +39,17 @@ static inline void store_any(void *p, int64_t i, float v, int bf16) {
 /* v rounded to the dtype, kept in fp32 (where a torch op in that dtype would round) */
 static inline float to_dtype(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* elements i .. i+15 of an fp32 or (bf16 != 0) bf16 array as 16 fp32 lanes (bf16 widened exactly) */
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, int bf16) {
+    if (bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + i);
+}
+#endif
+
 #endif

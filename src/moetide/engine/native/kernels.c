@@ -119,17 +119,7 @@ static const float *kv_row(const void *base, int64_t row, int64_t row_stride, in
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-#include <immintrin.h>
 #define MOETIDE_ATTN512 1
-
-/* 16 lanes of a K or V head row, widened from bf16 where the cache holds bf16 */
-static inline __attribute__((always_inline)) __m512 kv_load16(const void *row, int64_t i, const int bf16) {
-    if (bf16) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float *)row + i);
-}
 
 /* e^x in 16 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in r, then r scaled by 2^n
    with scalef, which also gives the subnormals and zero of a large negative x); within 1 ulp of glibc's expf
@@ -179,7 +169,7 @@ static inline __attribute__((always_inline)) void pv_tile(const void *v_base, co
             prefetch_row(kv_at(v_base, rows[j + PREFETCH_ROWS], row_stride, esz), row_bytes);
         const char *vr = (const char *)kv_at(v_base, rows[j], row_stride, esz) + off * esz;
         __m512 vv[4];
-        for (int c = 0; c < NC; c++) vv[c] = kv_load16(vr, 16 * c, bf16);
+        for (int c = 0; c < NC; c++) vv[c] = load16(vr, 16 * c, bf16);
         for (int a = 0; a < 4; a++) {
             const __m512 pb = _mm512_set1_ps(ph[a][j]);
             for (int c = 0; c < NC; c++) acc[a][c] = _mm512_fmadd_ps(pb, vv[c], acc[a][c]);
@@ -216,7 +206,7 @@ static inline __attribute__((always_inline)) void attend512(const float *qs, int
                 for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
                 for (int64_t c = 0; c < D; c += 16) {
                     __m512 kv[4];
-                    for (int i = 0; i < 4; i++) kv[i] = kv_load16(kr[i] + g * head_stride * esz, c, bf16);
+                    for (int i = 0; i < 4; i++) kv[i] = load16(kr[i] + g * head_stride * esz, c, bf16);
                     for (int a = 0; a < 4; a++) {
                         const __m512 qv = _mm512_loadu_ps(qh[a] + c);
                         for (int i = 0; i < 4; i++) acc[4 * a + i] = _mm512_fmadd_ps(qv, kv[i], acc[4 * a + i]);
@@ -273,18 +263,6 @@ static inline __attribute__((always_inline)) void attend512(const float *qs, int
             }
         }
 }
-
-static void attend512_f32(const float *qs, int64_t n, const int64_t *rows, const void *k_base, const void *v_base,
-                          int64_t row_stride, int64_t head_stride, int64_t Hq, int64_t Hkv, int64_t D, int64_t L,
-                          float scale, float *scores, float *m, float *sum, float *os, float *lse_s) {
-    attend512(qs, n, rows, k_base, v_base, row_stride, head_stride, Hq, Hkv, D, L, scale, scores, m, sum, os, lse_s, 0);
-}
-
-static void attend512_bf16(const float *qs, int64_t n, const int64_t *rows, const void *k_base, const void *v_base,
-                           int64_t row_stride, int64_t head_stride, int64_t Hq, int64_t Hkv, int64_t D, int64_t L,
-                           float scale, float *scores, float *m, float *sum, float *os, float *lse_s) {
-    attend512(qs, n, rows, k_base, v_base, row_stride, head_stride, Hq, Hkv, D, L, scale, scores, m, sum, os, lse_s, 1);
-}
 #endif
 
 /* Decode attention over paged KV, read in place: b sequences, one query each. q [b, Hq, D] contiguous; key j of
@@ -329,10 +307,14 @@ int moetide_paged_decode_attention(const float *q, int64_t b, int64_t Hq, int64_
         const int64_t *rows = key_rows + s * L;
         const float *qs = q + s * Hq * D;
 #ifdef MOETIDE_ATTN512
-        if (n > 0 && D % 16 == 0) {
-            (bf16 ? attend512_bf16 : attend512_f32)(qs, n, rows, k_base, v_base, row_stride, head_stride, Hq, Hkv, D,
-                                                    L, scale, scores, m, sum, out + s * Hq * D,
-                                                    lse == 0 ? 0 : lse + s * Hq);
+        if (n > 0 && D % 16 == 0) {  /* bf16 a constant in each call: each dtype compiled on its own */
+            float *os = out + s * Hq * D, *lse_s = lse == 0 ? 0 : lse + s * Hq;
+            if (bf16)
+                attend512(qs, n, rows, k_base, v_base, row_stride, head_stride, Hq, Hkv, D, L, scale, scores, m, sum,
+                          os, lse_s, 1);
+            else
+                attend512(qs, n, rows, k_base, v_base, row_stride, head_stride, Hq, Hkv, D, L, scale, scores, m, sum,
+                          os, lse_s, 0);
             continue;
         }
 #endif

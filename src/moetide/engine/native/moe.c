@@ -107,14 +107,6 @@ static inline float wval(const void *w, int64_t i, int bf16) {
    for its first MOE_TOKENS tokens and four at a time, from L1/L2, for the rest: from memory the 4 x 6 block is
    no faster below ~12 tokens per expert (measured on Zen 4), from cache 1.4-2x. */
 #define MOE_TOKENS 6
-static inline __attribute__((always_inline)) __m512 load16(const char *w, int64_t i, int bf16) {
-    if (bf16) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float *)w + i);
-}
-
 /* The end of every dot product of a block: the accumulator reduced, then elements from..n one by one. */
 static inline __attribute__((always_inline)) void finish_dots(__m512 acc[4][MOE_TOKENS], const char *W, int64_t ldb,
                                                               int bf16, const float *const *xs, int64_t t,

@@ -30,8 +30,8 @@ class VampParams:
     steps: StepStats
     block_size: int
     prefill_s_per_token_per_context: float = 0.0  # what one token of context adds to one token's prefill
-    # time constant of the measured rates (ghost hits, busy share) and the review interval; 120 s, not 300: against
-    # the oracle of fixed ratios (docs/vamp.md) 9 of 10 loads within 10% of the best, against 7 of 10
+    # time constant of the measured rates (ghost hits, busy share) and the review interval, chosen against an
+    # oracle of fixed offload ratios (docs/vamp.md, "Against an oracle")
     horizon_s: float = 120.0
     remap_s_per_expert: float = 50e-6  # cuMemUnmap/cuMemMap of an expert's pages and the block-table update
     reclaim: bool = False

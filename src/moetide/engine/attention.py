@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moetide.engine import native
-from moetide.engine.models import StepBatch
+from moetide.engine.models import AttentionBackend, DecodeRows, StepBatch
 from moetide.engine.storage import ArenaStorage
 from moetide.units import cdiv
 
@@ -74,7 +74,7 @@ class _StepPlan:
                 torch.tensor(offsets, dtype=torch.long, device=self.storage.device))
 
 
-class PagedAttentionBackend:
+class PagedAttentionBackend(AttentionBackend):
     """``AttentionBackend`` over ``ArenaStorage``: ``prepare(batch, block_tables)`` once per step, then the model
     calls ``attend`` per full-attention layer. See the module docstring."""
 
@@ -124,18 +124,29 @@ class PagedAttentionBackend:
         """Nothing to close: the paged backend measures nothing (the split backend does)."""
 
     # ---- per layer ----------------------------------------------------------------------------------------
+    def decode_rows(self, layer_id: int, num_heads: int, like: Tensor) -> DecodeRows | None:
+        """A pure decode step's key rows (``AttentionBackend.decode_rows``) where the native kernel reads them in
+        place: one group of one token per sequence, a KV cache in ``like``'s dtype, work ``decode_worth_it``."""
+        plan = self._plan
+        if plan is None or plan.direct is None or plan.direct[1] != 1:
+            return None
+        k_rows, v_rows = self.storage.kv_rows(self._attn_index[layer_id])
+        group, b = plan.groups[0], plan.direct[0]
+        macs = 2 * b * num_heads * k_rows.shape[2] * group.num_keys  # decode_worth_it's, for q [b, num_heads, D]
+        if k_rows.dtype != like.dtype or not native.worth_it(like, macs, native.EXPERT_DTYPES):
+            return None
+        return DecodeRows(k_rows, v_rows, group.key_rows.view(b, group.num_keys), group.lengths)
+
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, scale: float) -> Tensor:
         plan = self._plan
         if plan is None or plan.num_tokens != q.shape[0]:
             raise RuntimeError("PagedAttentionBackend.attend() before prepare() for this step")
+        rows = self.decode_rows(layer_id, q.shape[1], q)
+        if rows is not None:  # a pure decode step: each token's K/V written into its slot, then attended
+            return native.paged_decode_attention(q, rows.k_rows, rows.v_rows, rows.key_rows, rows.lengths, scale,
+                                                 new_kv=(k, v))
         a = self._attn_index[layer_id]
         k_rows, v_rows = self.storage.kv_rows(a)
-        if (plan.direct is not None and plan.direct[1] == 1 and k_rows.dtype == q.dtype
-                and native.decode_worth_it(q, plan.groups[0].num_keys, native.EXPERT_DTYPES)):
-            group = plan.groups[0]  # a pure decode step: each token's K/V written into its slot, then attended
-            b, Hq, D = q.shape
-            return native.paged_decode_attention(q, k_rows, v_rows, group.key_rows.view(b, group.num_keys),
-                                                 group.lengths, scale, new_kv=(k, v))
         k_cache, v_cache = self.storage.kv_views(a)
         k_cache[plan.write_index] = k.to(k_cache.dtype)  # every token of the step first (see the module docstring)
         v_cache[plan.write_index] = v.to(v_cache.dtype)

@@ -55,7 +55,7 @@ from moetide.engine.attention import (
     scatter_groups,
 )
 from moetide.engine.host_kv import HostKVStorage, StagingRing
-from moetide.engine.models import StepBatch
+from moetide.engine.models import AttentionBackend, StepBatch
 from moetide.engine.split_attention import lse_attention, merge_partials
 from moetide.engine.split_plan import SplitCounters, SplitStepper
 from moetide.engine.storage import ArenaStorage
@@ -101,7 +101,7 @@ class _StepPlan:
     has_cpu: bool
 
 
-class SplitAttentionBackend:
+class SplitAttentionBackend(AttentionBackend):
     """``AttentionBackend`` over the arena and the host KV storage (module docstring)."""
 
     def __init__(self, storage: ArenaStorage, host: HostKVStorage, stepper: SplitStepper) -> None:

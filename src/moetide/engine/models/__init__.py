@@ -10,6 +10,7 @@ from moetide.engine.models.common import MoECausalLM, greedy_generate
 from moetide.engine.models.hooks import (
     AttentionBackend,
     ContiguousKVCache,
+    DecodeRows,
     DictLinearStateStore,
     ExpertProvider,
     ExpertWeights,
@@ -38,6 +39,7 @@ __all__ = [
     "MODEL_CLASSES",
     "AttentionBackend",
     "ContiguousKVCache",
+    "DecodeRows",
     "DictLinearStateStore",
     "ExpertProvider",
     "ExpertWeights",

@@ -77,11 +77,31 @@ class StepBatch:
 # ---- attention ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """Where a pure decode step's keys lie, for attention computed in place (``engine.native``'s decode kernels):
+    ``k_rows``, ``v_rows`` [rows, Hkv, D] views of the cache (equal strides, unit stride along D); ``key_rows``
+    [B, L] int64, sequence s's keys in position order, its first ``lengths[s]`` valid ([B] int64), the last of
+    them its decode token's own slot, not yet written."""
+
+    k_rows: Tensor
+    v_rows: Tensor
+    key_rows: Tensor
+    lengths: Tensor
+
+
 class AttentionBackend(Protocol):
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, scale: float) -> Tensor:
         """Store this step's k, v [T, Hkv, D] for ``layer_id`` and return causal attention of q [T, Hq, D] over
         each sequence's whole context (cached tokens, then its new ones) as [T, Hq, D]."""
         ...
+
+    def decode_rows(self, layer_id: int, num_heads: int, like: Tensor) -> DecodeRows | None:
+        """For a step of one token per sequence whose attention this backend would compute in place with the
+        native decode kernel (for ``num_heads`` query heads in ``like``'s dtype and device), where its keys lie:
+        a caller that writes each sequence's new K/V into its last row and attends there, as that kernel does,
+        may then skip ``attend`` for the layer. None (the default) where the backend must see ``attend``."""
+        return None
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, num_computed_tokens: int) -> Tensor:
@@ -97,7 +117,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, num_computed
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-class ContiguousKVCache:
+class ContiguousKVCache(AttentionBackend):
     """The reference ``AttentionBackend``: per (layer, sequence), K and V as contiguous [L, Hkv, D] tensors that
     grow by concatenation. Simple and exact, O(L) copying per step; the paged backend replaces it. A sequence that
     claims ``num_computed_tokens`` its cache does not hold is a bug upstream, so it raises rather than guesses."""

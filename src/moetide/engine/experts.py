@@ -145,6 +145,11 @@ class StagedExpertProvider(WeightMover, ExpertProvider):
         m = self.moe_index[layer_id]
         return None if self._looped_layer == m else self.storage.stacked_experts(m)
 
+    def resident_weights(self, layer_id: int) -> tuple[Tensor, Tensor] | None:
+        """The arena's views of the layer's experts while none of them is offloaded (no routing can need staging)."""
+        m = self.moe_index[layer_id]
+        return None if self._offloaded[m] else self.storage.stacked_experts(m)
+
     def end_step(self) -> None:
         """Record the step's routing into the residency (one read-back per step, after the forward)."""
         if not self._step_counts:

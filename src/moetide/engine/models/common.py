@@ -32,7 +32,7 @@ from moetide.engine.models.hooks import (
     StepBatch,
     StepContext,
 )
-from moetide.engine.models.ops import linear
+from moetide.engine.models.ops import linear, native_takes
 from moetide.engine.models.moe import MLP, SparseMoE  # MLP re-exported: the model files import it from here
 from moetide.specs.hf_config import ConfigReader
 
@@ -238,12 +238,45 @@ class DecoderLayer(nn.Module):
                 experts: ExpertProvider) -> tuple[Tensor, Tensor]:
         """(the MLP's output, the running sum before it) for the layer's input x + residual (x alone in the first
         layer: residual None), so the next layer's add and norm run together (``RMSNorm.add_forward``)."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
+        block = self.attention_block(x, residual, ctx, rope)
+        if block is not None:
+            h, residual = block
         else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(getattr(self, self.mixer_name)(h, ctx, rope), residual)
+            if residual is None:
+                h, residual = self.input_layernorm(x), x
+            else:
+                h, residual = self.input_layernorm.add_forward(x, residual)
+            mixed = getattr(self, self.mixer_name)(h, ctx, rope)
+            h, residual = self.post_attention_layernorm.add_forward(mixed, residual)
         return self.mlp(h, experts), residual
+
+    def attention_block(self, x: Tensor, residual: Tensor | None, ctx: StepContext,
+                        rope: Rope) -> tuple[Tensor, Tensor] | None:
+        """(the MLP's input, the running sum) from ``native.attention_block``, one call for the layer's norms,
+        projections and attention, where every one of them would take its native kernel op by op — a decode step
+        whose attention backend hands out its key rows (``decode_rows``) — so the same bits; else None."""
+        attn = self.self_attn if self.mixer_name == "self_attn" else None
+        if attn is None or not attn.joint_qk or x.dim() != 2 or not x.is_contiguous():
+            return None
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        T = x.shape[0]
+        if (not native.worth_it(x, x.numel(), native.EXPERT_DTYPES) or rope[0].dtype != x.dtype
+                or any(n.weight.dtype != x.dtype or n.zero_centered for n in norms)
+                or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                              or not residual.is_contiguous()))
+                or (attn.qk_norm and not attn.q_norm.weight.dtype == attn.k_norm.weight.dtype == x.dtype)
+                or not native_takes(x, T, attn.qkv_proj.weight) or not native_takes(x, T, attn.o_proj.weight)):
+            return None
+        rows = ctx.attention.decode_rows(attn.layer_id, attn.num_heads, x)
+        if rows is None:
+            return None
+        qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else None
+        if residual is None:  # the first layer: the input is the running sum
+            x, residual = None, x
+        h = native.attention_block(x, residual, (norms[0].weight, norms[0].eps), attn.qkv_proj.weight,
+                                   attn.num_heads, qk_norm, rope, rows, attn.head_dim**-0.5, attn.o_proj.weight,
+                                   (norms[1].weight, norms[1].eps))
+        return h, residual
 
 
 # ---- the model ---------------------------------------------------------------------------------------------

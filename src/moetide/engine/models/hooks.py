@@ -293,6 +293,12 @@ class ExpertProvider(Protocol):
         them the MoE block runs the grouped path (``models.moe``); the default, None, serves expert by expert."""
         return None
 
+    def resident_weights(self, layer_id: int) -> tuple[Tensor, Tensor] | None:
+        """``stacked_weights``' views where they are valid whatever the step routes (every expert of the layer
+        resident), so the MoE block may run its experts before it announces the routing (``route``, then called
+        right after them, still before the layer returns). None (the default): announce first."""
+        return None
+
 
 class ModuleExpertProvider(ExpertProvider):
     """The default ``ExpertProvider``: views into each MoE layer's own stacked parameters (read at call time, so
@@ -311,6 +317,9 @@ class ModuleExpertProvider(ExpertProvider):
     def stacked_weights(self, layer_id: int) -> tuple[Tensor, Tensor]:
         module = self.experts_by_layer[layer_id]
         return module.gate_up_proj, module.down_proj
+
+    def resident_weights(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        return self.stacked_weights(layer_id)
 
 
 @dataclass

@@ -177,6 +177,29 @@ class SparseMoE(nn.Module):
         return (weights.to(logits.dtype) if self.cast_weights else weights), expert_ids
 
     def forward(self, x: Tensor, experts: ExpertProvider) -> Tensor:
+        out = self.native_block(x, experts)
+        if out is None:
+            out = self.routed_experts(x, experts)
+        if self.has_shared_expert:
+            out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return out
+
+    def native_block(self, x: Tensor, experts: ExpertProvider) -> Tensor | None:
+        """The router and the routed experts in one call (``native.moe_block``) in fp32 where the router's top-k
+        and the experts would each take their native kernel and every expert is resident (``resident_weights``:
+        the routing is announced after); else None. The gate's sums are the native kernel's, so the output equals
+        ``routed_experts``' to fp32 round-off."""
+        stacked = experts.resident_weights(self.layer_id)
+        if (stacked is None or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
+                or not native.worth_it(x, x.shape[0] * self.gate.weight.shape[0])
+                or not native_takes(x, x.shape[0] * self.top_k, *stacked)):
+            return None
+        out, expert_ids = native.moe_block(x, self.gate.weight, self.top_k, self.norm_topk_prob, *stacked)
+        experts.route(self.layer_id, expert_ids)
+        return out
+
+    def routed_experts(self, x: Tensor, experts: ExpertProvider) -> Tensor:
+        """The router, the routing announced (``experts.route``), then the selected experts (module docstring)."""
         weights, expert_ids = self.route(x)  # [T, K], [T, K]
         experts.route(self.layer_id, expert_ids)
         stacked = experts.stacked_weights(self.layer_id)
@@ -189,6 +212,4 @@ class SparseMoE(nn.Module):
             out = grouped_experts(x, weights, expert_ids, *stacked)
         else:
             out = looped_experts(x, weights, expert_ids, experts, self.layer_id)
-        if self.has_shared_expert:
-            out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out

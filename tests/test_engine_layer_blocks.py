@@ -1,0 +1,173 @@
+"""A decoder layer's halves in one native call each (``native.attention_block``, ``native.moe_block``): the
+attention half gives the op-by-op native path's bits (the arena's KV bytes and the tokens after a run, fp32 and
+bf16), the MoE half equals the router then the experts; when the engine takes them (a decode step, every expert of
+the layer resident) and when not (an expert offloaded, the reference backend); greedy tokens still equal
+transformers'; bad key rows refused with nothing written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from moetide.engine import native  # noqa: E402
+from moetide.engine.models import ContiguousKVCache, DecodeRows  # noqa: E402
+from moetide.engine.models import common, moe  # noqa: E402
+from moetide.engine.runner import Engine  # noqa: E402
+from moetide.engine.testmodel import TinyModelArgs, make_test_model  # noqa: E402
+from engine_parity import greedy_reference  # noqa: E402
+from test_engine_native import assert_close, count_calls  # noqa: E402
+from test_engine_step_paths import strided_experts  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+
+# hidden 128: o_proj has 128 outputs, so in fp32 both projections take the native kernel (``models.ops``)
+WIDE = dict(hidden_size=128, num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=32, num_experts=4,
+            moe_intermediate_size=32, vocab_size=512)
+PROMPTS = [[5, 17, 33, 2, 9], [100, 3], [7] * 11, [450, 1, 4, 4, 8, 16, 32]]
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory, torch_one_thread):
+    built = {}
+
+    def get(arch: str, dtype: str = "float32"):
+        if (arch, dtype) not in built:
+            with contextlib.redirect_stderr(io.StringIO()):
+                built[arch, dtype] = make_test_model(TinyModelArgs(arch=arch, dtype=dtype, **WIDE),
+                                                     tmp_path_factory.mktemp(f"{arch}-{dtype}"))
+        return built[arch, dtype]
+
+    return get
+
+
+def run(checkpoint, **engine_args):
+    """(tokens, the arena's bytes) after the prompts decode 12 tokens together."""
+    engine = Engine(checkpoint, kv_budget_mib=4, ignore_eos=True, **engine_args)
+    tokens = [o.token_ids for o in engine.generate(PROMPTS, 12).outputs]
+    return tokens, engine.storage.data.clone()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_attention_block_gives_the_op_by_op_bits(arch, dtype, wide_checkpoint, monkeypatch):
+    """Every layer's K/V of every step lands in the arena: equal bytes there mean every layer's attention half
+    (and what fed it) gave the same bits as the native kernels called one by one."""
+    checkpoint = wide_checkpoint(arch, dtype)
+    recorded = count_calls(monkeypatch, "attention_block")
+    fused_tokens, fused_arena = run(checkpoint)
+    assert len(recorded["attention_block"]) == 2 * 11  # both layers, every decode step after the prefill's
+    monkeypatch.setattr(common.DecoderLayer, "attention_block", lambda *args: None)
+    tokens, arena = run(checkpoint)
+    assert fused_tokens == tokens
+    assert torch.equal(fused_arena, arena)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_with_both_blocks_greedy_tokens_equal_transformers(arch, wide_checkpoint, monkeypatch):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    checkpoint = wide_checkpoint(arch)
+    recorded = count_calls(monkeypatch, "attention_block", "moe_block")
+    tokens, _ = run(checkpoint)
+    assert recorded["attention_block"] and recorded["moe_block"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    assert tokens == greedy_reference(lambda _: hf, PROMPTS, 12)(arch)
+
+
+def test_the_moe_block_equals_the_router_then_the_experts(torch_one_thread):
+    generator = torch.Generator().manual_seed(3)
+    gate_up, down = strided_experts(generator, 8, 32, 16)
+    gate = torch.randn(8, 32, generator=generator)
+    x = torch.randn(19, 32, generator=generator)
+    for renormalize in (False, True):
+        weights, ids = native.moe_route(x @ gate.T, 2, renormalize)
+        out, block_ids = native.moe_block(x, gate, 2, renormalize, gate_up, down)
+        assert torch.equal(block_ids, ids)
+        assert_close(out, native.moe_experts(x, weights, ids, gate_up, down))
+    with pytest.raises(ValueError, match="top_k 9 must lie"):
+        native.moe_block(x, gate, 9, True, gate_up, down)
+    with pytest.raises(ValueError, match=r"contiguous \[8, 32\]"):
+        native.moe_block(x, gate[:4], 2, True, gate_up, down)
+
+
+def test_the_moe_block_announces_the_routing_it_ran(torch_one_thread):
+    """``route`` still hears every layer's routing, after the experts ran (only where they are all resident)."""
+    config = type("Config", (), dict(num_experts_per_tok=2, hidden_size=32, num_experts=8, moe_intermediate_size=16))
+    block = moe.SparseMoE(config, 3, norm_topk_prob=False, cast_weights=True)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+
+    class Resident(moe.ExpertProvider):
+        def __init__(self, resident: bool) -> None:
+            self.resident, self.routed = resident, []
+
+        def route(self, layer_id, expert_ids):
+            self.routed.append((layer_id, expert_ids.clone()))
+
+        def expert_weights(self, layer_id, expert_id):
+            return moe.ExpertWeights(block.experts.gate_up_proj[expert_id], block.experts.down_proj[expert_id])
+
+        def stacked_weights(self, layer_id):
+            return block.experts.gate_up_proj, block.experts.down_proj
+
+        def resident_weights(self, layer_id):
+            return self.stacked_weights(layer_id) if self.resident else None
+
+    x = torch.randn(6, 32, generator=generator)
+    with torch.inference_mode():
+        fused, announced = Resident(True), Resident(False)
+        out = block(x, fused)
+        expected = block(x, announced)
+    assert_close(out, expected)
+    assert [layer for layer, _ in fused.routed] == [3]
+    assert torch.equal(fused.routed[0][1], announced.routed[0][1])
+
+
+def test_an_offloaded_expert_keeps_its_layer_on_the_announced_path(wide_checkpoint, monkeypatch):
+    engine = Engine(wide_checkpoint("mixtral"), kv_budget_mib=4, ignore_eos=True, max_offload_ratio=0.5)
+    engine.parts.expert_line.offload(((0, 1),))
+    assert engine.parts.experts.resident_weights(0) is None
+    assert engine.parts.experts.resident_weights(1) is not None
+    seen = []
+    original = moe.SparseMoE.native_block
+
+    def spy(self, x, experts):
+        out = original(self, x, experts)
+        seen.append((self.layer_id, out is not None))
+        return out
+
+    monkeypatch.setattr(moe.SparseMoE, "native_block", spy)
+    engine.generate(PROMPTS, 4)
+    assert {layer for layer, fused in seen if fused} == {1}
+    assert {layer for layer, fused in seen if not fused} == {0}
+
+
+def test_the_reference_cache_hands_out_no_rows():
+    """A backend that must see ``attend`` (the reference cache; the split backend) keeps the default."""
+    assert ContiguousKVCache().decode_rows(0, 4, torch.zeros(1)) is None
+
+
+def test_the_attention_block_refuses_rows_outside_the_cache_and_writes_nothing(torch_one_thread):
+    generator = torch.Generator().manual_seed(5)
+    T, H, Hq, Hkv, D = 2, 32, 4, 2, 16
+    k_rows, v_rows = torch.zeros(2, 8, Hkv, D).unbind(0)
+    residual, x = torch.randn(2, T, H, generator=generator).unbind(0)
+    before = residual.clone()
+    rope = (torch.ones(T, D), torch.zeros(T, D))
+    norm = (torch.ones(H), 1e-6)
+    qkv, o = torch.randn((Hq + 2 * Hkv) * D, H, generator=generator), torch.randn(H, Hq * D, generator=generator)
+    rows = DecodeRows(k_rows, v_rows, torch.tensor([[0, 1], [2, 8]]), torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match=r"key_rows must lie in \[0, 8\)"):
+        native.attention_block(x, residual, norm, qkv, Hq, None, rope, rows, 0.25, o, norm)
+    assert torch.equal(residual, before) and not k_rows.any() and not v_rows.any()
+    with pytest.raises(ValueError, match="shapes disagree"):
+        native.attention_block(x, residual, norm, qkv[:-1], Hq, None, rope, rows, 0.25, o, norm)

@@ -7,10 +7,11 @@ core's bandwidth (measured on this machine: 7.5 GB/s against 17-24 GB/s for a pl
 native kernel near all of it. Past a few tokens the step is arithmetic, where torch's GEMM is faster, by how much
 depending on the kernel built: hence ``NATIVE_LINEAR_MAX_TOKENS`` per vector path (measured at K 256-512 and N
 512-1024, one thread, on a Zen 4 core: its AVX-512 kernel beats MKL's fp32 GEMM up to 32 tokens, 0-30% with the
-weights in cache and 25-58% from memory, and with AVX512-BF16 oneDNN's bf16 GEMM up to 16, 5-50%; converting
-bf16 to fp32 instead, it lost past 4; the AVX2 kernel's limits are the ones measured before it). Results equal
-torch's to one rounding of a sum taken in another order (fp32 round-off; bf16 as torch's bf16 linear: fp32 sums
-rounded once).
+weights in cache and 25-58% from memory; with AVX512-BF16 it takes 10-55% less time than torch's bf16 linear
+from memory up to 24 tokens, ties at 32 and is 10-20% behind at 64, while whole bf16 decode steps at batch 32
+take 9-17% less time with it (the decoder layer then fuses, ``models.common``); converting bf16 to fp32 instead,
+it lost past 4; the AVX2 kernel's limits are the ones measured before it). Results equal torch's to one rounding of a sum
+taken in another order (fp32 round-off; bf16 as torch's bf16 linear: fp32 sums rounded once).
 
 Projections with few outputs (a router's gate, N = the expert count; Qwen3-Next's shared-expert gate, N = 1) go
 to torch whatever the row count: the native call's fixed cost is most of theirs. Measured one thread on the Zen 4
@@ -30,7 +31,7 @@ from moetide.engine import native
 
 # most rows of x the native kernel takes, by the vector path it was built with (native.linear_isa())
 NATIVE_LINEAR_MAX_TOKENS = {
-    "avx512-bf16": {torch.float32: 32, torch.bfloat16: 16},
+    "avx512-bf16": {torch.float32: 32, torch.bfloat16: 32},
     "avx512": {torch.float32: 32, torch.bfloat16: 4},
     "avx2": {torch.float32: 4, torch.bfloat16: 8},
 }

@@ -32,7 +32,7 @@ from moetide.engine.models.hooks import (
     StepBatch,
     StepContext,
 )
-from moetide.engine.models.ops import linear, native_takes
+from moetide.engine.models.ops import linear, native_linear_takes
 from moetide.engine.models.moe import MLP, SparseMoE  # MLP re-exported: the model files import it from here
 from moetide.specs.hf_config import ConfigReader
 
@@ -265,7 +265,8 @@ class DecoderLayer(nn.Module):
                 or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                               or not residual.is_contiguous()))
                 or (attn.qk_norm and not attn.q_norm.weight.dtype == attn.k_norm.weight.dtype == x.dtype)
-                or not native_takes(x, T, attn.qkv_proj.weight) or not native_takes(x, T, attn.o_proj.weight)):
+                or not native_linear_takes(x, T, attn.qkv_proj.weight)
+                or not native_linear_takes(x, T, attn.o_proj.weight)):
             return None
         rows = ctx.attention.decode_rows(attn.layer_id, attn.num_heads, x)
         if rows is None:

@@ -53,7 +53,7 @@ def _few_outputs(num_rows: int, num_outputs: int, dtype: torch.dtype) -> bool:
     return num_rows * num_outputs <= TORCH_BF16_SMALL_PRODUCT
 
 
-def native_takes(x: Tensor, num_rows: int, weight: Tensor) -> bool:
+def native_linear_takes(x: Tensor, num_rows: int, weight: Tensor) -> bool:
     """Whether ``linear`` runs ``num_rows`` rows like x through the native kernel (see the module docstring)."""
     return (num_rows <= _max_tokens(x.dtype) and weight.dtype == x.dtype and weight.dim() == 2
             and not _few_outputs(num_rows, weight.shape[0], x.dtype) and weight.is_contiguous()
@@ -63,7 +63,7 @@ def native_takes(x: Tensor, num_rows: int, weight: Tensor) -> bool:
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N]."""
     num_rows = x.numel() // x.shape[-1] if x.dim() else 0
-    if native_takes(x, num_rows, weight):
+    if native_linear_takes(x, num_rows, weight):
         y = native.linear(x if x.dim() == 2 else x.reshape(num_rows, x.shape[-1]), weight)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)

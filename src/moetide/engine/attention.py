@@ -132,7 +132,7 @@ class PagedAttentionBackend(AttentionBackend):
             return None
         k_rows, v_rows = self.storage.kv_rows(self._attn_index[layer_id])
         group, b = plan.groups[0], plan.direct[0]
-        macs = 2 * b * num_heads * k_rows.shape[2] * group.num_keys  # decode_worth_it's, for q [b, num_heads, D]
+        macs = native.decode_macs(b * num_heads * k_rows.shape[2], group.num_keys)
         if k_rows.dtype != like.dtype or not native.worth_it(like, macs, native.EXPERT_DTYPES):
             return None
         return DecodeRows(k_rows, v_rows, group.key_rows.view(b, group.num_keys), group.lengths)

@@ -163,11 +163,15 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(config.hidden_size, shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
+    def native_routes(self, x: Tensor) -> bool:
+        """Whether the router's softmax and top-k for x's rows take ``native.moe_route``: fp32 only (the five torch
+        ops of ``route`` in one call). Not bf16, whose logits tie often (8 bits of mantissa), and of tied experts
+        torch.topk's pick is its own: transformers' choice there is kept by keeping its ops."""
+        return native.worth_it(x, x.numel() // x.shape[-1] * self.gate.weight.shape[0])
+
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         logits = linear(x, self.gate.weight)  # [T, E]
-        # fp32: the five ops below in one call. Not bf16, whose logits tie often (8 bits of mantissa), and of tied
-        # experts torch.topk's pick is its own: transformers' choice there is kept by keeping its ops
-        if native.worth_it(logits, logits.numel()):
+        if self.native_routes(x):
             weights, expert_ids = native.moe_route(logits, self.top_k, self.norm_topk_prob)
             return (weights.to(logits.dtype) if self.cast_weights else weights), expert_ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -190,8 +194,7 @@ class SparseMoE(nn.Module):
         the routing is announced after); else None. The gate's sums are the native kernel's, so the output equals
         ``routed_experts``' to fp32 round-off."""
         stacked = experts.resident_weights(self.layer_id)
-        if (stacked is None or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
-                or not native.worth_it(x, x.shape[0] * self.gate.weight.shape[0])
+        if (stacked is None or x.dim() != 2 or not x.is_contiguous() or not self.native_routes(x)
                 or not native_takes(x, x.shape[0] * self.top_k, *stacked)):
             return None
         out, expert_ids = native.moe_block(x, self.gate.weight, self.top_k, self.norm_topk_prob, *stacked)

@@ -10,8 +10,8 @@ depending on the kernel built: hence ``NATIVE_LINEAR_MAX_TOKENS`` per vector pat
 weights in cache and 25-58% from memory; with AVX512-BF16 it takes 10-55% less time than torch's bf16 linear
 from memory up to 24 tokens, ties at 32 and is 10-20% behind at 64, while whole bf16 decode steps at batch 32
 take 9-17% less time with it (the decoder layer then fuses, ``models.common``); converting bf16 to fp32 instead,
-it lost past 4; the AVX2 kernel's limits are the ones measured before it). Results equal torch's to one rounding of a sum
-taken in another order (fp32 round-off; bf16 as torch's bf16 linear: fp32 sums rounded once).
+it lost past 4; the AVX2 kernel's limits are the ones measured before it). Results equal torch's to one rounding
+of a sum taken in another order (fp32 round-off; bf16 as torch's bf16 linear: fp32 sums rounded once).
 
 Projections with few outputs (a router's gate, N = the expert count; Qwen3-Next's shared-expert gate, N = 1) go
 to torch whatever the row count: the native call's fixed cost is most of theirs. Measured one thread on the Zen 4

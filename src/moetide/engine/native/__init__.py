@@ -171,10 +171,16 @@ def worth_it(x: Tensor, macs: int, dtypes: tuple[torch.dtype, ...] = (torch.floa
     return macs <= _SINGLE_THREAD_MACS or torch.get_num_threads() == 1
 
 
+def decode_macs(num_query_values: int, num_keys: int) -> int:
+    """The multiply-adds of decode attention: each of a step's query values (b · Hq · D) against ``num_keys`` keys,
+    once for the scores and once for the values."""
+    return 2 * num_query_values * num_keys
+
+
 def decode_worth_it(q: Tensor, num_keys: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     """``worth_it`` for decode attention of one query per sequence (q [b, (1,) Hq, D]) over ``num_keys`` keys each
     (``dtypes``: also ``EXPERT_DTYPES`` where a bf16 KV cache is read the same way)."""
-    return worth_it(q, 2 * q.numel() * num_keys, dtypes)
+    return worth_it(q, decode_macs(q.numel(), num_keys), dtypes)
 
 
 def _ptr(t: Tensor | None) -> int | None:

@@ -369,7 +369,7 @@ def native_calls(monkeypatch):
     pytest.importorskip("torch")
     from moetide.engine import native
 
-    native._library.cache_clear()
+    native.load.cache_clear()
     calls, kernel = [], native.paged_decode_attention
 
     def counted(*args, **kwargs):
@@ -379,7 +379,7 @@ def native_calls(monkeypatch):
     monkeypatch.setattr(native, "paged_decode_attention", counted)
     yield native, calls
     monkeypatch.undo()
-    native._library.cache_clear()
+    native.load.cache_clear()
 
 
 def needs_native(native) -> None:
@@ -418,7 +418,7 @@ def test_with_moetide_native_0_the_same_shape_is_timed_with_flash(native_calls, 
 
     native, calls = native_calls
     monkeypatch.setenv("MOETIDE_NATIVE", "0")
-    native._library.cache_clear()
+    native.load.cache_clear()
     assert kernel_for(TINY_DECODE) == "flash"
     sample = time_attention(TINY_DECODE, 1, 4096)
     assert sample.kernel == "flash" and sample.as_dict()["kernel"] == "flash" and calls == []

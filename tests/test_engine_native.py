@@ -32,11 +32,11 @@ def native_env(monkeypatch):
     def set_env(**env: str) -> None:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        native._library.cache_clear()
+        native.load.cache_clear()
 
     yield set_env
     monkeypatch.undo()
-    native._library.cache_clear()
+    native.load.cache_clear()
 
 
 @pytest.fixture
@@ -345,8 +345,8 @@ def test_a_native_library_another_user_could_write_is_not_loaded(native_env, tmp
     assert native.available()
     (library,) = tmp_path.glob("moetide_kernels_*.so")
     library.chmod(0o777)
-    native._library.cache_clear()
-    loaded = native._library()  # it builds another (the next flag set) rather than load the writable one
+    native.load.cache_clear()
+    loaded = native.load()  # it builds another (the next flag set) rather than load the writable one
     assert loaded is None or Path(loaded._name) != library
 
 

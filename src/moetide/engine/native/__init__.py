@@ -3,14 +3,11 @@ attention read in place from the paged arena, and RMSNorm with RoPE (``kernels.c
 torch's per-op dispatch costs more than the arithmetic: a MoE layer is ~20 ops, a paged attention ~10 (write,
 gather, mask, SDPA), q/k norms with RoPE ~10; each kernel here is one call. vLLM's CPU build does the same with
 its C++ kernels. At decode sizes a decoder layer's attention half, and in fp32 its MoE half, are one call each
-(``layer.c``), as those kernels in the same order, so that the per-call cost is paid once per half.
+(``native.layer``), as those kernels in the same order, so that the per-call cost is paid once per half.
 
-Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native``) into a cache directory
-(``$MOETIDE_NATIVE_DIR``, else ``~/.cache/moetide/native``, else a private temp directory), keyed by the
-source, the flags and the CPU, and loaded with ``ctypes`` only if this user owns it and nobody else can write it
-(no torch headers, so the build takes about a second). Where no compiler works, or with
-``MOETIDE_NATIVE=0``, ``available()`` is False and the engine keeps its torch paths — the same results to fp32
-round-off (tested), only slower; the reason is in ``unavailable_reason()``.
+Built on first use with the system C compiler (``native.library``; no torch headers, so the build takes about a
+second). Where no compiler works, or with ``MOETIDE_NATIVE=0``, ``available()`` is False and the engine keeps its
+torch paths — the same results to fp32 round-off (tested), only slower; the reason is in ``unavailable_reason()``.
 
 CPU tensors in fp32 (most kernels also bf16), without autograd; the kernels are single-threaded, so
 ``worth_it`` keeps torch (which may use several threads) for work large enough to gain from them.
@@ -18,155 +15,29 @@ CPU tensors in fp32 (most kernels also bf16), without autograd; the kernels are 
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from moetide.engine.native.layer import attention_block, moe_block
+from moetide.engine.native.library import (EXPERT_DTYPES, available, experts_readable, load, ptr, require_f32,
+                                           unavailable_reason)
+
 if TYPE_CHECKING:
-    from moetide.engine.models.hooks import DecodeRows, StateBlocks
+    from moetide.engine.models.hooks import StateBlocks
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c", "layer.c"))
-_HEADERS = (Path(__file__).with_name("bf16.h"),)  # part of the build's key, not compiled on their own
-_ABI_VERSION = 16
-_FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
+__all__ = ["EXPERT_DTYPES", "attention_block", "available", "copy_blocks", "decode_macs", "decode_worth_it",
+           "experts_readable", "gdn_decode", "linear", "linear_isa", "load", "moe_block", "moe_experts",
+           "moe_route", "paged_decode_attention", "rms_norm", "rms_norm_rope", "unavailable_reason", "worth_it"]
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
-_reason: list[str] = []
-EXPERT_DTYPES = (torch.float32, torch.bfloat16)  # what moe_experts reads
-_LINEAR_ISAS = ("c", "avx2", "avx512", "avx512-bf16")  # moetide_linear_isa()'s answers, in order
-
-
-def _cache_dirs() -> list[Path]:
-    """Where the library may be built: ``$MOETIDE_NATIVE_DIR`` alone if set, else ``~/.cache/moetide/native`` and,
-    where that cannot be written (a read-only or absent home), a private directory under the system temp dir."""
-    if os.environ.get("MOETIDE_NATIVE_DIR"):
-        return [Path(os.environ["MOETIDE_NATIVE_DIR"])]
-    dirs = []
-    try:
-        dirs.append(Path.home() / ".cache" / "moetide" / "native")
-    except RuntimeError:  # no home directory
-        pass
-    return [*dirs, Path(tempfile.gettempdir()) / f"moetide-native-{os.getuid()}"]
-
-
-def _trusted(path: Path) -> bool:
-    """A library we built ourselves: owned by this user, not writable by others (a shared cache directory must
-    not let another user plant the code we load)."""
-    st = path.stat()
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
-
-
-@functools.cache
-def _cpu_signature() -> str:
-    """What ``-march=native`` compiles for: the machine and, on Linux, the CPU's feature flags (a cache directory
-    shared by different CPUs must not hand one a library with instructions it lacks)."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + " " + platform.processor() + " " + flags
-
-
-def _build(compiler: str, flags: list[str], cache_dir: Path) -> Path:
-    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
-    target = cache_dir / f"moetide_kernels_{key}.so"
-    if target.is_file():
-        if not _trusted(target):
-            raise OSError(f"{target} is not owned by this user or is writable by others: not loaded")
-        return target
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then one atomic rename
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), *map(str, _SOURCES), "-lm"], check=True,
-                       capture_output=True, timeout=120)
-        built.chmod(0o755)  # whatever the umask: never writable by others (``_trusted``)
-        os.replace(built, target)
-    return target
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("MOETIDE_NATIVE", "1") == "0":
-        _reason.append("disabled by MOETIDE_NATIVE=0")
-        return None
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        _reason.append(f"no C compiler ({compiler!r} not found)")
-        return None
-    errors = []
-    for flags, cache_dir in ((f, d) for f in _FLAG_SETS for d in _cache_dirs()):
-        try:
-            lib = ctypes.CDLL(str(_build(compiler, flags, cache_dir)))
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            errors.append(f"{' '.join(flags)} in {cache_dir}: {exc} {detail.decode(errors='replace').strip()[:200]}")
-            continue
-        if lib.moetide_abi_version() != _ABI_VERSION:
-            errors.append(f"{' '.join(flags)}: ABI version {lib.moetide_abi_version()} != {_ABI_VERSION}")
-            continue
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.moetide_moe_grouped_f32.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, i64, p, p, p]
-        lib.moetide_moe_grouped_f32.restype = ctypes.c_int
-        lib.moetide_moe_grouped_bf16.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, i64, p, p, p]
-        lib.moetide_moe_grouped_bf16.restype = ctypes.c_int
-        lib.moetide_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, p]
-        lib.moetide_linear.restype = None
-        lib.moetide_linear_isa.argtypes = []
-        lib.moetide_linear_isa.restype = ctypes.c_int
-        lib.linear_isa = _LINEAR_ISAS[lib.moetide_linear_isa()]  # read on every projection: asked once
-        lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, i64, i64,
-                                              i64, i64, p, p, p]
-        lib.moetide_gdn_decode.restype = None
-        lib.moetide_rms_norm.argtypes = [p, i64, i64, i64, i64, ctypes.c_float, p, i64, p, i64, p, p]
-        lib.moetide_rms_norm.restype = None
-        lib.moetide_copy_blocks.argtypes = [p, p, i64, i64, i64]
-        lib.moetide_copy_blocks.restype = None
-        lib.moetide_paged_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
-                                                       ctypes.c_float, p, i64, p, i64, p, p, i64, p]
-        lib.moetide_paged_decode_attention.restype = ctypes.c_int
-        lib.moetide_rms_norm_rope.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, p, i64, p,
-                                              p, i64]
-        lib.moetide_rms_norm_rope.restype = None
-        lib.moetide_moe_route.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p]
-        lib.moetide_moe_route.restype = None
-        lib.moetide_attention_block_scratch.argtypes = [i64] * 6
-        lib.moetide_attention_block_scratch.restype = i64
-        lib.moetide_attention_block.argtypes = [p, p, i64, i64, i64, p, ctypes.c_float, p, i64, i64, i64, i64,
-                                                ctypes.c_float, p, p, p, p, i64, p, p, i64, i64, i64, p, p, i64,
-                                                ctypes.c_float, p, p, ctypes.c_float, p, p, p]
-        lib.moetide_attention_block.restype = ctypes.c_int
-        lib.moetide_moe_block_scratch.argtypes = [i64] * 5
-        lib.moetide_moe_block_scratch.restype = i64
-        lib.moetide_moe_block.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, p, i64, i64, p, p, p, p, p]
-        lib.moetide_moe_block.restype = None
-        return lib
-    _reason.append("the native kernels did not build: " + "; ".join(errors))
-    return None
-
-
-def available() -> bool:
-    return _library() is not None
-
-
-def unavailable_reason() -> str | None:
-    return None if available() else _reason[-1]
 
 
 def worth_it(x: Tensor, macs: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     """Whether a native kernel should take work of ``macs`` multiply-adds on tensors like ``x``: CPU tensors of
     one of the kernel's ``dtypes``, with autograd off (the kernels have no backward; the engine runs under
     ``torch.inference_mode``)."""
-    if not x.is_cpu or x.dtype not in dtypes or torch.is_grad_enabled() or _library() is None:
+    if not x.is_cpu or x.dtype not in dtypes or torch.is_grad_enabled() or load() is None:
         return False
     return macs <= _SINGLE_THREAD_MACS or torch.get_num_threads() == 1
 
@@ -183,30 +54,11 @@ def decode_worth_it(q: Tensor, num_keys: int, dtypes: tuple[torch.dtype, ...] = 
     return worth_it(q, decode_macs(q.numel(), num_keys), dtypes)
 
 
-def _ptr(t: Tensor | None) -> int | None:
-    """A tensor's data pointer for ctypes (NULL for None); the tensor must stay referenced across the call."""
-    return None if t is None else t.data_ptr()
-
-
-def _require_f32(name: str, *tensors: Tensor | None) -> None:
-    """The kernels read raw fp32 memory: anything else is refused, never misread."""
-    for t in tensors:
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
-            raise ValueError(f"{name} takes fp32 CPU tensors, got {t.dtype} on {t.device}")
-
-
-def experts_readable(gate_up: Tensor, down: Tensor) -> bool:
-    """Whether ``moe_experts`` can read these stacked views: [E, 2I, H] and [E, H, I] with packed rows."""
-    E, two_i, H = gate_up.shape
-    return (down.shape == (E, H, two_i // 2) and gate_up.stride()[1:] == (H, 1)
-            and down.stride()[1:] == (two_i // 2, 1))
-
-
 def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
     """Like ``moe.grouped_experts``: x [T, H] fp32 or bf16 (the experts' dtype); weights, expert_ids [T, K];
     gate_up [E, 2I, H] and down [E, H, I] with unit column stride and packed rows (the arena's or a module's
     stacked experts) -> [T, H]. Each expert's weights are read once for all the tokens routed to it (``moe.c``)."""
-    lib = _library()
+    lib = load()
     E, two_i, H = gate_up.shape
     I = two_i // 2  # noqa: E741 (the expert width, as everywhere in the engine)
     if lib is None or not experts_readable(gate_up, down):
@@ -233,41 +85,13 @@ def moe_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor,
     return out
 
 
-def moe_block(x: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, gate_up: Tensor,
-              down: Tensor) -> tuple[Tensor, Tensor]:
-    """A MoE block's router and routed experts in one fp32 call (``layer.c``): logits x gate_weight^T (gate_weight
-    [E, H]), ``moe_route``'s top-k, then ``moe_experts`` over the stacked views -> (out [T, H], expert ids [T, K]
-    int64). x [T, H] contiguous. The gate's sums are the native kernel's (fp32 round-off from torch's)."""
-    lib = _library()
-    T, H = x.shape
-    E, two_i, _ = gate_up.shape
-    I = two_i // 2  # noqa: E741 (the expert width, as everywhere in the engine)
-    if lib is None or not experts_readable(gate_up, down) or gate_up.shape[2] != H:
-        raise ValueError(f"moe_block needs the native library and [E, 2I, {H}] / [E, {H}, I] expert views with "
-                         f"packed rows")
-    _require_f32("moe_block", x, gate_weight, gate_up, down)
-    if not x.is_contiguous() or gate_weight.shape != (E, H) or not gate_weight.is_contiguous():
-        raise ValueError(f"moe_block: x must be contiguous and the gate a contiguous [{E}, {H}], got "
-                         f"{list(gate_weight.shape)}")
-    if not 0 < top_k <= E:
-        raise ValueError(f"moe_block: top_k {top_k} must lie in [1, {E}]")
-    out, weights = torch.empty_like(x), torch.empty(T, top_k, dtype=torch.float32)
-    ids = torch.empty(T, top_k, dtype=torch.int64)
-    scratch = torch.empty(lib.moetide_moe_block_scratch(T, H, E, top_k, I), dtype=torch.float32)
-    iscratch = torch.empty(E + 1 + 2 * T * top_k, dtype=torch.int64)
-    lib.moetide_moe_block(x.data_ptr(), T, H, gate_weight.data_ptr(), E, top_k, int(renormalize),
-                          gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), I, out.data_ptr(),
-                          weights.data_ptr(), ids.data_ptr(), scratch.data_ptr(), iscratch.data_ptr())
-    return out, ids
-
-
 def moe_route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """``models.moe.SparseMoE.route`` after the gate, in one call: logits [T, E] fp32 or bf16 (rows of E
     contiguous) -> (weights [T, K] fp32, expert ids [T, K] int64): softmax in fp32, the top ``top_k`` in
     descending order, renormalized to sum 1 if asked. Equal to torch's softmax and topk to fp32 round-off (expf
     and the sum's order are the kernel's); of equal probabilities the lower expert id comes first, where torch's
     order is its own (the engine routes bf16 logits, which tie, through torch)."""
-    lib = _library()
+    lib = load()
     T, E = logits.shape
     if lib is None or logits.dtype not in EXPERT_DTYPES or logits.device.type != "cpu" or logits.stride(1) != 1:
         raise ValueError("moe_route needs the native library and CPU fp32 or bf16 logits with contiguous rows")
@@ -283,7 +107,7 @@ def moe_route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Te
 def linear_isa() -> str:
     """The vector path the native linear and experts were built with: ``avx512-bf16`` (AVX-512 with AVX512-BF16 dot
     products for bf16 weights), ``avx512``, ``avx2``, ``c`` (plain C), or "" without the library."""
-    lib = _library()
+    lib = load()
     return "" if lib is None else lib.linear_isa
 
 
@@ -291,7 +115,7 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     """``F.linear(x, weight)`` without bias for x [T, K] and weight [N, K] (packed rows), both fp32 or both bf16
     (``moe.c``: fp32 sums, rounded once in bf16, as torch's): at decode sizes a weight-streaming GEMV that reads
     the weights near the core's memory bandwidth, where torch's one-thread GEMV reaches about half of it."""
-    lib = _library()
+    lib = load()
     T, K = x.shape
     N = weight.shape[0]
     if (lib is None or x.dtype not in EXPERT_DTYPES or weight.dtype != x.dtype or weight.shape != (N, K)
@@ -302,7 +126,7 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     bf16 = x.dtype == torch.bfloat16
     scratch = torch.empty(T * (K + N), dtype=torch.float32) if bf16 else None
     pointers = torch.empty(T, dtype=torch.int64)
-    lib.moetide_linear(x.data_ptr(), T, K, bf16, weight.data_ptr(), N, y.data_ptr(), _ptr(scratch),
+    lib.moetide_linear(x.data_ptr(), T, K, bf16, weight.data_ptr(), N, y.data_ptr(), ptr(scratch),
                        pointers.data_ptr())
     return y
 
@@ -311,7 +135,7 @@ def copy_blocks(scratch: Tensor, blocks: Tensor, index: tuple[Tensor, Tensor], t
     """Gather ``blocks[index]`` (``blocks`` [G, S, nbytes] uint8, rows contiguous; ``index`` (groups, slots) int64 of
     one shape) into ``scratch`` (contiguous uint8, one row of nbytes per indexed block, in index order), or with
     ``to_blocks`` scatter it back: ``moetide_copy_blocks``, one memcpy per block."""
-    lib = _library()
+    lib = load()
     groups, slots = index
     G, S, nbytes = blocks.shape
     if (lib is None or blocks.dtype != torch.uint8 or scratch.dtype != torch.uint8 or blocks.stride(-1) != 1
@@ -333,7 +157,7 @@ def gdn_decode(mixed: Tensor, conv_weight: Tensor, blocks: StateBlocks, layer_id
     sequences' states lie, layer ``layer_id``'s conv [C, kernel-1] of that dtype and recurrent [Hv, Dk, Dv] fp32
     updated there in place, read as zeros where ``fresh``; g, beta [B, Hv] -> the rule's output [B, Hv, Dv] in
     mixed's dtype."""
-    lib = _library()
+    lib = load()
     B, C = mixed.shape
     w = conv_weight.reshape(C, -1).contiguous()
     g, beta = g.float().contiguous(), beta.float().contiguous()
@@ -374,7 +198,7 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     sequence's last row (its decode token's slot), all of them before any sequence attends. ``lse`` ([b, Hq]
     fp32, contiguous): filled with each row's log-sum-exp (natural log, -inf for a sequence with no key; a split
     merge's input)."""
-    lib = _library()
+    lib = load()
     b, Hq, D = q.shape
     Hkv = k_rows.shape[1]
     if lib is None or k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1 or Hq % Hkv:
@@ -386,7 +210,7 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     dtype = q.dtype
     if bf16:
         q = q.float()
-    _require_f32("paged_decode_attention", q, *(() if bf16 else (k_rows, v_rows)))
+    require_f32("paged_decode_attention", q, *(() if bf16 else (k_rows, v_rows)))
     if k_rows.device.type != "cpu" or v_rows.device.type != "cpu":
         raise ValueError(f"paged_decode_attention takes CPU tensors, got K/V rows on {k_rows.device}")
     q, key_rows, lengths = q.contiguous(), key_rows.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
@@ -401,73 +225,18 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
             raise ValueError(f"new_kv must be [b, Hkv, D] = {[b, Hkv, D]}, got {list(k_new.shape)}")
     if lse is not None and (lse.shape != (b, Hq) or not lse.is_contiguous()):
         raise ValueError(f"lse must be a contiguous [b, Hq] = {[b, Hq]} tensor, got {list(lse.shape)}")
-    _require_f32("paged_decode_attention", lse)
+    require_f32("paged_decode_attention", lse)
     out, scratch = torch.empty_like(q), q.new_empty(Hq * (L + D + 3) + 5 * Hkv * D)
     status = lib.moetide_paged_decode_attention(q.data_ptr(), b, Hq, Hkv, D, k_rows.data_ptr(), v_rows.data_ptr(),
                                                 num_rows, k_rows.stride(0), k_rows.stride(1), key_rows.data_ptr(),
-                                                lengths.data_ptr(), L, scale, _ptr(k_new),
-                                                0 if k_new is None else k_new.stride(0), _ptr(v_new),
-                                                0 if v_new is None else v_new.stride(0), out.data_ptr(), _ptr(lse),
+                                                lengths.data_ptr(), L, scale, ptr(k_new),
+                                                0 if k_new is None else k_new.stride(0), ptr(v_new),
+                                                0 if v_new is None else v_new.stride(0), out.data_ptr(), ptr(lse),
                                                 bf16, scratch.data_ptr())
     if status:  # the kernel checks the indices before it touches memory
         raise ValueError(f"key_rows must lie in [0, {num_rows})" if status == 1
                          else f"lengths must lie in [0, {L}]")
     return out if out.dtype == dtype else out.to(dtype)
-
-
-def attention_block(x: Tensor | None, residual: Tensor, input_norm: tuple[Tensor, float], qkv_weight: Tensor,
-                    num_heads: int, qk_norm: tuple[Tensor, Tensor, float] | None, rope: tuple[Tensor, Tensor],
-                    rows: DecodeRows, scale: float, o_weight: Tensor, post_norm: tuple[Tensor, float]) -> Tensor:
-    """A decoder layer's attention half for a pure decode step in one call (``layer.c``): ``residual`` += x (x
-    None in the first layer, where the residual is the input), then the input RMSNorm (``input_norm``: weight [H],
-    eps), the fused q/k/v projection ``qkv_weight`` [(Hq + 2 Hkv) D, H], the q/k RMSNorms (``qk_norm``: q and k
-    weights [D], eps; None for none) with RoPE (``rope``: cos, signed sin [T, rotary]), attention over ``rows``
-    (``models.DecodeRows``) after each sequence's new K/V is written into its last row, ``o_weight`` [H, Hq D],
-    and the post-attention add into ``residual`` and RMSNorm (``post_norm``) -> the MLP's input [T, H]. x,
-    residual [T, H] contiguous; everything in one dtype, fp32 or bf16. The same kernels in the same order as
-    ``models.common``'s op-by-op native path, so the same bits."""
-    lib = _library()
-    T, H = residual.shape
-    k_rows, v_rows, key_rows, lengths = rows.k_rows, rows.v_rows, rows.key_rows, rows.lengths
-    Hkv, D = k_rows.shape[1:]
-    W, L = (num_heads + 2 * Hkv) * D, key_rows.shape[1]
-    if lib is None or residual.dtype not in EXPERT_DTYPES or residual.device.type != "cpu":
-        raise ValueError("attention_block needs the native library and fp32 or bf16 CPU tensors")
-    weights = [input_norm[0], qkv_weight, o_weight, post_norm[0], *(qk_norm[:2] if qk_norm else ()), *rope]
-    tensors = [t for t in (x, residual, *weights, k_rows, v_rows) if t is not None]
-    if any(t.dtype != residual.dtype or t.device.type != "cpu" for t in tensors):
-        dtypes = sorted({str(t.dtype) for t in tensors})
-        raise ValueError(f"attention_block takes CPU tensors of one dtype, got {dtypes}")
-    if any(not t.is_contiguous() for t in (residual, *weights)) or (x is not None and not x.is_contiguous()):
-        raise ValueError("attention_block: the input, the residual, the weights and the RoPE tables must be contiguous")
-    shapes = [(x, (T, H)), (input_norm[0], (H,)), (post_norm[0], (H,)), (qkv_weight, (W, H)),
-              (o_weight, (H, num_heads * D)), *((w, (D,)) for w in (qk_norm[:2] if qk_norm else ())),
-              (rope[1], tuple(rope[0].shape)), (key_rows, (T, L)), (lengths, (T,))]
-    bad = [(list(t.shape), list(shape)) for t, shape in shapes if t is not None and tuple(t.shape) != shape]
-    rotary = rope[0].shape[1]
-    if bad or rope[0].shape[0] != T or rotary > D or rotary % 2 or num_heads % Hkv:
-        raise ValueError(f"attention_block: shapes disagree with T {T}, H {H}, {num_heads} heads over {Hkv} KV "
-                         f"heads of {D} (got, expected): {bad}; rope tables {list(rope[0].shape)}")
-    if (k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1 or v_rows.shape[1:] != (Hkv, D)
-            or key_rows.dtype != torch.int64
-            or lengths.dtype != torch.int64 or not key_rows.is_contiguous() or not lengths.is_contiguous()):
-        raise ValueError("attention_block: K/V rows need equal strides and unit head-dim stride; key_rows and "
-                         "lengths contiguous int64")
-    h = torch.empty(T, H, dtype=residual.dtype)
-    scratch = torch.empty(lib.moetide_attention_block_scratch(T, H, num_heads, Hkv, D, L), dtype=torch.float32)
-    pointers = torch.empty(T, dtype=torch.int64)
-    q_w, k_w, qk_eps = qk_norm if qk_norm else (None, None, 0.0)
-    status = lib.moetide_attention_block(
-        _ptr(x), residual.data_ptr(), T, H, residual.dtype == torch.bfloat16, input_norm[0].data_ptr(),
-        input_norm[1], qkv_weight.data_ptr(), num_heads, Hkv, D, qk_norm is not None, qk_eps, _ptr(q_w), _ptr(k_w),
-        rope[0].data_ptr(), rope[1].data_ptr(), rotary, k_rows.data_ptr(), v_rows.data_ptr(),
-        min(k_rows.shape[0], v_rows.shape[0]), k_rows.stride(0), k_rows.stride(1), key_rows.data_ptr(),
-        lengths.data_ptr(), L, scale, o_weight.data_ptr(), post_norm[0].data_ptr(), post_norm[1], h.data_ptr(),
-        scratch.data_ptr(), pointers.data_ptr())
-    if status:  # checked before anything is written
-        raise ValueError(f"key_rows must lie in [0, {min(k_rows.shape[0], v_rows.shape[0])})" if status == 1
-                         else f"lengths must lie in [0, {L}]")
-    return h
 
 
 def rms_norm(x: Tensor, eps: float, weight: Tensor, zero_centered: bool, gate: Tensor | None = None,
@@ -477,7 +246,7 @@ def rms_norm(x: Tensor, eps: float, weight: Tensor, zero_centered: bool, gate: T
     call (``gdn.c``; equal to the torch forms to fp32 round-off before their roundings to the model dtype). With
     ``residual`` ([T, D] contiguous, x's dtype), x is first added into it in place (the sum rounded as torch's add
     rounds) and the sum is normalized: vLLM's fused_add_rms_norm."""
-    lib = _library()
+    lib = load()
     T, D = x.shape
     x, w = (x if x.stride(1) == 1 else x.contiguous()), weight.contiguous()
     gate = gate if gate is None or gate.stride(-1) == 1 else gate.contiguous()
@@ -492,7 +261,7 @@ def rms_norm(x: Tensor, eps: float, weight: Tensor, zero_centered: bool, gate: T
         raise ValueError(f"rms_norm: the residual must be a contiguous CPU [{T}, {D}] tensor of {x.dtype}")
     out = torch.empty(T, D, dtype=x.dtype)
     lib.moetide_rms_norm(x.data_ptr(), T, x.stride(0), D, x.dtype == torch.bfloat16, eps, w.data_ptr(),
-                         zero_centered, _ptr(gate), 0 if gate is None else gate.stride(0), _ptr(residual),
+                         zero_centered, ptr(gate), 0 if gate is None else gate.stride(0), ptr(residual),
                          out.data_ptr())
     return out
 
@@ -504,7 +273,7 @@ def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Te
     others (either may be None), then RoPE with ``engine.models.common``'s (cos, signed sin) tables [T, rotary] if
     given; weights and tables in x's dtype. The same as ``RMSNorm``/``rms_normalize`` then ``apply_rope``, to fp32
     round-off before each of their roundings to bf16."""
-    lib = _library()
+    lib = load()
     T, heads, D = x.shape
     if lib is None or x.stride(2) != 1 or x.stride(1) != D:
         raise ValueError("rms_norm_rope needs the native library and rows of D contiguous floats")
@@ -524,7 +293,7 @@ def rms_norm_rope(x: Tensor, eps: float | None, weights: tuple[Tensor | None, Te
             raise ValueError(f"rope tables must be [T, rotary] with an even rotary <= {D}")
     out = torch.empty(T, heads, D, dtype=x.dtype)
     scratch = torch.empty(2 * D, dtype=torch.float32)  # a row widened, and normed before it is rotated
-    lib.moetide_rms_norm_rope(x.data_ptr(), T, x.stride(0), heads, D, eps is not None, eps or 0.0, _ptr(w1), split,
-                              _ptr(w2), _ptr(cos), _ptr(sin), rotary, out.data_ptr(), scratch.data_ptr(),
+    lib.moetide_rms_norm_rope(x.data_ptr(), T, x.stride(0), heads, D, eps is not None, eps or 0.0, ptr(w1), split,
+                              ptr(w2), ptr(cos), ptr(sin), rotary, out.data_ptr(), scratch.data_ptr(),
                               x.dtype == torch.bfloat16)
     return out

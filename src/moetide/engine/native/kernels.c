@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -120,25 +121,6 @@ static const float *kv_row(const void *base, int64_t row, int64_t row_stride, in
 
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 #define MOETIDE_ATTN512 1
-
-/* e^x in 16 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in r, then r scaled by 2^n
-   with scalef, which also gives the subnormals and zero of a large negative x); within 1 ulp of glibc's expf
-   wherever that is a normal number (checked over [-87, 0], the range a softmax takes it). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  /* e^-104 is 0 in fp32; a NaN stays NaN */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
 
 /* lane i of the result = the sum of v[i]'s 16 lanes (pairs within 128-bit lanes, then across them) */
 static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 *v) {

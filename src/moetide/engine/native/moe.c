@@ -25,6 +25,7 @@
 #endif
 
 #include "bf16.h"
+#include "simd.h"
 
 /* A weight row type: fp32 or bf16, loaded 8 lanes at a time as fp32. */
 #ifdef MOE_AVX2
@@ -537,7 +538,8 @@ int moetide_moe_grouped_f32(const float *x, int64_t T, int64_t K, const int64_t 
         gemm_rows(gate_up + e * gu_stride, H, 0, xs, n, H, 2 * I, h, 2 * I);
         for (int64_t j = 0; j < n; j++) {
             float *hj = h + j * 2 * I;
-            for (int64_t i = 0; i < I; i++) hj[i] = hj[i] / (1.f + expf(-hj[i])) * hj[I + i];
+            silu_f32(hj, I);
+            for (int64_t i = 0; i < I; i++) hj[i] = hj[i] * hj[I + i];
             xs[j] = hj;
         }
         gemm_rows(down + e * dn_stride, I, 0, xs, n, I, H, y, H);
@@ -573,10 +575,9 @@ int moetide_moe_grouped_bf16(const uint16_t *x, int64_t T, int64_t K, const int6
         gemm_rows(gate_up + e * gu_stride, H, 1, xs, n, H, 2 * I, h, 2 * I);
         for (int64_t j = 0; j < n; j++) {
             float *hj = h + j * 2 * I;
-            for (int64_t i = 0; i < I; i++) {
-                const float g = round_bf16(hj[i]), u = round_bf16(hj[I + i]);
-                hj[i] = round_bf16(round_bf16(g / (1.f + expf(-g))) * u);
-            }
+            for (int64_t i = 0; i < I; i++) hj[i] = round_bf16(hj[i]);
+            silu_f32(hj, I);
+            for (int64_t i = 0; i < I; i++) hj[i] = round_bf16(round_bf16(hj[i]) * round_bf16(hj[I + i]));
             xs[j] = hj;
         }
         gemm_rows(down + e * dn_stride, I, 1, xs, n, I, H, y, H);

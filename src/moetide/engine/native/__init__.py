@@ -179,7 +179,8 @@ def gdn_decode(mixed: Tensor, conv_weight: Tensor, blocks: StateBlocks, layer_id
     mixed, addresses = mixed.contiguous(), addresses.contiguous()
     fresh_t = torch.tensor(fresh, dtype=torch.int64)
     out = torch.empty(B, Hv, head_v_dim, dtype=mixed.dtype)
-    scratch = torch.empty(C + 2 * head_v_dim + head_k_dim * head_v_dim + C * (w.shape[1] - 1), dtype=torch.float32)
+    scratch = torch.empty(C + 2 * head_v_dim + head_k_dim * head_v_dim + C * (2 * w.shape[1] - 1),
+                          dtype=torch.float32)
     rows = torch.empty(head_k_dim, dtype=torch.int64)
     lib.moetide_gdn_decode(mixed.data_ptr(), B, C, mixed.dtype == torch.bfloat16, w.data_ptr(), w.shape[1],
                            addresses.data_ptr(), addresses.shape[1], blocks.block_bytes, conv.offset,

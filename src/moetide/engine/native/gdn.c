@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 static void l2norm_scaled(float *x, int64_t n, float scale) {
     float ss = 0.f;
@@ -108,37 +109,49 @@ static void copy_state(const int64_t *table, int64_t bb, int64_t off, char *buf,
     }
 }
 
+/* One sequence's causal conv over [state, x] before the SiLU: act[c] = sum_j w[c][j] state[c][j] + w[c][km1] x[c],
+   rounded to the dtype, and the state [C, km1] shifted left by x. w [C, km1 + 1] fp32 (the weights widened
+   once per call); bf16 and, at a call with a constant, km1 are constants, so each form is compiled on its own. */
+static inline __attribute__((always_inline)) void conv_step(const void *xs, const float *w, void *cs, int64_t C,
+                                                            const int64_t km1, const int bf16, float *act) {
+    for (int64_t c = 0; c < C; c++) {
+        const float x = load_any(xs, c, bf16);
+        float acc = 0.f;
+        for (int64_t j = 0; j < km1; j++) acc += w[c * (km1 + 1) + j] * load_any(cs, c * km1 + j, bf16);
+        act[c] = to_dtype(acc + w[c * (km1 + 1) + km1] * x, bf16);
+        for (int64_t j = 0; j + 1 < km1; j++) store_any(cs, c * km1 + j, load_any(cs, c * km1 + j + 1, bf16), bf16);
+        if (km1 > 0) store_any(cs, c * km1 + km1 - 1, x, bf16);
+    }
+}
+
 /* B sequences, one token each. mixed [B, C] (C = 2·Hk·Dk + Hv·Dv: q, k, v) in the model dtype (bf16 != 0: bf16,
    else fp32); conv_w [C, kernel] model dtype. Sequence s's state is read and updated where it lies: tables[s] holds
    the addresses of its table_len blocks of block_bytes, its conv state [C, kernel-1] (model dtype) starts at byte
    conv_off and its recurrent state [Hv, Dk, Dv] (fp32) at rec_off (zeros first where fresh[s]). The conv state is
    small and is worked on in a copy; a recurrent row is updated in its block unless it crosses into the next one.
    g, beta [B, Hv] fp32; value head h reads key head h / (Hv / Hk). out [B, Hv, Dv] model dtype. scratch holds
-   C + 2 Dv + Dk Dv floats and C (kernel-1) conv elements; rows holds Dk pointers. */
+   C + 2 Dv + Dk Dv + C kernel floats and C (kernel-1) conv elements; rows holds Dk pointers. */
 void moetide_gdn_decode(const void *mixed, int64_t B, int64_t C, int64_t bf16, const void *conv_w, int64_t kernel,
                         const int64_t *tables, int64_t table_len, int64_t bb, int64_t conv_off, int64_t rec_off,
                         const int64_t *fresh, const float *g, const float *beta, int64_t Hk, int64_t Hv, int64_t Dk,
                         int64_t Dv, void *out, float *scratch, float **rows) {
     const int64_t km1 = kernel - 1, esz = bf16 ? 2 : 4, group = Hv / Hk, key_dim = Hk * Dk;
     const int64_t conv_bytes = C * km1 * esz, row_bytes = Dv * (int64_t)sizeof(float);
-    float *act = scratch, *kv = scratch + C, *o = kv + Dv, *crossing = o + Dv;
-    char *cs = (char *)(crossing + Dk * Dv);
+    float *act = scratch, *kv = scratch + C, *o = kv + Dv, *crossing = o + Dv, *wf = crossing + Dk * Dv;
+    char *cs = (char *)(wf + C * kernel);
+    for (int64_t i = 0; i < C * kernel; i++) wf[i] = load_any(conv_w, i, (int)bf16);
     for (int64_t s = 0; s < B; s++) {
         const int64_t *table = tables + s * table_len;
         if (fresh[s]) memset(cs, 0, (size_t)conv_bytes);
         else copy_state(table, bb, conv_off, cs, conv_bytes, 0);
         const char *xs = (const char *)mixed + s * C * esz;
-        for (int64_t c = 0; c < C; c++) {  /* causal conv over [state, x], SiLU; the state shifts in x */
-            const float x = load_any(xs, c, (int)bf16);
-            float acc = 0.f;
-            for (int64_t j = 0; j < km1; j++)
-                acc += load_any(conv_w, c * kernel + j, (int)bf16) * load_any(cs, c * km1 + j, (int)bf16);
-            acc = to_dtype(acc + load_any(conv_w, c * kernel + km1, (int)bf16) * x, (int)bf16);
-            act[c] = to_dtype(acc / (1.f + expf(-acc)), (int)bf16);
-            for (int64_t j = 0; j + 1 < km1; j++)
-                store_any(cs, c * km1 + j, load_any(cs, c * km1 + j + 1, (int)bf16), (int)bf16);
-            if (km1 > 0) store_any(cs, c * km1 + km1 - 1, x, (int)bf16);
-        }
+        if (bf16 && km1 == 3) conv_step(xs, wf, cs, C, 3, 1, act);  /* each form's loops compiled on their own */
+        else if (km1 == 3) conv_step(xs, wf, cs, C, 3, 0, act);
+        else if (bf16) conv_step(xs, wf, cs, C, km1, 1, act);
+        else conv_step(xs, wf, cs, C, km1, 0, act);
+        silu_f32(act, C);
+        if (bf16)
+            for (int64_t c = 0; c < C; c++) act[c] = round_bf16(act[c]);
         copy_state(table, bb, conv_off, cs, conv_bytes, 1);
         const float scale = 1.f / sqrtf((float)Dk);
         for (int64_t h = 0; h < Hk; h++) {

@@ -51,9 +51,12 @@ static inline __attribute__((always_inline)) void rms_norm_row(const void *x, in
             store_any(out, d, load_any(w, d, bf16) * to_dtype(load_any(x, d, bf16) * inv, bf16), bf16);
     }
     if (gate != 0) {
-        for (d = 0; d < D; d++) {
-            const float gd = load_any(gate, d, bf16);
-            store_any(out, d, load_any(out, d, bf16) * (gd / (1.f + expf(-gd))), bf16);
+        float act[64];  /* SiLU(gate) a chunk at a time, vectorized (simd.h) */
+        for (int64_t c0 = 0; c0 < D; c0 += 64) {
+            const int64_t n = D - c0 < 64 ? D - c0 : 64;
+            for (d = 0; d < n; d++) act[d] = load_any(gate, c0 + d, bf16);
+            silu_f32(act, n);
+            for (d = 0; d < n; d++) store_any(out, c0 + d, load_any(out, c0 + d, bf16) * act[d], bf16);
         }
     }
 }

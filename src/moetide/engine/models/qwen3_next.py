@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -159,16 +159,26 @@ class GatedRMSNorm(nn.Module):
         return (normed * F.silu(gate.float())).to(x.dtype)
 
 
+class LengthGroup(NamedTuple):
+    """Sequences of a step with equal new-token counts: their token indices, in order; [(seq_id, computed)]; and
+    int64 [B] flags, 1 where a sequence starts from an empty state (what ``native.gdn_decode`` reads)."""
+
+    token_idx: Tensor
+    seqs: list[tuple[int, int]]
+    fresh: Tensor
+
+
 @functools.lru_cache(maxsize=2)
-def _groups_by_length(batch: StepBatch, device: torch.device) -> list[tuple[Tensor, list[tuple[int, int]]]]:
-    """Sequences with equal new-token counts, batched: (their token indices, in order; [(seq_id, computed)]).
-    Every linear layer of a step asks the same; the step's batch is the cache key (read-only results)."""
+def _groups_by_length(batch: StepBatch, device: torch.device) -> list[LengthGroup]:
+    """The step's ``LengthGroup``s. Every linear layer of a step asks the same; the step's batch is the cache key
+    (read-only results)."""
     groups: dict[int, tuple[list[Tensor], list[tuple[int, int]]]] = {}
     for seq_id, sl, computed in zip(batch.seq_ids, batch.token_slices(), batch.num_computed_tokens):
         idx, seqs = groups.setdefault(sl.stop - sl.start, ([], []))
         idx.append(torch.arange(sl.start, sl.stop, device=device))
         seqs.append((seq_id, computed))
-    return [(torch.cat(idx), seqs) for idx, seqs in groups.values()]
+    return [LengthGroup(torch.cat(idx), seqs, torch.tensor([computed == 0 for _, computed in seqs], dtype=torch.int64))
+            for idx, seqs in groups.values()]
 
 
 class GatedDeltaNet(nn.Module):
@@ -212,25 +222,25 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log decay, fp32
         groups = _groups_by_length(ctx.batch, x.device)
         if len(groups) == 1:  # one group holds every token, in order
-            core = self._run_group(mixed, beta, g, groups[0][1], ctx)
+            core = self._run_group(mixed, beta, g, groups[0], ctx)
         else:
             core = x.new_empty(T, self.num_v_heads, self.head_v_dim)
-            for token_idx, seqs in groups:
-                core[token_idx] = self._run_group(mixed[token_idx], beta[token_idx], g[token_idx], seqs, ctx)
+            for group in groups:
+                idx = group.token_idx
+                core[idx] = self._run_group(mixed[idx], beta[idx], g[idx], group, ctx)
         out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return linear(out.view(T, -1), self.out_proj.weight)
 
-    def _run_group(self, mixed: Tensor, beta: Tensor, g: Tensor, seqs: list[tuple[int, int]],
-                   ctx: StepContext) -> Tensor:
+    def _run_group(self, mixed: Tensor, beta: Tensor, g: Tensor, group: LengthGroup, ctx: StepContext) -> Tensor:
         """B sequences with Ts new tokens each (rows sequence-major) -> core output [B*Ts, Hv, Dv]."""
+        seqs = group.seqs
         B, Ts, r = len(seqs), mixed.shape[0] // len(seqs), self.num_v_heads // self.num_k_heads
         if Ts == 1 and native.worth_it(mixed, B * self.num_v_heads * self.head_k_dim * self.head_v_dim * 3,
                                        native.EXPERT_DTYPES):
             blocks = ctx.linear_states.state_blocks([seq_id for seq_id, _ in seqs])
             if blocks is not None:
-                return native.gdn_decode(mixed, self.conv1d.weight, blocks, self.layer_id,
-                                         [computed == 0 for _, computed in seqs], g, beta, self.num_k_heads,
-                                         self.head_k_dim, self.head_v_dim)
+                return native.gdn_decode(mixed, self.conv1d.weight, blocks, self.layer_id, group.fresh, g, beta,
+                                         self.num_k_heads, self.head_k_dim, self.head_v_dim)
         states = [ctx.linear_states.state(self.layer_id, seq_id) for seq_id, _ in seqs]
         conv0 = torch.stack([s.conv if computed else torch.zeros_like(s.conv)
                              for s, (_, computed) in zip(states, seqs)])  # [B, C, kernel-1]

@@ -15,6 +15,7 @@ CPU tensors in fp32 (most kernels also bf16), without autograd; the kernels are 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -150,13 +151,13 @@ def copy_blocks(scratch: Tensor, blocks: Tensor, index: tuple[Tensor, Tensor], t
     lib.moetide_copy_blocks(scratch.data_ptr(), addrs.data_ptr(), groups.numel(), nbytes, int(to_blocks))
 
 
-def gdn_decode(mixed: Tensor, conv_weight: Tensor, blocks: StateBlocks, layer_id: int, fresh: list[bool], g: Tensor,
-               beta: Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
+def gdn_decode(mixed: Tensor, conv_weight: Tensor, blocks: StateBlocks, layer_id: int, fresh: Sequence[bool] | Tensor,
+               g: Tensor, beta: Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
     """One Gated DeltaNet decode step (``gdn.c``): mixed [B, C] (q | k | v before the conv) fp32 or bf16;
     conv_weight [C, kernel] (or [C, 1, kernel]) of that dtype; ``blocks`` (``models.StateBlocks``) where the B
     sequences' states lie, layer ``layer_id``'s conv [C, kernel-1] of that dtype and recurrent [Hv, Dk, Dv] fp32
-    updated there in place, read as zeros where ``fresh``; g, beta [B, Hv] -> the rule's output [B, Hv, Dv] in
-    mixed's dtype."""
+    updated there in place, read as zeros where ``fresh`` (B flags, or a CPU tensor of B 0/1 flags, which a
+    step's layers can share); g, beta [B, Hv] -> the rule's output [B, Hv, Dv] in mixed's dtype."""
     lib = load()
     B, C = mixed.shape
     w = conv_weight.reshape(C, -1).contiguous()
@@ -177,7 +178,8 @@ def gdn_decode(mixed: Tensor, conv_weight: Tensor, blocks: StateBlocks, layer_id
         raise ValueError(f"gdn_decode: StateBlocks.addresses must be int64 [{B}, blocks per state] and blocks a "
                          f"multiple of 4 bytes, got {addresses.dtype} {list(addresses.shape)}, {blocks.block_bytes}")
     mixed, addresses = mixed.contiguous(), addresses.contiguous()
-    fresh_t = torch.tensor(fresh, dtype=torch.int64)
+    fresh_t = (fresh.to('cpu', torch.int64).contiguous() if isinstance(fresh, Tensor)
+               else torch.tensor(fresh, dtype=torch.int64))
     out = torch.empty(B, Hv, head_v_dim, dtype=mixed.dtype)
     scratch = torch.empty(C + 2 * head_v_dim + head_k_dim * head_v_dim + C * (2 * w.shape[1] - 1),
                           dtype=torch.float32)

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c", "layer.c"))
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "simd.h"))  # part of the build's key, not compiled on their own
+# headers are part of the build's key, not compiled on their own
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "simd.h"))
 _ABI_VERSION = 16
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _LINEAR_ISAS = ("c", "avx2", "avx512", "avx512-bf16")  # moetide_linear_isa()'s answers, in order

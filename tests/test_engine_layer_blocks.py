@@ -1,8 +1,9 @@
-"""A decoder layer's halves in one native call each (``native.attention_block``, ``native.moe_block``): the
-attention half gives the op-by-op native path's bits (the arena's KV bytes and the tokens after a run, fp32 and
-bf16), the MoE half equals the router then the experts; when the engine takes them (a decode step, every expert of
-the layer resident) and when not (an expert offloaded, the reference backend); greedy tokens still equal
-transformers'; bad key rows refused with nothing written.
+"""A decoder layer's halves in one native call each (``native.run_attention``, ``native.run_moe``), and every
+layer of a step in one (``native.run_layers``): the attention half and the whole stack give the op-by-op native
+path's bits (the arena's KV bytes and the tokens after a run, fp32 and bf16) and announce the same routing, the MoE
+half equals the router then the experts; when the engine takes them (a decode step, every expert of the layer
+resident) and when not (an expert offloaded, the reference backend); greedy tokens still equal transformers'; bad
+key rows refused with nothing written.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ pytest.importorskip("transformers")
 from moetide.engine import native  # noqa: E402
 from moetide.engine.models import ContiguousKVCache, DecodeRows  # noqa: E402
 from moetide.engine.models import common, moe  # noqa: E402
+from moetide.engine.experts import StagedExpertProvider  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.engine.testmodel import TinyModelArgs, make_test_model  # noqa: E402
 from engine_parity import greedy_reference  # noqa: E402
@@ -55,17 +57,32 @@ def run(checkpoint, **engine_args):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_the_attention_block_gives_the_op_by_op_bits(arch, dtype, wide_checkpoint, monkeypatch):
+def test_the_layer_blocks_give_the_op_by_op_bits(arch, dtype, wide_checkpoint, monkeypatch):
     """Every layer's K/V of every step lands in the arena: equal bytes there mean every layer's attention half
-    (and what fed it) gave the same bits as the native kernels called one by one."""
+    (and what fed it) gave the same bits as the native kernels called one by one. fp32 runs the whole stack as
+    one call a step, bf16 (whose MoE half is not fused) the attention halves one by one; then each path is
+    switched off in turn."""
     checkpoint = wide_checkpoint(arch, dtype)
-    recorded = count_calls(monkeypatch, "attention_block")
-    fused_tokens, fused_arena = run(checkpoint)
-    assert len(recorded["attention_block"]) == 2 * 11  # both layers, every decode step after the prefill's
+    routed = []
+    original_route = StagedExpertProvider.route
+    monkeypatch.setattr(StagedExpertProvider, "route",
+                        lambda self, layer, ids: routed.append((layer, ids.tolist())) or original_route(self, layer, ids))
+    recorded = count_calls(monkeypatch, "run_layers", "run_attention")
+    results = [run(checkpoint)]
+    stacked = dtype == "float32"
+    assert len(recorded["run_layers"]) == (11 if stacked else 0)  # every decode step after the prefill's
+    assert len(recorded["run_attention"]) == (0 if stacked else 2 * 11)
+    routings = [list(routed)]
+    monkeypatch.setattr(common.MoECausalLM, "decode_layers", lambda *args: None)
+    results.append(run(checkpoint))
+    assert len(recorded["run_attention"]) == (2 * 11 if stacked else 4 * 11)
+    routings.append(routed[len(routings[0]):])
     monkeypatch.setattr(common.DecoderLayer, "attention_block", lambda *args: None)
-    tokens, arena = run(checkpoint)
-    assert fused_tokens == tokens
-    assert torch.equal(fused_arena, arena)
+    results.append(run(checkpoint))
+    for tokens, arena in results[1:]:
+        assert tokens == results[0][0]
+        assert torch.equal(arena, results[0][1])
+    assert routings[0] == routings[1] and len(routings[0]) == 2 * 12  # both layers, every step
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -74,9 +91,9 @@ def test_with_both_blocks_greedy_tokens_equal_transformers(arch, wide_checkpoint
 
     transformers.logging.set_verbosity_error()
     checkpoint = wide_checkpoint(arch)
-    recorded = count_calls(monkeypatch, "attention_block", "moe_block")
+    recorded = count_calls(monkeypatch, "run_layers")
     tokens, _ = run(checkpoint)
-    assert recorded["attention_block"] and recorded["moe_block"]
+    assert recorded["run_layers"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     assert tokens == greedy_reference(lambda _: hf, PROMPTS, 12)(arch)
 
@@ -171,3 +188,27 @@ def test_the_attention_block_refuses_rows_outside_the_cache_and_writes_nothing(t
     assert torch.equal(residual, before) and not k_rows.any() and not v_rows.any()
     with pytest.raises(ValueError, match="shapes disagree"):
         native.attention_block(x, residual, norm, qkv[:-1], Hq, None, rope, rows, 0.25, o, norm)
+
+
+def test_the_stack_refuses_rows_outside_the_cache_before_any_layer_runs(torch_one_thread):
+    """A bad key row in the last layer's rows: the first layer's K/V and the residual are not touched either."""
+    generator = torch.Generator().manual_seed(6)
+    T, H, Hq, Hkv, D, E = 2, 32, 4, 2, 16, 4
+    caches = [torch.zeros(2, 8, Hkv, D).unbind(0) for _ in range(2)]
+    residual = torch.randn(T, H, generator=generator)
+    before = residual.clone()
+    rope, norm = (torch.ones(T, D), torch.zeros(T, D)), (torch.ones(H), 1e-6)
+    qkv, o = torch.randn((Hq + 2 * Hkv) * D, H, generator=generator), torch.randn(H, Hq * D, generator=generator)
+    key_rows = [torch.tensor([[0, 1], [2, 3]]), torch.tensor([[0, 1], [2, 8]])]
+    attention = [native.attention_args(T, H, torch.float32, norm, qkv, Hq, None, rope,
+                                       DecodeRows(k, v, rows, torch.tensor([2, 2])), 0.25, o, norm)
+                 for (k, v), rows in zip(caches, key_rows)]
+    gate_up, down = strided_experts(generator, E, H, 16)
+    moe_halves = [native.moe_args(H, torch.randn(E, H, generator=generator), 2, True, gate_up, down)] * 2
+    with pytest.raises(ValueError, match=r"key_rows must lie in \[0, 8\)"):
+        native.run_layers(attention, moe_halves, None, residual)
+    assert torch.equal(residual, before) and not any(c.any() for pair in caches for c in pair)
+    wider = native.moe_args(H + 8, torch.randn(E, H + 8, generator=generator), 2, True,
+                            *strided_experts(generator, E, H + 8, 16))
+    with pytest.raises(ValueError, match="fp32 for the same tokens"):
+        native.run_layers(attention, [moe_halves[0], wider], None, residual)

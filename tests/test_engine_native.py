@@ -262,13 +262,15 @@ def test_native_decode_attention_reads_no_row_past_a_sequence_length():
 
 @needs_native
 def test_the_engine_takes_the_native_kernels_at_decode(tiny_checkpoint, monkeypatch):
-    """Its two MoE layers' experts in one call with their router (``moe_block``: every expert resident, the
+    """Its two MoE layers' experts in one call with their router (``run_moe``: every expert resident, the
     prefill too), each of its three layers' decode attention op by op (o_proj's 64 outputs go to torch, so not in
-    ``attention_block``), over the three decode steps."""
-    recorded = count_calls(monkeypatch, "moe_block", "moe_experts", "paged_decode_attention", "attention_block")
+    ``run_attention``, nor the whole stack in ``run_layers``), over the three decode steps."""
+    recorded = count_calls(monkeypatch, "run_moe", "moe_experts", "paged_decode_attention", "run_attention",
+                           "run_layers")
     Engine(tiny_checkpoint("qwen3_moe"), kv_budget_mib=4).generate([[1, 2, 3], [4, 5, 6, 7]], 4)
     calls = {name: len(kwargs) for name, kwargs in recorded.items()}
-    assert calls == {"moe_block": 2 * 4, "moe_experts": 0, "paged_decode_attention": 3 * 3, "attention_block": 0}
+    assert calls == {"run_moe": 2 * 4, "moe_experts": 0, "paged_decode_attention": 3 * 3, "run_attention": 0,
+                     "run_layers": 0}
 
 
 def test_without_a_compiler_the_reason_is_kept(native_env, tmp_path):

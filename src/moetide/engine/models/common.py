@@ -250,11 +250,10 @@ class DecoderLayer(nn.Module):
             h, residual = self.post_attention_layernorm.add_forward(mixed, residual)
         return self.mlp(h, experts), residual
 
-    def attention_block(self, x: Tensor, residual: Tensor | None, ctx: StepContext,
-                        rope: Rope) -> tuple[Tensor, Tensor] | None:
-        """(the MLP's input, the running sum) from ``native.attention_block``, one call for the layer's norms,
-        projections and attention, where every one of them would take its native kernel op by op — a decode step
-        whose attention backend hands out its key rows (``decode_rows``) — so the same bits; else None."""
+    def native_attention_args(self, x: Tensor, ctx: StepContext, rope: Rope) -> native.AttentionArgs | None:
+        """The layer's attention half as ``native.attention_args`` for inputs like x, where every op of it would
+        take its native kernel op by op (a decode step whose attention backend hands out its key rows,
+        ``decode_rows``), so that one call gives the same bits; else None."""
         attn = self.self_attn if self.mixer_name == "self_attn" else None
         if attn is None or not attn.joint_qk or x.dim() != 2 or not x.is_contiguous():
             return None
@@ -262,8 +261,6 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         if (not native.worth_it(x, x.numel(), native.EXPERT_DTYPES) or rope[0].dtype != x.dtype
                 or any(n.weight.dtype != x.dtype or n.zero_centered for n in norms)
-                or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                              or not residual.is_contiguous()))
                 or (attn.qk_norm and not attn.q_norm.weight.dtype == attn.k_norm.weight.dtype == x.dtype)
                 or not native_linear_takes(x, T, attn.qkv_proj.weight)
                 or not native_linear_takes(x, T, attn.o_proj.weight)):
@@ -272,12 +269,23 @@ class DecoderLayer(nn.Module):
         if rows is None:
             return None
         qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else None
+        return native.attention_args(T, x.shape[1], x.dtype, (norms[0].weight, norms[0].eps), attn.qkv_proj.weight,
+                                     attn.num_heads, qk_norm, rope, rows, attn.head_dim**-0.5, attn.o_proj.weight,
+                                     (norms[1].weight, norms[1].eps))
+
+    def attention_block(self, x: Tensor, residual: Tensor | None, ctx: StepContext,
+                        rope: Rope) -> tuple[Tensor, Tensor] | None:
+        """(the MLP's input, the running sum) from one ``native.run_attention`` call for the layer's norms,
+        projections and attention (``native_attention_args``); else None."""
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                     or not residual.is_contiguous()):
+            return None
+        args = self.native_attention_args(x, ctx, rope)
+        if args is None:
+            return None
         if residual is None:  # the first layer: the input is the running sum
             x, residual = None, x
-        h = native.attention_block(x, residual, (norms[0].weight, norms[0].eps), attn.qkv_proj.weight,
-                                   attn.num_heads, qk_norm, rope, rows, attn.head_dim**-0.5, attn.o_proj.weight,
-                                   (norms[1].weight, norms[1].eps))
-        return h, residual
+        return native.run_attention(args, x, residual), residual
 
 
 # ---- the model ---------------------------------------------------------------------------------------------
@@ -322,14 +330,40 @@ class MoECausalLM(nn.Module):
         max_position = max(c + n for c, n in zip(batch.num_computed_tokens, batch.num_new_tokens)) - 1
         rope = self.rope.lookup(batch.positions(x.device), max_position, x.dtype)  # once per step, for all layers
         experts = ctx.experts if ctx.experts is not None else self.own_experts
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, ctx, rope, experts)
+        stacked = self.decode_layers(x, ctx, rope, experts)
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, ctx, rope, experts)
         if not all_logits and ctx.batch.num_tokens != len(ctx.batch.seq_ids):  # else each token is a last one
             last = ctx.batch.last_token_indices(x.device)
             x, residual = x[last], residual[last]  # [B, H]
         x = self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
         return linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+
+    def decode_layers(self, x: Tensor, ctx: StepContext, rope: Rope,
+                      experts: ExpertProvider) -> tuple[Tensor, Tensor] | None:
+        """(the last layer's output, the running sum) from one ``native.run_layers`` call, where every layer would
+        run both of its halves as one native call each (``DecoderLayer.native_attention_args``,
+        ``SparseMoE.native_args``: a pure decode step in fp32, every expert resident, no shared expert): the same
+        kernels in the same order, so the same bits, without a layer's Python between them. Each layer's routing
+        is announced after the call; else None."""
+        attention, moe = [], []
+        for layer in self.layers:
+            mlp = layer.mlp
+            if not isinstance(mlp, SparseMoE) or mlp.has_shared_expert:
+                return None
+            halves = layer.native_attention_args(x, ctx, rope), mlp.native_args(x, experts)
+            if halves[0] is None or halves[1] is None:
+                return None
+            attention.append(halves[0])
+            moe.append(halves[1])
+        out, residual, ids = native.run_layers(attention, moe, None, x)
+        for layer, layer_ids in zip(self.layers, ids):
+            experts.route(layer.mlp.layer_id, layer_ids)
+        return out, residual
 
     # ---- per-sequence state --------------------------------------------------------------------------------
 

@@ -188,16 +188,24 @@ class SparseMoE(nn.Module):
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out
 
-    def native_block(self, x: Tensor, experts: ExpertProvider) -> Tensor | None:
-        """The router and the routed experts in one call (``native.moe_block``) in fp32 where the router's top-k
-        and the experts would each take their native kernel and every expert is resident (``resident_weights``:
-        the routing is announced after); else None. The gate's sums are the native kernel's, so the output equals
-        ``routed_experts``' to fp32 round-off."""
+    def native_args(self, x: Tensor, experts: ExpertProvider) -> native.MoEArgs | None:
+        """The router and the routed experts as ``native.moe_args`` for inputs like x, in fp32 where the router's
+        top-k and the experts would each take their native kernel and every expert is resident
+        (``resident_weights``: the routing is announced after); else None."""
         stacked = experts.resident_weights(self.layer_id)
         if (stacked is None or x.dim() != 2 or not x.is_contiguous() or not self.native_routes(x)
                 or not native_takes(x, x.shape[0] * self.top_k, *stacked)):
             return None
-        out, expert_ids = native.moe_block(x, self.gate.weight, self.top_k, self.norm_topk_prob, *stacked)
+        return native.moe_args(x.shape[1], self.gate.weight, self.top_k, self.norm_topk_prob, *stacked)
+
+    def native_block(self, x: Tensor, experts: ExpertProvider) -> Tensor | None:
+        """The router and the routed experts in one call (``native_args``, ``native.run_moe``), the routing
+        announced after; else None. The gate's sums are the native kernel's, so the output equals
+        ``routed_experts``' to fp32 round-off."""
+        args = self.native_args(x, experts)
+        if args is None:
+            return None
+        out, expert_ids = native.run_moe(args, x)
         experts.route(self.layer_id, expert_ids)
         return out
 

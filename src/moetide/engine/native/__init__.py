@@ -3,7 +3,8 @@ attention read in place from the paged arena, and RMSNorm with RoPE (``kernels.c
 torch's per-op dispatch costs more than the arithmetic: a MoE layer is ~20 ops, a paged attention ~10 (write,
 gather, mask, SDPA), q/k norms with RoPE ~10; each kernel here is one call. vLLM's CPU build does the same with
 its C++ kernels. At decode sizes a decoder layer's attention half, and in fp32 its MoE half, are one call each
-(``native.layer``), as those kernels in the same order, so that the per-call cost is paid once per half.
+(``native.layer``), as those kernels in the same order, so that the per-call cost is paid once per half,
+and where every layer takes both, all of a step's layers are one call.
 
 Built on first use with the system C compiler (``native.library``; no torch headers, so the build takes about a
 second). Where no compiler works, or with ``MOETIDE_NATIVE=0``, ``available()`` is False and the engine keeps its
@@ -21,16 +22,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from moetide.engine.native.layer import attention_block, moe_block
+from moetide.engine.native.layer import (AttentionArgs, MoEArgs, attention_args, attention_block, moe_args, moe_block,
+                                         run_attention, run_layers, run_moe)
 from moetide.engine.native.library import (EXPERT_DTYPES, available, experts_readable, load, ptr, require_f32,
                                            unavailable_reason)
 
 if TYPE_CHECKING:
     from moetide.engine.models.hooks import StateBlocks
 
-__all__ = ["EXPERT_DTYPES", "attention_block", "available", "copy_blocks", "decode_macs", "decode_worth_it",
-           "experts_readable", "gdn_decode", "linear", "linear_isa", "load", "moe_block", "moe_experts",
-           "moe_route", "paged_decode_attention", "rms_norm", "rms_norm_rope", "unavailable_reason", "worth_it"]
+__all__ = ["EXPERT_DTYPES", "AttentionArgs", "MoEArgs", "attention_args", "attention_block", "available", "copy_blocks",
+           "decode_macs", "decode_worth_it", "experts_readable", "gdn_decode", "linear", "linear_isa", "load",
+           "moe_args", "moe_block", "moe_experts", "moe_route", "paged_decode_attention", "rms_norm",
+           "rms_norm_rope", "run_attention", "run_layers", "run_moe", "unavailable_reason", "worth_it"]
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 
 

@@ -85,7 +85,7 @@ static void axpy4(float *y, const float *a, const float *x0, const float *x1, co
     for (int64_t i = 0; i < n; i++) y[i] += ((a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]));
 }
 
-int moetide_abi_version(void) { return 16; }
+int moetide_abi_version(void) { return 17; }
 
 /* Move n blocks of nbytes each between a contiguous scratch (block i at i * nbytes) and their own addresses:
    gather (to_blocks == 0) or scatter back. The engine's linear-attention states live in pool blocks that need

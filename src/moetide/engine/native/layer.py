@@ -1,10 +1,18 @@
 """A decoder layer's halves for a pure decode step, one native call each (``layer.c``): the attention half
 (norms, projections, RoPE, paged attention, residual adds) and, in fp32, the MoE half (gate, top-k, grouped
-experts). They run the same kernels in the same order as the op-by-op path, so the same bits, and pay the per-call
-cost once per half instead of once per op."""
+experts); and, where every layer of a model takes both, all its layers in one call (``run_layers``). They run the
+same kernels in the same order as the op-by-op path, so the same bits, and pay the per-call cost once instead of
+once per op.
+
+A half's arguments are checked once, where they are gathered (``attention_args``, ``moe_args``), into the
+ctypes mirror of its C struct, which keeps the tensors it points into alive; ``run_attention``, ``run_moe`` and
+``run_layers`` then check only the activations they are handed.
+"""
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,36 +23,66 @@ from moetide.engine.native.library import EXPERT_DTYPES, experts_readable, load,
 if TYPE_CHECKING:
     from moetide.engine.models.hooks import DecodeRows
 
+_ATTENTION_POINTERS = ("in_w", "qkv_w", "q_w", "k_w", "o_w", "post_w", "cos_t", "sin_t", "k_base", "v_base",
+                       "key_rows", "lengths")
+_ATTENTION_INTS = ("Hq", "Hkv", "D", "qk_norm", "rotary", "num_rows", "row_stride", "head_stride", "L")
 
-def attention_block(x: Tensor | None, residual: Tensor, input_norm: tuple[Tensor, float], qkv_weight: Tensor,
-                    num_heads: int, qk_norm: tuple[Tensor, Tensor, float] | None, rope: tuple[Tensor, Tensor],
-                    rows: DecodeRows, scale: float, o_weight: Tensor, post_norm: tuple[Tensor, float]) -> Tensor:
-    """A decoder layer's attention half for a pure decode step in one call (``layer.c``): ``residual`` += x (x
-    None in the first layer, where the residual is the input), then the input RMSNorm (``input_norm``: weight [H],
-    eps), the fused q/k/v projection ``qkv_weight`` [(Hq + 2 Hkv) D, H], the q/k RMSNorms (``qk_norm``: q and k
-    weights [D], eps; None for none) with RoPE (``rope``: cos, signed sin [T, rotary]), attention over ``rows``
-    (``models.DecodeRows``) after each sequence's new K/V is written into its last row, ``o_weight`` [H, Hq D],
-    and the post-attention add into ``residual`` and RMSNorm (``post_norm``) -> the MLP's input [T, H]. x,
-    residual [T, H] contiguous; everything in one dtype, fp32 or bf16. The same kernels in the same order as
-    ``models.common``'s op-by-op native path, so the same bits."""
+
+class AttentionArgs(ctypes.Structure):
+    """``struct moetide_attention_args`` (``layer.c``), field for field, checked by ``attention_args``: a layer's
+    attention half for one step of ``T`` tokens of width ``H`` in ``dtype``."""
+
+    _fields_ = ([(name, ctypes.c_void_p) for name in _ATTENTION_POINTERS]
+                + [(name, ctypes.c_int64) for name in _ATTENTION_INTS]
+                + [(name, ctypes.c_float) for name in ("in_eps", "qk_eps", "scale", "post_eps")])
+    T: int
+    H: int
+    dtype: torch.dtype
+    scratch_floats: int
+    tensors: tuple[Tensor, ...]  # what the pointers point into, kept alive
+
+
+class MoEArgs(ctypes.Structure):
+    """``struct moetide_moe_args`` (``layer.c``), field for field, checked by ``moe_args``: a layer's fp32 MoE half
+    for tokens of width ``H``."""
+
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("gate_w", "gate_up", "down")]
+                + [(name, ctypes.c_int64) for name in ("E", "K", "renorm", "gu_stride", "dn_stride", "I")])
+    H: int
+    tensors: tuple[Tensor, ...]
+
+
+def _rows_error(status: int, num_rows: int, L: int) -> ValueError:
+    """The kernels' key-row check (``rows_status``), which runs before anything is written, as an error."""
+    return ValueError(f"key_rows must lie in [0, {num_rows})" if status == 1 else f"lengths must lie in [0, {L}]")
+
+
+def attention_args(T: int, H: int, dtype: torch.dtype, input_norm: tuple[Tensor, float], qkv_weight: Tensor,
+                   num_heads: int, qk_norm: tuple[Tensor, Tensor, float] | None, rope: tuple[Tensor, Tensor],
+                   rows: DecodeRows, scale: float, o_weight: Tensor, post_norm: tuple[Tensor, float]) -> AttentionArgs:
+    """A layer's attention half for a decode step of T tokens of width H in ``dtype`` (fp32 or bf16, every tensor
+    in it): the input RMSNorm (``input_norm``: weight [H], eps), the fused q/k/v projection ``qkv_weight``
+    [(Hq + 2 Hkv) D, H], the q/k RMSNorms (``qk_norm``: q and k weights [D], eps; None for none) with RoPE
+    (``rope``: cos, signed sin [T, rotary]), attention over ``rows`` (``models.DecodeRows``) after each sequence's
+    new K/V is written into its last row, ``o_weight`` [H, Hq D], and the post-attention RMSNorm (``post_norm``).
+    The weights and tables contiguous."""
     lib = load()
-    T, H = residual.shape
     k_rows, v_rows, key_rows, lengths = rows.k_rows, rows.v_rows, rows.key_rows, rows.lengths
     Hkv, D = k_rows.shape[1:]
     W, L = (num_heads + 2 * Hkv) * D, key_rows.shape[1]
-    if lib is None or residual.dtype not in EXPERT_DTYPES or residual.device.type != "cpu":
+    if lib is None or dtype not in EXPERT_DTYPES:
         raise ValueError("attention_block needs the native library and fp32 or bf16 CPU tensors")
     weights = [input_norm[0], qkv_weight, o_weight, post_norm[0], *(qk_norm[:2] if qk_norm else ()), *rope]
-    tensors = [t for t in (x, residual, *weights, k_rows, v_rows) if t is not None]
-    if any(t.dtype != residual.dtype or t.device.type != "cpu" for t in tensors):
+    tensors = [*weights, k_rows, v_rows]
+    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
         dtypes = sorted({str(t.dtype) for t in tensors})
         raise ValueError(f"attention_block takes CPU tensors of one dtype, got {dtypes}")
-    if any(not t.is_contiguous() for t in (residual, *weights)) or (x is not None and not x.is_contiguous()):
+    if any(not t.is_contiguous() for t in weights):
         raise ValueError("attention_block: the input, the residual, the weights and the RoPE tables must be contiguous")
-    shapes = [(x, (T, H)), (input_norm[0], (H,)), (post_norm[0], (H,)), (qkv_weight, (W, H)),
-              (o_weight, (H, num_heads * D)), *((w, (D,)) for w in (qk_norm[:2] if qk_norm else ())),
-              (rope[1], tuple(rope[0].shape)), (key_rows, (T, L)), (lengths, (T,))]
-    bad = [(list(t.shape), list(shape)) for t, shape in shapes if t is not None and tuple(t.shape) != shape]
+    shapes = [(input_norm[0], (H,)), (post_norm[0], (H,)), (qkv_weight, (W, H)), (o_weight, (H, num_heads * D)),
+              *((w, (D,)) for w in (qk_norm[:2] if qk_norm else ())), (rope[1], tuple(rope[0].shape)),
+              (key_rows, (T, L)), (lengths, (T,))]
+    bad = [(list(t.shape), list(shape)) for t, shape in shapes if tuple(t.shape) != shape]
     rotary = rope[0].shape[1]
     if bad or rope[0].shape[0] != T or rotary > D or rotary % 2 or num_heads % Hkv:
         raise ValueError(f"attention_block: shapes disagree with T {T}, H {H}, {num_heads} heads over {Hkv} KV "
@@ -54,46 +92,127 @@ def attention_block(x: Tensor | None, residual: Tensor, input_norm: tuple[Tensor
             or lengths.dtype != torch.int64 or not key_rows.is_contiguous() or not lengths.is_contiguous()):
         raise ValueError("attention_block: K/V rows need equal strides and unit head-dim stride; key_rows and "
                          "lengths contiguous int64")
-    h = torch.empty(T, H, dtype=residual.dtype)
-    scratch = torch.empty(lib.moetide_attention_block_scratch(T, H, num_heads, Hkv, D, L), dtype=torch.float32)
-    pointers = torch.empty(T, dtype=torch.int64)
     q_w, k_w, qk_eps = qk_norm if qk_norm else (None, None, 0.0)
-    status = lib.moetide_attention_block(
-        ptr(x), residual.data_ptr(), T, H, residual.dtype == torch.bfloat16, input_norm[0].data_ptr(),
-        input_norm[1], qkv_weight.data_ptr(), num_heads, Hkv, D, qk_norm is not None, qk_eps, ptr(q_w), ptr(k_w),
-        rope[0].data_ptr(), rope[1].data_ptr(), rotary, k_rows.data_ptr(), v_rows.data_ptr(),
-        min(k_rows.shape[0], v_rows.shape[0]), k_rows.stride(0), k_rows.stride(1), key_rows.data_ptr(),
-        lengths.data_ptr(), L, scale, o_weight.data_ptr(), post_norm[0].data_ptr(), post_norm[1], h.data_ptr(),
-        scratch.data_ptr(), pointers.data_ptr())
-    if status:  # checked before anything is written
-        raise ValueError(f"key_rows must lie in [0, {min(k_rows.shape[0], v_rows.shape[0])})" if status == 1
-                         else f"lengths must lie in [0, {L}]")
+    args = AttentionArgs(input_norm[0].data_ptr(), qkv_weight.data_ptr(), ptr(q_w), ptr(k_w), o_weight.data_ptr(),
+                         post_norm[0].data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(), k_rows.data_ptr(),
+                         v_rows.data_ptr(), key_rows.data_ptr(), lengths.data_ptr(), num_heads, Hkv, D,
+                         qk_norm is not None, rotary, min(k_rows.shape[0], v_rows.shape[0]), k_rows.stride(0),
+                         k_rows.stride(1), L, input_norm[1], qk_eps, scale, post_norm[1])
+    args.T, args.H, args.dtype, args.tensors = T, H, dtype, (*tensors, key_rows, lengths)
+    args.scratch_floats = lib.moetide_attention_block_scratch(T, H, num_heads, Hkv, D, L)
+    return args
+
+
+def _check_activations(name: str, args: AttentionArgs, *tensors: Tensor | None) -> None:
+    if any(t is not None and (tuple(t.shape) != (args.T, args.H) or t.dtype != args.dtype or t.device.type != "cpu"
+                              or not t.is_contiguous()) for t in tensors):
+        raise ValueError(f"{name}: the input and the residual must be contiguous CPU [{args.T}, {args.H}] tensors "
+                         f"of {args.dtype}")
+
+
+def run_attention(args: AttentionArgs, x: Tensor | None, residual: Tensor) -> Tensor:
+    """``attention_args``' half in one call: ``residual`` += x (x None in the first layer, where the residual is
+    the input), the input norm, ..., the post-attention add into ``residual`` and its norm -> the MLP's input
+    [T, H]. x, residual [T, H] contiguous in the args' dtype."""
+    _check_activations("attention_block", args, x, residual)
+    lib = load()
+    h = torch.empty(args.T, args.H, dtype=args.dtype)
+    scratch = torch.empty(args.scratch_floats, dtype=torch.float32)
+    pointers = torch.empty(args.T, dtype=torch.int64)
+    status = lib.moetide_attention_block(ctypes.addressof(args), ptr(x), residual.data_ptr(), args.T, args.H,
+                                         args.dtype == torch.bfloat16, h.data_ptr(), scratch.data_ptr(),
+                                         pointers.data_ptr())
+    if status:
+        raise _rows_error(status, args.num_rows, args.L)
     return h
 
 
-def moe_block(x: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, gate_up: Tensor,
-              down: Tensor) -> tuple[Tensor, Tensor]:
-    """A MoE block's router and routed experts in one fp32 call (``layer.c``): logits x gate_weight^T (gate_weight
-    [E, H]), ``moe_route``'s top-k, then ``moe_experts`` over the stacked views -> (out [T, H], expert ids [T, K]
-    int64). x [T, H] contiguous. The gate's sums are the native kernel's (fp32 round-off from torch's)."""
+def attention_block(x: Tensor | None, residual: Tensor, input_norm: tuple[Tensor, float], qkv_weight: Tensor,
+                    num_heads: int, qk_norm: tuple[Tensor, Tensor, float] | None, rope: tuple[Tensor, Tensor],
+                    rows: DecodeRows, scale: float, o_weight: Tensor, post_norm: tuple[Tensor, float]) -> Tensor:
+    """A decoder layer's attention half for a pure decode step in one call (``attention_args``, then
+    ``run_attention``). The same kernels in the same order as ``models.common``'s op-by-op native path, so the
+    same bits."""
+    T, H = residual.shape
+    args = attention_args(T, H, residual.dtype, input_norm, qkv_weight, num_heads, qk_norm, rope, rows, scale,
+                          o_weight, post_norm)
+    return run_attention(args, x, residual)
+
+
+def moe_args(H: int, gate_weight: Tensor, top_k: int, renormalize: bool, gate_up: Tensor, down: Tensor) -> MoEArgs:
+    """A MoE block's router and routed experts in fp32 for tokens of width H: logits x gate_weight^T
+    (gate_weight [E, H] contiguous), ``moe_route``'s top-k, then ``moe_experts`` over the stacked views."""
     lib = load()
-    T, H = x.shape
     E, two_i, _ = gate_up.shape
-    I = two_i // 2  # noqa: E741 (the expert width, as everywhere in the engine)
     if lib is None or not experts_readable(gate_up, down) or gate_up.shape[2] != H:
         raise ValueError(f"moe_block needs the native library and [E, 2I, {H}] / [E, {H}, I] expert views with "
                          f"packed rows")
-    require_f32("moe_block", x, gate_weight, gate_up, down)
-    if not x.is_contiguous() or gate_weight.shape != (E, H) or not gate_weight.is_contiguous():
+    require_f32("moe_block", gate_weight, gate_up, down)
+    if gate_weight.shape != (E, H) or not gate_weight.is_contiguous():
         raise ValueError(f"moe_block: x must be contiguous and the gate a contiguous [{E}, {H}], got "
                          f"{list(gate_weight.shape)}")
     if not 0 < top_k <= E:
         raise ValueError(f"moe_block: top_k {top_k} must lie in [1, {E}]")
-    out, weights = torch.empty_like(x), torch.empty(T, top_k, dtype=torch.float32)
-    ids = torch.empty(T, top_k, dtype=torch.int64)
-    scratch = torch.empty(lib.moetide_moe_block_scratch(T, H, E, top_k, I), dtype=torch.float32)
-    iscratch = torch.empty(E + 1 + 2 * T * top_k, dtype=torch.int64)
-    lib.moetide_moe_block(x.data_ptr(), T, H, gate_weight.data_ptr(), E, top_k, int(renormalize),
-                          gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), I, out.data_ptr(),
-                          weights.data_ptr(), ids.data_ptr(), scratch.data_ptr(), iscratch.data_ptr())
+    args = MoEArgs(gate_weight.data_ptr(), gate_up.data_ptr(), down.data_ptr(), E, top_k, int(renormalize),
+                   gate_up.stride(0), down.stride(0), two_i // 2)
+    args.H, args.tensors = H, (gate_weight, gate_up, down)
+    return args
+
+
+def _moe_scratch(args: MoEArgs, T: int) -> tuple[int, int]:
+    """(floats, int64s) of one ``run_moe`` call's scratch."""
+    return load().moetide_moe_block_scratch(T, args.H, args.E, args.K, args.I), args.E + 1 + 2 * T * args.K
+
+
+def run_moe(args: MoEArgs, x: Tensor) -> tuple[Tensor, Tensor]:
+    """``moe_args``' block in one call (``layer.c``): x [T, H] fp32 contiguous -> (out [T, H], expert ids [T, K]
+    int64). The gate's sums are the native kernel's (fp32 round-off from torch's)."""
+    require_f32("moe_block", x)
+    if x.dim() != 2 or x.shape[1] != args.H or not x.is_contiguous():
+        raise ValueError(f"moe_block: x must be contiguous [T, {args.H}], got {list(x.shape)}")
+    T = x.shape[0]
+    out, weights = torch.empty_like(x), torch.empty(T, args.K, dtype=torch.float32)
+    ids = torch.empty(T, args.K, dtype=torch.int64)
+    floats, ints = _moe_scratch(args, T)
+    scratch, iscratch = torch.empty(floats, dtype=torch.float32), torch.empty(ints, dtype=torch.int64)
+    load().moetide_moe_block(ctypes.addressof(args), x.data_ptr(), T, args.H, out.data_ptr(), weights.data_ptr(),
+                             ids.data_ptr(), scratch.data_ptr(), iscratch.data_ptr())
     return out, ids
+
+
+def moe_block(x: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, gate_up: Tensor,
+              down: Tensor) -> tuple[Tensor, Tensor]:
+    """A MoE block's router and routed experts in one fp32 call (``moe_args``, then ``run_moe``) -> (out [T, H],
+    expert ids [T, K] int64)."""
+    return run_moe(moe_args(x.shape[-1], gate_weight, top_k, renormalize, gate_up, down), x)
+
+
+def run_layers(attention: Sequence[AttentionArgs], moe: Sequence[MoEArgs], x: Tensor | None,
+               residual: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """A decode step's decoder layers in one fp32 call: layer l's ``attention[l]`` half then its ``moe[l]`` half,
+    the next layer reading its output, as ``run_attention`` and ``run_moe`` one after the other (the same bits) ->
+    (the last layer's MoE output [T, H], ``residual`` (updated in place), each layer's expert ids [T, K]). x and
+    residual as ``run_attention`` takes them. Every layer's key rows are checked before any layer runs."""
+    if not attention or len(attention) != len(moe):
+        raise ValueError(f"run_layers takes one MoE half per attention half, got {len(attention)} and {len(moe)}")
+    first = attention[0]
+    if any(a.T != first.T or a.H != first.H or a.dtype != torch.float32 for a in attention) or any(
+            m.H != first.H for m in moe):
+        raise ValueError("run_layers: every layer's halves must be fp32 for the same tokens")
+    _check_activations("run_layers", first, x, residual)
+    T, H, n = first.T, first.H, len(attention)
+    h, out = torch.empty(T, H), torch.empty(T, H)
+    ks = [m.K for m in moe]
+    weights, ids = torch.empty(T * sum(ks), dtype=torch.float32), torch.empty(T * sum(ks), dtype=torch.int64)
+    moe_scratch = [_moe_scratch(m, T) for m in moe]
+    scratch = torch.empty(max(max(a.scratch_floats for a in attention), max(f for f, _ in moe_scratch)))
+    iscratch = torch.empty(max(i for _, i in moe_scratch), dtype=torch.int64)
+    pointers = torch.empty(T, dtype=torch.int64)
+    attention_array, moe_array = (AttentionArgs * n)(*attention), (MoEArgs * n)(*moe)  # copies, for the call
+    status = load().moetide_decode_layers(n, ctypes.addressof(attention_array), ctypes.addressof(moe_array), ptr(x),
+                                          residual.data_ptr(), T, H, h.data_ptr(), out.data_ptr(),
+                                          weights.data_ptr(), ids.data_ptr(), scratch.data_ptr(),
+                                          iscratch.data_ptr(), pointers.data_ptr())
+    if status:
+        raise _rows_error(status, first.num_rows, first.L)
+    return out, residual, [part.view(T, k) for part, k in zip(ids.split([T * k for k in ks]), ks)]

@@ -25,7 +25,7 @@ from torch import Tensor
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c", "gdn.c", "layer.c"))
 # headers are part of the build's key, not compiled on their own
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "simd.h"))
-_ABI_VERSION = 16
+_ABI_VERSION = 17
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
 _LINEAR_ISAS = ("c", "avx2", "avx512", "avx512-bf16")  # moetide_linear_isa()'s answers, in order
 _reasons: list[str] = []
@@ -130,14 +130,14 @@ def load() -> ctypes.CDLL | None:
         lib.moetide_moe_route.restype = None
         lib.moetide_attention_block_scratch.argtypes = [i64] * 6
         lib.moetide_attention_block_scratch.restype = i64
-        lib.moetide_attention_block.argtypes = [p, p, i64, i64, i64, p, ctypes.c_float, p, i64, i64, i64, i64,
-                                                ctypes.c_float, p, p, p, p, i64, p, p, i64, i64, i64, p, p, i64,
-                                                ctypes.c_float, p, p, ctypes.c_float, p, p, p]
+        lib.moetide_attention_block.argtypes = [p, p, p, i64, i64, i64, p, p, p]  # the args struct first
         lib.moetide_attention_block.restype = ctypes.c_int
         lib.moetide_moe_block_scratch.argtypes = [i64] * 5
         lib.moetide_moe_block_scratch.restype = i64
-        lib.moetide_moe_block.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, p, i64, i64, p, p, p, p, p]
+        lib.moetide_moe_block.argtypes = [p, p, i64, i64, p, p, p, p, p]
         lib.moetide_moe_block.restype = None
+        lib.moetide_decode_layers.argtypes = [i64, p, p, p, p, i64, i64, p, p, p, p, p, p, p]
+        lib.moetide_decode_layers.restype = ctypes.c_int
         return lib
     _reasons.append("the native kernels did not build: " + "; ".join(errors))
     return None

@@ -212,3 +212,21 @@ def test_the_stack_refuses_rows_outside_the_cache_before_any_layer_runs(torch_on
                             *strided_experts(generator, E, H + 8, 16))
     with pytest.raises(ValueError, match="fp32 for the same tokens"):
         native.run_layers(attention, [moe_halves[0], wider], None, residual)
+
+
+def test_a_layer_keeps_its_checked_weights_until_one_moves(wide_checkpoint):
+    """``native_attention_weights`` and ``SparseMoE.native_args`` check a layer's weights once; a weight that
+    moves (a new tensor behind the parameter) is checked again, so no stale pointer reaches the kernels."""
+    engine = Engine(wide_checkpoint("qwen3_moe"), kv_budget_mib=4, ignore_eos=True)
+    engine.generate(PROMPTS, 3)
+    layer = engine.parts.model.layers[0]
+    kept, moe_kept = layer.native_weights, layer.mlp.native_weights
+    assert kept is not None and moe_kept is not None
+    engine.generate(PROMPTS, 3)
+    assert layer.native_weights is kept and layer.mlp.native_weights is moe_kept
+    with torch.no_grad():
+        layer.self_attn.qkv_proj.weight.data = layer.self_attn.qkv_proj.weight.data.clone()
+        layer.mlp.gate.weight.data = layer.mlp.gate.weight.data.clone()
+    engine.generate(PROMPTS, 3)
+    assert layer.native_weights[0] != kept[0] and layer.native_weights[1].qkv_w != kept[1].qkv_w
+    assert layer.mlp.native_weights[1].gate_w == layer.mlp.gate.weight.data_ptr() != moe_kept[1].gate_w

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from moetide.engine import native
 from moetide.engine.models.hooks import (
     ContiguousKVCache,
+    DecodeRows,
     DictLinearStateStore,
     ExpertProvider,
     LinearStateShape,
@@ -233,6 +234,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps, zero_centered_norm)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centered_norm)
+        self.native_weights: tuple[tuple, native.AttentionArgs] | None = None  # native_attention_weights' own
 
     def forward(self, x: Tensor, residual: Tensor | None, ctx: StepContext, rope: Rope,
                 experts: ExpertProvider) -> tuple[Tensor, Tensor]:
@@ -268,10 +270,24 @@ class DecoderLayer(nn.Module):
         rows = ctx.attention.decode_rows(attn.layer_id, attn.num_heads, x)
         if rows is None:
             return None
-        qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else None
-        return native.attention_args(T, x.shape[1], x.dtype, (norms[0].weight, norms[0].eps), attn.qkv_proj.weight,
-                                     attn.num_heads, qk_norm, rope, rows, attn.head_dim**-0.5, attn.o_proj.weight,
-                                     (norms[1].weight, norms[1].eps))
+        return native.attention_step(self.native_attention_weights(x, rows), rope, rows)
+
+    def native_attention_weights(self, x: Tensor, rows: DecodeRows) -> native.AttentionArgs:
+        """``native.attention_weights`` for the layer, checked once and kept while no weight and no cache view
+        moves (their data pointers are the key): at decode sizes the checks cost as much as a kernel."""
+        attn, norms = self.self_attn, (self.input_layernorm, self.post_attention_layernorm)
+        qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else ()
+        tensors = (norms[0].weight, attn.qkv_proj.weight, attn.o_proj.weight, norms[1].weight, *qk, rows.k_rows,
+                   rows.v_rows)
+        key = (x.dtype, x.shape[1], *(t.data_ptr() for t in tensors))
+        if self.native_weights is None or self.native_weights[0] != key:
+            qk_norm = (*qk, attn.q_norm.eps) if attn.qk_norm else None
+            weights = native.attention_weights(x.shape[1], x.dtype, (norms[0].weight, norms[0].eps),
+                                               attn.qkv_proj.weight, attn.num_heads, qk_norm, attn.head_dim**-0.5,
+                                               attn.o_proj.weight, (norms[1].weight, norms[1].eps), rows.k_rows,
+                                               rows.v_rows)
+            self.native_weights = (key, weights)
+        return self.native_weights[1]
 
     def attention_block(self, x: Tensor, residual: Tensor | None, ctx: StepContext,
                         rope: Rope) -> tuple[Tensor, Tensor] | None:

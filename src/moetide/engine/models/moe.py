@@ -159,6 +159,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.has_shared_expert = shared_intermediate_size > 0
+        self.native_weights: tuple[tuple, native.MoEArgs] | None = None  # native_args' own, with its key
         if self.has_shared_expert:
             self.shared_expert = MLP(config.hidden_size, shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
@@ -196,7 +197,12 @@ class SparseMoE(nn.Module):
         if (stacked is None or x.dim() != 2 or not x.is_contiguous() or not self.native_routes(x)
                 or not native_takes(x, x.shape[0] * self.top_k, *stacked)):
             return None
-        return native.moe_args(x.shape[1], self.gate.weight, self.top_k, self.norm_topk_prob, *stacked)
+        key = (x.shape[1], self.gate.weight.data_ptr(), *(t.data_ptr() for t in stacked),
+               *(t.stride(0) for t in stacked))
+        if self.native_weights is None or self.native_weights[0] != key:  # checked once while nothing moves
+            self.native_weights = (key, native.moe_args(x.shape[1], self.gate.weight, self.top_k,
+                                                        self.norm_topk_prob, *stacked))
+        return self.native_weights[1]
 
     def native_block(self, x: Tensor, experts: ExpertProvider) -> Tensor | None:
         """The router and the routed experts in one call (``native_args``, ``native.run_moe``), the routing

@@ -57,22 +57,20 @@ def _rows_error(status: int, num_rows: int, L: int) -> ValueError:
     return ValueError(f"key_rows must lie in [0, {num_rows})" if status == 1 else f"lengths must lie in [0, {L}]")
 
 
-def attention_args(T: int, H: int, dtype: torch.dtype, input_norm: tuple[Tensor, float], qkv_weight: Tensor,
-                   num_heads: int, qk_norm: tuple[Tensor, Tensor, float] | None, rope: tuple[Tensor, Tensor],
-                   rows: DecodeRows, scale: float, o_weight: Tensor, post_norm: tuple[Tensor, float]) -> AttentionArgs:
-    """A layer's attention half for a decode step of T tokens of width H in ``dtype`` (fp32 or bf16, every tensor
-    in it): the input RMSNorm (``input_norm``: weight [H], eps), the fused q/k/v projection ``qkv_weight``
-    [(Hq + 2 Hkv) D, H], the q/k RMSNorms (``qk_norm``: q and k weights [D], eps; None for none) with RoPE
-    (``rope``: cos, signed sin [T, rotary]), attention over ``rows`` (``models.DecodeRows``) after each sequence's
-    new K/V is written into its last row, ``o_weight`` [H, Hq D], and the post-attention RMSNorm (``post_norm``).
-    The weights and tables contiguous."""
+def attention_weights(H: int, dtype: torch.dtype, input_norm: tuple[Tensor, float], qkv_weight: Tensor,
+                      num_heads: int, qk_norm: tuple[Tensor, Tensor, float] | None, scale: float, o_weight: Tensor,
+                      post_norm: tuple[Tensor, float], k_rows: Tensor, v_rows: Tensor) -> AttentionArgs:
+    """The part of a layer's attention half that stays from step to step, for tokens of width H in ``dtype`` (fp32
+    or bf16, every tensor in it): the input RMSNorm (``input_norm``: weight [H], eps), the fused q/k/v projection
+    ``qkv_weight`` [(Hq + 2 Hkv) D, H], the q/k RMSNorms (``qk_norm``: q and k weights [D], eps; None for none),
+    ``o_weight`` [H, Hq D], the post-attention RMSNorm (``post_norm``), all contiguous, and the cache's K/V rows
+    [rows, Hkv, D] (``models.DecodeRows``). ``attention_step`` adds a step's RoPE tables and key rows."""
     lib = load()
-    k_rows, v_rows, key_rows, lengths = rows.k_rows, rows.v_rows, rows.key_rows, rows.lengths
     Hkv, D = k_rows.shape[1:]
-    W, L = (num_heads + 2 * Hkv) * D, key_rows.shape[1]
+    W = (num_heads + 2 * Hkv) * D
     if lib is None or dtype not in EXPERT_DTYPES:
         raise ValueError("attention_block needs the native library and fp32 or bf16 CPU tensors")
-    weights = [input_norm[0], qkv_weight, o_weight, post_norm[0], *(qk_norm[:2] if qk_norm else ()), *rope]
+    weights = [input_norm[0], qkv_weight, o_weight, post_norm[0], *(qk_norm[:2] if qk_norm else ())]
     tensors = [*weights, k_rows, v_rows]
     if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
         dtypes = sorted({str(t.dtype) for t in tensors})
@@ -80,26 +78,63 @@ def attention_args(T: int, H: int, dtype: torch.dtype, input_norm: tuple[Tensor,
     if any(not t.is_contiguous() for t in weights):
         raise ValueError("attention_block: the input, the residual, the weights and the RoPE tables must be contiguous")
     shapes = [(input_norm[0], (H,)), (post_norm[0], (H,)), (qkv_weight, (W, H)), (o_weight, (H, num_heads * D)),
-              *((w, (D,)) for w in (qk_norm[:2] if qk_norm else ())), (rope[1], tuple(rope[0].shape)),
-              (key_rows, (T, L)), (lengths, (T,))]
+              *((w, (D,)) for w in (qk_norm[:2] if qk_norm else ()))]
     bad = [(list(t.shape), list(shape)) for t, shape in shapes if tuple(t.shape) != shape]
-    rotary = rope[0].shape[1]
-    if bad or rope[0].shape[0] != T or rotary > D or rotary % 2 or num_heads % Hkv:
-        raise ValueError(f"attention_block: shapes disagree with T {T}, H {H}, {num_heads} heads over {Hkv} KV "
-                         f"heads of {D} (got, expected): {bad}; rope tables {list(rope[0].shape)}")
-    if (k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1 or v_rows.shape[1:] != (Hkv, D)
-            or key_rows.dtype != torch.int64
-            or lengths.dtype != torch.int64 or not key_rows.is_contiguous() or not lengths.is_contiguous()):
-        raise ValueError("attention_block: K/V rows need equal strides and unit head-dim stride; key_rows and "
-                         "lengths contiguous int64")
+    if bad or num_heads % Hkv:
+        raise ValueError(f"attention_block: shapes disagree with H {H}, {num_heads} heads over {Hkv} KV heads of "
+                         f"{D} (got, expected): {bad}")
+    if k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1 or v_rows.shape[1:] != (Hkv, D):
+        raise ValueError("attention_block: K/V rows need equal strides and unit head-dim stride")
     q_w, k_w, qk_eps = qk_norm if qk_norm else (None, None, 0.0)
-    args = AttentionArgs(input_norm[0].data_ptr(), qkv_weight.data_ptr(), ptr(q_w), ptr(k_w), o_weight.data_ptr(),
-                         post_norm[0].data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(), k_rows.data_ptr(),
-                         v_rows.data_ptr(), key_rows.data_ptr(), lengths.data_ptr(), num_heads, Hkv, D,
-                         qk_norm is not None, rotary, min(k_rows.shape[0], v_rows.shape[0]), k_rows.stride(0),
-                         k_rows.stride(1), L, input_norm[1], qk_eps, scale, post_norm[1])
-    args.T, args.H, args.dtype, args.tensors = T, H, dtype, (*tensors, key_rows, lengths)
-    args.scratch_floats = lib.moetide_attention_block_scratch(T, H, num_heads, Hkv, D, L)
+    args = AttentionArgs(in_w=input_norm[0].data_ptr(), qkv_w=qkv_weight.data_ptr(), q_w=ptr(q_w), k_w=ptr(k_w),
+                         o_w=o_weight.data_ptr(), post_w=post_norm[0].data_ptr(), k_base=k_rows.data_ptr(),
+                         v_base=v_rows.data_ptr(), Hq=num_heads, Hkv=Hkv, D=D, qk_norm=qk_norm is not None,
+                         num_rows=min(k_rows.shape[0], v_rows.shape[0]), row_stride=k_rows.stride(0),
+                         head_stride=k_rows.stride(1), in_eps=input_norm[1], qk_eps=qk_eps, scale=scale,
+                         post_eps=post_norm[1])
+    args.T, args.H, args.dtype, args.tensors, args.scratch_floats = 0, H, dtype, tuple(tensors), 0
+    return args
+
+
+def attention_step(weights: AttentionArgs, rope: tuple[Tensor, Tensor], rows: DecodeRows) -> AttentionArgs:
+    """``weights`` (``attention_weights``) for one decode step: RoPE (``rope``: cos, signed sin [T, rotary], the
+    weights' dtype, contiguous) and attention over ``rows``, whose K/V rows must be the ones ``weights`` holds."""
+    k_rows, key_rows, lengths = rows.k_rows, rows.key_rows, rows.lengths
+    cos, sin = rope
+    T, rotary = cos.shape
+    L = key_rows.shape[1] if key_rows.dim() == 2 else -1
+    if (k_rows.data_ptr() != weights.k_base or rows.v_rows.data_ptr() != weights.v_base
+            or k_rows.stride(0) != weights.row_stride):
+        raise ValueError("attention_block: the step's K/V rows are not the ones its weights were gathered with")
+    if (tuple(sin.shape) != (T, rotary) or rotary > weights.D or rotary % 2 or key_rows.shape != (T, L)
+            or lengths.shape != (T,)):
+        raise ValueError(f"attention_block: shapes disagree with T {T}, {weights.Hq} heads of {weights.D}: rope "
+                         f"tables {list(cos.shape)} / {list(sin.shape)}, key_rows {list(key_rows.shape)}, lengths "
+                         f"{list(lengths.shape)}")
+    if any(t.dtype != weights.dtype or t.device.type != "cpu" or not t.is_contiguous() for t in rope):
+        raise ValueError(f"attention_block: the RoPE tables must be contiguous CPU {weights.dtype}")
+    if (key_rows.dtype != torch.int64 or lengths.dtype != torch.int64 or not key_rows.is_contiguous()
+            or not lengths.is_contiguous()):
+        raise ValueError("attention_block: key_rows and lengths must be contiguous int64")
+    args = AttentionArgs.from_buffer_copy(weights)
+    args.cos_t, args.sin_t, args.rotary = cos.data_ptr(), sin.data_ptr(), rotary
+    args.key_rows, args.lengths, args.L = key_rows.data_ptr(), lengths.data_ptr(), L
+    args.T, args.H, args.dtype, args.tensors = T, weights.H, weights.dtype, (*weights.tensors, cos, sin, key_rows,
+                                                                               lengths)
+    args.scratch_floats = load().moetide_attention_block_scratch(T, weights.H, weights.Hq, weights.Hkv, weights.D, L)
+    return args
+
+
+def attention_args(T: int, H: int, dtype: torch.dtype, input_norm: tuple[Tensor, float], qkv_weight: Tensor,
+                   num_heads: int, qk_norm: tuple[Tensor, Tensor, float] | None, rope: tuple[Tensor, Tensor],
+                   rows: DecodeRows, scale: float, o_weight: Tensor, post_norm: tuple[Tensor, float]) -> AttentionArgs:
+    """``attention_weights`` then ``attention_step``, for a step of T tokens: the whole attention half of one
+    step, for a caller that does not keep the weights' part."""
+    weights = attention_weights(H, dtype, input_norm, qkv_weight, num_heads, qk_norm, scale, o_weight, post_norm,
+                                rows.k_rows, rows.v_rows)
+    args = attention_step(weights, rope, rows)
+    if args.T != T:
+        raise ValueError(f"attention_block: shapes disagree with T {T}: rope tables {list(rope[0].shape)}")
     return args
 
 
@@ -215,4 +250,6 @@ def run_layers(attention: Sequence[AttentionArgs], moe: Sequence[MoEArgs], x: Te
                                           iscratch.data_ptr(), pointers.data_ptr())
     if status:
         raise _rows_error(status, first.num_rows, first.L)
+    if len(set(ks)) == 1:  # every layer's top-k alike: one view
+        return out, residual, list(ids.view(n, T, ks[0]).unbind(0))
     return out, residual, [part.view(T, k) for part, k in zip(ids.split([T * k for k in ks]), ks)]

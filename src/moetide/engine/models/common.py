@@ -273,20 +273,18 @@ class DecoderLayer(nn.Module):
         return native.attention_step(self.native_attention_weights(x, rows), rope, rows)
 
     def native_attention_weights(self, x: Tensor, rows: DecodeRows) -> native.AttentionArgs:
-        """``native.attention_weights`` for the layer, checked once and kept while no weight and no cache view
-        moves (their data pointers are the key): at decode sizes the checks cost as much as a kernel."""
+        """``native.attention_weights`` for the layer, kept while no weight and no cache view moves
+        (``native.keep_checked``)."""
         attn, norms = self.self_attn, (self.input_layernorm, self.post_attention_layernorm)
         qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else ()
-        tensors = (norms[0].weight, attn.qkv_proj.weight, attn.o_proj.weight, norms[1].weight, *qk, rows.k_rows,
-                   rows.v_rows)
-        key = (x.dtype, x.shape[1], *(t.data_ptr() for t in tensors))
-        if self.native_weights is None or self.native_weights[0] != key:
-            qk_norm = (*qk, attn.q_norm.eps) if attn.qk_norm else None
-            weights = native.attention_weights(x.shape[1], x.dtype, (norms[0].weight, norms[0].eps),
-                                               attn.qkv_proj.weight, attn.num_heads, qk_norm, attn.head_dim**-0.5,
-                                               attn.o_proj.weight, (norms[1].weight, norms[1].eps), rows.k_rows,
-                                               rows.v_rows)
-            self.native_weights = (key, weights)
+        self.native_weights = native.keep_checked(
+            self.native_weights, (norms[0].weight, attn.qkv_proj.weight, attn.o_proj.weight, norms[1].weight, *qk,
+                                  rows.k_rows, rows.v_rows), (x.dtype, x.shape[1]),
+            lambda: native.attention_weights(x.shape[1], x.dtype, (norms[0].weight, norms[0].eps),
+                                             attn.qkv_proj.weight, attn.num_heads,
+                                             (*qk, attn.q_norm.eps) if attn.qk_norm else None, attn.head_dim**-0.5,
+                                             attn.o_proj.weight, (norms[1].weight, norms[1].eps), rows.k_rows,
+                                             rows.v_rows))
         return self.native_weights[1]
 
     def attention_block(self, x: Tensor, residual: Tensor | None, ctx: StepContext,
@@ -371,11 +369,12 @@ class MoECausalLM(nn.Module):
             mlp = layer.mlp
             if not isinstance(mlp, SparseMoE) or mlp.has_shared_expert:
                 return None
-            halves = layer.native_attention_args(x, ctx, rope), mlp.native_args(x, experts)
-            if halves[0] is None or halves[1] is None:
+            moe_half = mlp.native_args(x, experts)  # first: None at once in bf16, before the attention's work
+            attention_half = None if moe_half is None else layer.native_attention_args(x, ctx, rope)
+            if attention_half is None:
                 return None
-            attention.append(halves[0])
-            moe.append(halves[1])
+            attention.append(attention_half)
+            moe.append(moe_half)
         out, residual, ids = native.run_layers(attention, moe, None, x)
         for layer, layer_ids in zip(self.layers, ids):
             experts.route(layer.mlp.layer_id, layer_ids)

@@ -197,11 +197,9 @@ class SparseMoE(nn.Module):
         if (stacked is None or x.dim() != 2 or not x.is_contiguous() or not self.native_routes(x)
                 or not native_takes(x, x.shape[0] * self.top_k, *stacked)):
             return None
-        key = (x.shape[1], self.gate.weight.data_ptr(), *(t.data_ptr() for t in stacked),
-               *(t.stride(0) for t in stacked))
-        if self.native_weights is None or self.native_weights[0] != key:  # checked once while nothing moves
-            self.native_weights = (key, native.moe_args(x.shape[1], self.gate.weight, self.top_k,
-                                                        self.norm_topk_prob, *stacked))
+        self.native_weights = native.keep_checked(  # checked once while nothing moves
+            self.native_weights, (self.gate.weight, *stacked), (x.shape[1],),
+            lambda: native.moe_args(x.shape[1], self.gate.weight, self.top_k, self.norm_topk_prob, *stacked))
         return self.native_weights[1]
 
     def native_block(self, x: Tensor, experts: ExpertProvider) -> Tensor | None:

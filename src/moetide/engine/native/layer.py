@@ -12,8 +12,8 @@ ctypes mirror of its C struct, which keeps the tensors it points into alive; ``r
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import Tensor
@@ -50,6 +50,18 @@ class MoEArgs(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("E", "K", "renorm", "gu_stride", "dn_stride", "I")])
     H: int
     tensors: tuple[Tensor, ...]
+
+
+Args = TypeVar("Args", AttentionArgs, MoEArgs)
+
+
+def keep_checked(kept: tuple[tuple, Args] | None, tensors: Sequence[Tensor], extra: tuple,
+                 check: Callable[[], Args]) -> tuple[tuple, Args]:
+    """A layer's checked arguments, kept from step to step: ``kept`` again while ``tensors`` (what they point
+    into) have the data pointers and strides they had and ``extra`` is unchanged, else (that key, ``check()``).
+    At decode sizes the checks cost as much as a kernel; a tensor that moves is checked again."""
+    key = (*extra, *((t.data_ptr(), t.stride()) for t in tensors))
+    return kept if kept is not None and kept[0] == key else (key, check())
 
 
 def _rows_error(status: int, num_rows: int, L: int) -> ValueError:

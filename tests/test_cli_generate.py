@@ -8,6 +8,7 @@ import json
 import pytest
 
 from moetide.cli import main
+from moetide.engine.experts import StagedExpertProvider
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -136,12 +137,32 @@ def test_a_cost_record_that_means_nothing_is_one_clear_error(tiny_checkpoint, tm
     assert rc == 2 and "costs: EngineCosts.prefill_s_per_token" in capsys.readouterr().err
 
 
-def test_routing_out_counts_every_token_top_k_times_per_layer(tiny_checkpoint, tmp_path, capsys):
-    out = tmp_path / "routing.json"
-    assert generate(tiny_checkpoint("qwen3_moe"), "--prompt", "Mixture of experts", "--max-tokens", "5",
-                    "--ignore-eos", "--kv-budget-mib", "1", "--routing-out", str(out), "--json", "-") == 0
-    stats = json.loads(capsys.readouterr().out)["stats"]
-    profile = json.loads(out.read_text())
-    assert profile["format"] == "moetide-routing-profile/1" and profile["num_experts"] == len(profile["counts"][0])
-    computed = stats["prompt_tokens"] + stats["generated_tokens"] - 1  # the last token is sampled, never fed
-    assert [sum(row) for row in profile["counts"]] == [computed * profile["top_k"]] * len(profile["counts"])
+def test_routing_out_counts_every_token_top_k_times_per_layer(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """And the same counts, row for row, with one expert of layer 0 offloaded (staged when routed): what the
+    residency's cold-first choice reads does not depend on where an expert's weights came from."""
+    layers_routed = {True: set(), False: set()}  # has an offloaded expert -> MoE layers routed
+    route = StagedExpertProvider.route
+
+    def recording_route(self, layer_id, expert_ids):
+        m = self.moe_index[layer_id]
+        layers_routed[any(key[0] == m for key in self.residency.all_offloaded())].add(m)
+        return route(self, layer_id, expert_ids)
+
+    monkeypatch.setattr(StagedExpertProvider, "route", recording_route)
+    profiles = []
+    for run, offload in enumerate([[], ["--static-offload", "--max-offload-ratio", "0.125"]]):
+        out = tmp_path / f"routing{run}.json"
+        assert generate(tiny_checkpoint("qwen3_moe"), "--prompt", "Mixture of experts", "--max-tokens", "5",
+                        "--ignore-eos", "--kv-budget-mib", "1", "--routing-out", str(out), "--json", "-",
+                        *offload) == 0
+        stats = json.loads(capsys.readouterr().out)["stats"]
+        profile = json.loads(out.read_text())
+        assert profile["format"] == "moetide-routing-profile/1"
+        assert profile["num_experts"] == len(profile["counts"][0])
+        computed = stats["prompt_tokens"] + stats["generated_tokens"] - 1  # the last token is sampled, never fed
+        assert [sum(row) for row in profile["counts"]] == [computed * profile["top_k"]] * len(profile["counts"])
+        profiles.append(profile["counts"])
+        assert layers_routed == ({True: {0}, False: {1}} if offload else {True: set(), False: {0, 1}})
+        for layers in layers_routed.values():
+            layers.clear()
+    assert profiles[0] == profiles[1] and profiles[0][0] != profiles[0][1]

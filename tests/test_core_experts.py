@@ -152,6 +152,30 @@ def test_bad_routing_records_nothing():
     assert res.hotness(0, 1) == 0.0
 
 
+def test_a_dense_count_row_records_what_the_same_counts_as_a_mapping_record():
+    dense, mapped = residency(decay=0.5), residency(decay=0.5)
+    for res in (dense, mapped):
+        res.record_routing(2, [1, 1])
+        res.end_step()
+    dense.record_counts(2, [0, 3, 0, 2.5])
+    mapped.record_routing(2, {1: 3, 3: 2.5})
+    hotness = [dense.hotness(2, e) for e in range(4)]
+    assert hotness == [mapped.hotness(2, e) for e in range(4)] == [0, 4.0, 0, 2.5]  # expert 1: 2 decayed to 1, + 3
+    assert dense.next_offload_region(max_experts=12) == mapped.next_offload_region(max_experts=12)
+    dense.check_invariants()
+
+
+def test_a_bad_count_row_records_nothing():
+    res = residency()
+    with pytest.raises(ValueError, match=r"one per routed expert \(4\), got 3"):
+        res.record_counts(0, [1, 2, 3])
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        res.record_counts(0, [1, 2, float("nan"), 0])
+    with pytest.raises(ValueError, match="layer 3 is outside"):
+        res.record_counts(3, [0, 0, 0, 1])
+    assert res.hotness(0, 1) == 0.0
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("num_layers", 0, "num_layers must be an integer >= 1"),
     ("expert_bytes", 2.5, "expert_bytes must be an integer >= 1"),

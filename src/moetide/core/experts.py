@@ -130,6 +130,22 @@ class ExpertResidency:
         if updates:
             self._cold_cache[layer] = None
 
+    def record_counts(self, layer: int, counts: Sequence[float]) -> None:
+        """``record_routing`` for a dense row: ``counts[e]`` tokens routed to expert e of ``layer``, one count per
+        routed expert of the layer (what a ``bincount`` of the step's top-k gives), validated as a whole."""
+        check_expert_key((layer, 0), self.config.num_layers, self.config.num_experts)
+        if len(counts) != self.config.num_experts:
+            raise ValueError(f"routing counts of layer {layer}: one per routed expert ({self.config.num_experts}), "
+                             f"got {len(counts)}")
+        if not all(c >= 0 and not math.isinf(c) for c in counts):
+            raise ValueError(f"routing counts of layer {layer} must be finite and >= 0, got {list(counts)}")
+        row, scale = self._raw[layer], self._scale
+        for expert, count in enumerate(counts):
+            if count:
+                row[expert] += count / scale
+        if any(counts):
+            self._cold_cache[layer] = None
+
     def end_step(self) -> None:
         """Decay every routing count by ``decay`` (call once per engine step, after recording it)."""
         self._scale *= self.config.decay

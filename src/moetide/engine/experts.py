@@ -163,7 +163,7 @@ class StagedExpertProvider(WeightMover, ExpertProvider):
                 self.touches.record(layers, stacked)
         rows = stacked.tolist()
         for (m, _), row in zip(self._step_counts, rows):
-            self.residency.record_routing(m, {e: c for e, c in enumerate(row) if c})
+            self.residency.record_counts(m, row)
         self._step_counts = []
 
     def expert_weights(self, layer_id: int, expert_id: int) -> ExpertWeights:

@@ -19,7 +19,6 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moetide.engine import native

@@ -8,10 +8,11 @@ import json
 import pytest
 
 from moetide.cli import main
-from moetide.engine.experts import StagedExpertProvider
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
+
+from moetide.engine.experts import StagedExpertProvider  # noqa: E402
 
 
 def generate(model, *extra: str) -> int:

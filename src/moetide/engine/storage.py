@@ -72,7 +72,7 @@ class KVLayout:
     @classmethod
     def of(cls, model: MoECausalLM, block_size: int) -> KVLayout:
         config = model.config
-        attn = tuple(i for i, layer in enumerate(model.layers) if hasattr(layer, "self_attn"))
+        attn = tuple(i for i, layer in enumerate(model.layers) if layer.is_full_attention)
         return cls(attn, block_size, config.num_kv_heads, config.head_dim, model.embed_tokens.weight.dtype)
 
 

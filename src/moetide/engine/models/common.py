@@ -235,6 +235,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centered_norm)
         self.native_weights: tuple[tuple, native.AttentionArgs] | None = None  # native_attention_weights' own
 
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer, under its checkpoint name (``mixer_name``), so its weights load as transformers
+        names them."""
+        return getattr(self, self.mixer_name)
+
+    @property
+    def is_full_attention(self) -> bool:
+        """Whether the mixer is softmax attention over the paged KV cache (``self_attn``); else it keeps a
+        per-sequence state (``linear_attn``)."""
+        return self.mixer_name == "self_attn"
+
     def forward(self, x: Tensor, residual: Tensor | None, ctx: StepContext, rope: Rope,
                 experts: ExpertProvider) -> tuple[Tensor, Tensor]:
         """(the MLP's output, the running sum before it) for the layer's input x + residual (x alone in the first
@@ -247,7 +259,7 @@ class DecoderLayer(nn.Module):
                 h, residual = self.input_layernorm(x), x
             else:
                 h, residual = self.input_layernorm.add_forward(x, residual)
-            mixed = getattr(self, self.mixer_name)(h, ctx, rope)
+            mixed = self.mixer(h, ctx, rope)
             h, residual = self.post_attention_layernorm.add_forward(mixed, residual)
         return self.mlp(h, experts), residual
 
@@ -255,7 +267,7 @@ class DecoderLayer(nn.Module):
         """The layer's attention half as ``native.attention_args`` for inputs like x, where every op of it would
         take its native kernel op by op (a decode step whose attention backend hands out its key rows,
         ``decode_rows``), so that one call gives the same bits; else None."""
-        attn = self.self_attn if self.mixer_name == "self_attn" else None
+        attn = self.self_attn if self.is_full_attention else None
         if attn is None or not attn.joint_qk or x.dim() != 2 or not x.is_contiguous():
             return None
         norms = (self.input_layernorm, self.post_attention_layernorm)

@@ -286,4 +286,4 @@ class Qwen3NextForCausalLM(MoECausalLM):
 
     def linear_state_shapes(self) -> dict[int, LinearStateShape]:
         return {i: layer.linear_attn.state_shape() for i, layer in enumerate(self.layers)
-                if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet)}
+                if isinstance(layer.mixer, GatedDeltaNet)}

@@ -288,17 +288,14 @@ class DecoderLayer(nn.Module):
         (``native.keep_checked``)."""
         attn, norms = self.self_attn, (self.input_layernorm, self.post_attention_layernorm)
         qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else ()
-        kept = native.keep_checked(
-            self.native_weights, (norms[0].weight, attn.qkv_proj.weight, attn.o_proj.weight, norms[1].weight, *qk,
+        return native.keep_checked(
+            self, (norms[0].weight, attn.qkv_proj.weight, attn.o_proj.weight, norms[1].weight, *qk,
                                   rows.k_rows, rows.v_rows), (x.dtype, x.shape[1]),
             lambda: native.attention_weights(x.shape[1], x.dtype, (norms[0].weight, norms[0].eps),
                                              attn.qkv_proj.weight, attn.num_heads,
                                              (*qk, attn.q_norm.eps) if attn.qk_norm else None, attn.head_dim**-0.5,
                                              attn.o_proj.weight, (norms[1].weight, norms[1].eps), rows.k_rows,
                                              rows.v_rows))
-        if kept is not self.native_weights:  # (a module's __setattr__ is slow enough to count at decode sizes)
-            self.native_weights = kept
-        return kept[1]
 
     def attention_block(self, x: Tensor, residual: Tensor | None, ctx: StepContext,
                         rope: Rope) -> tuple[Tensor, Tensor] | None:

@@ -197,12 +197,9 @@ class SparseMoE(nn.Module):
         if (stacked is None or x.dim() != 2 or not x.is_contiguous() or not self.native_routes(x)
                 or not native_takes(x, x.shape[0] * self.top_k, *stacked)):
             return None
-        kept = native.keep_checked(  # checked once while nothing moves
-            self.native_weights, (self.gate.weight, *stacked), (x.shape[1],),
+        return native.keep_checked(  # checked once while nothing moves
+            self, (self.gate.weight, *stacked), (x.shape[1],),
             lambda: native.moe_args(x.shape[1], self.gate.weight, self.top_k, self.norm_topk_prob, *stacked))
-        if kept is not self.native_weights:  # (a module's __setattr__ is slow enough to count at decode sizes)
-            self.native_weights = kept
-        return kept[1]
 
     def native_block(self, x: Tensor, experts: ExpertProvider) -> Tensor | None:
         """The router and the routed experts in one call (``native_args``, ``native.run_moe``), the routing

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -55,13 +55,24 @@ class MoEArgs(ctypes.Structure):
 Args = TypeVar("Args", AttentionArgs, MoEArgs)
 
 
-def keep_checked(kept: tuple[tuple, Args] | None, tensors: Sequence[Tensor], extra: tuple,
-                 check: Callable[[], Args]) -> tuple[tuple, Args]:
-    """A layer's checked arguments, kept from step to step: ``kept`` again while ``tensors`` (what they point
-    into) have the data pointers and strides they had and ``extra`` is unchanged, else (that key, ``check()``).
-    At decode sizes the checks cost as much as a kernel; a tensor that moves is checked again."""
+class KeepsNativeArgs(Protocol):
+    """What ``keep_checked`` keeps a layer's checked arguments in: (their key, the arguments), None before."""
+
+    native_weights: tuple[tuple, Any] | None
+
+
+def keep_checked(owner: KeepsNativeArgs, tensors: Sequence[Tensor], extra: tuple, check: Callable[[], Args]) -> Args:
+    """A layer's checked arguments, kept from step to step in ``owner.native_weights``: the kept ones while
+    ``tensors`` (what they point into) have the data pointers and strides they had and ``extra`` is unchanged,
+    else ``check()``'s, kept with that key. At decode sizes the checks cost as much as a kernel; a tensor that
+    moves is checked again. The owner is written only when the key changes: on a torch module every assignment
+    runs ``nn.Module.__setattr__``, slow enough to count at decode sizes."""
     key = (*extra, *((t.data_ptr(), t.stride()) for t in tensors))
-    return kept if kept is not None and kept[0] == key else (key, check())
+    kept = owner.native_weights
+    if kept is None or kept[0] != key:
+        kept = (key, check())
+        owner.native_weights = kept
+    return kept[1]
 
 
 def _rows_error(status: int, num_rows: int, L: int) -> ValueError:

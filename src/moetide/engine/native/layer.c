@@ -97,12 +97,10 @@ static int rows_status(const struct moetide_attention_args *a, int64_t T) {
    [(Hq + 2 Hkv) D, H] (q rows, k rows, v rows); with qk_norm, q_w and k_w [D] and qk_eps. The attention runs
    after the step's new K/V (views of the projection and of the normed k) are written into each sequence's last
    row. o_w [H, Hq D]. h_out [T, H]: the post-attention norm of the updated residual, the MLP's input. scratch:
-   moetide_attention_block_scratch(T, H, Hq, Hkv, D, L) floats; pscratch T int64. Returns rows_status (nothing
-   written to the arena or the residual where it is not 0). */
-int moetide_attention_block(const struct moetide_attention_args *a, const void *x, void *residual, int64_t T,
-                            int64_t H, int64_t bf16, void *h_out, float *scratch, int64_t *pscratch) {
-    const int status = rows_status(a, T);
-    if (status) return status;
+   moetide_attention_block_scratch(T, H, Hq, Hkv, D, L) floats; pscratch T int64. The key rows must have passed
+   rows_status; returns the attention's own status. */
+static int attention_half(const struct moetide_attention_args *a, const void *x, void *residual, int64_t T,
+                          int64_t H, int64_t bf16, void *h_out, float *scratch, int64_t *pscratch) {
     const int64_t Hq = a->Hq, Hkv = a->Hkv, D = a->D, L = a->L;
     const struct block_buffers n = buffers(T, H, Hq, Hkv, D, L);
     const int64_t W = (Hq + 2 * Hkv) * D, A = Hq * D, esz = bf16 ? 2 : 4;
@@ -117,8 +115,8 @@ int moetide_attention_block(const struct moetide_attention_args *a, const void *
     moetide_linear(hn, T, H, bf16, a->qkv_w, W, qkv, lin, pscratch);
     /* q heads and k heads as rms_norm_rope does them together ([T, Hq + Hkv, D] with split Hq): each row on its
        own, so two calls give the same bits. fp32 q lands where the attention reads it; bf16 q is widened there. */
-    moetide_rms_norm_rope(qkv, T, W, Hq, D, a->qk_norm, a->qk_eps, a->q_w, Hq, a->q_w, a->cos_t, a->sin_t, a->rotary, bf16 ? qk : q,
-                          rope, bf16);
+    moetide_rms_norm_rope(qkv, T, W, Hq, D, a->qk_norm, a->qk_eps, a->q_w, Hq, a->q_w, a->cos_t, a->sin_t, a->rotary,
+                          bf16 ? qk : q, rope, bf16);
     moetide_rms_norm_rope((const char *)qkv + A * esz, T, W, Hkv, D, a->qk_norm, a->qk_eps, a->k_w, 0, a->k_w,
                           a->cos_t, a->sin_t, a->rotary, k, rope, bf16);
     if (bf16)
@@ -134,6 +132,14 @@ int moetide_attention_block(const struct moetide_attention_args *a, const void *
     moetide_linear(bf16 ? (const void *)att16 : (const void *)att, T, A, bf16, a->o_w, H, o, lin, pscratch);
     moetide_rms_norm(o, T, H, H, bf16, a->post_eps, a->post_w, 0, 0, 0, residual, h_out);
     return 0;
+}
+
+/* attention_half after rows_status: a status other than 0 (a row index or a length out of range) means nothing
+   was written to the arena or the residual. */
+int moetide_attention_block(const struct moetide_attention_args *a, const void *x, void *residual, int64_t T,
+                            int64_t H, int64_t bf16, void *h_out, float *scratch, int64_t *pscratch) {
+    const int status = rows_status(a, T);
+    return status ? status : attention_half(a, x, residual, T, H, bf16, h_out, scratch, pscratch);
 }
 
 int64_t moetide_moe_block_scratch(int64_t T, int64_t H, int64_t E, int64_t K, int64_t I) {
@@ -153,7 +159,7 @@ void moetide_moe_block(const struct moetide_moe_args *m, const float *x, int64_t
                             m->I, out, iscratch, scratch + lines(T * m->E));  /* the router's ids: in range */
 }
 
-/* n decoder layers of a pure decode step in fp32, each moetide_attention_block then moetide_moe_block: x [T, H]
+/* n decoder layers of a pure decode step in fp32, each the attention half then moetide_moe_block: x [T, H]
    the first layer's input, or NULL where residual already is (as there); layer l + 1 reads layer l's MoE output.
    h [T, H] the attention halves' outputs; out [T, H] the last layer's MoE output; weights, ids: each layer's
    [T, K_l] routing, layer after layer. scratch, iscratch: the largest layer's. Every layer's key rows are checked
@@ -166,7 +172,7 @@ int moetide_decode_layers(int64_t n, const struct moetide_attention_args *attn, 
         if (status) return status;
     }
     for (int64_t l = 0; l < n; l++) {
-        moetide_attention_block(&attn[l], l == 0 ? x : out, residual, T, H, 0, h, scratch, pscratch);
+        attention_half(&attn[l], l == 0 ? x : out, residual, T, H, 0, h, scratch, pscratch);  /* rows checked */
         moetide_moe_block(&moe[l], h, T, H, out, weights, ids, scratch, iscratch);
         weights += T * moe[l].K, ids += T * moe[l].K;
     }

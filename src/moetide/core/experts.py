@@ -124,11 +124,7 @@ class ExpertResidency:
             if not count >= 0 or math.isinf(count):
                 raise ValueError(f"routing count of expert {(layer, expert)} must be finite and >= 0, got {count!r}")
             updates.append((expert, count))
-        row = self._raw[layer]
-        for expert, count in updates:  # validated first: a bad entry records nothing
-            row[expert] += count / self._scale
-        if updates:
-            self._cold_cache[layer] = None
+        self._add_counts(layer, updates)  # validated first: a bad entry records nothing
 
     def record_counts(self, layer: int, counts: Sequence[float]) -> None:
         """``record_routing`` for a dense row: ``counts[e]`` tokens routed to expert e of ``layer``, one count per
@@ -139,11 +135,14 @@ class ExpertResidency:
                              f"got {len(counts)}")
         if not all(c >= 0 and not math.isinf(c) for c in counts):
             raise ValueError(f"routing counts of layer {layer} must be finite and >= 0, got {list(counts)}")
+        self._add_counts(layer, [(expert, count) for expert, count in enumerate(counts) if count])
+
+    def _add_counts(self, layer: int, updates: list[tuple[int, float]]) -> None:
+        """Add validated (expert, count) pairs of one layer to its decayed counts."""
         row, scale = self._raw[layer], self._scale
-        for expert, count in enumerate(counts):
-            if count:
-                row[expert] += count / scale
-        if any(counts):
+        for expert, count in updates:
+            row[expert] += count / scale
+        if updates:
             self._cold_cache[layer] = None
 
     def end_step(self) -> None:

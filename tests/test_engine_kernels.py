@@ -195,7 +195,7 @@ def test_native_gdn_decode_updates_states_in_scattered_blocks_that_cut_rows(dtyp
 def test_native_rms_norm_equals_the_torch_forms(dtype, form, monkeypatch):
     """Each RMSNorm form in one native call: fp32 to round-off; bf16 rounds where torch does, so an element
     differs only where fp32 round-off crosses a bf16 rounding boundary (at most one bf16 step, rarely)."""
-    from moetide.engine.models.common import RMSNorm
+    from moetide.engine.models.norm_rope import RMSNorm
     from moetide.engine.models.qwen3_next import GatedRMSNorm
 
     generator = torch.Generator().manual_seed(6)

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from moetide.engine import native  # noqa: E402
 from moetide.engine.attention import attend_gathered, gather_kv  # noqa: E402
 from moetide.engine.models import moe  # noqa: E402
-from moetide.engine.models.common import RMSNorm, apply_rope, rms_normalize, rope_tables  # noqa: E402
+from moetide.engine.models.norm_rope import RMSNorm, apply_rope, rms_normalize, rope_tables  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.engine.split_attention import cpu_partial_attention  # noqa: E402
 from engine_parity import MAX_TOKENS, PAGE_BYTES, STATIC_PAGES, TIGHT, check_books, parity_prompts  # noqa: E402

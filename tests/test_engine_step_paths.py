@@ -15,7 +15,7 @@ from safetensors import safe_open  # noqa: E402
 
 from moetide.engine.loader import load_model  # noqa: E402
 from moetide.engine.models import ExpertProvider, ExpertWeights, StepBatch, causal_attention  # noqa: E402
-from moetide.engine.models.common import RopeCache, rope_tables  # noqa: E402
+from moetide.engine.models.norm_rope import RopeCache, rope_tables  # noqa: E402
 from moetide.engine.models.moe import grouped_experts, looped_experts, single_token_experts  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from engine_parity import BLOCK_SIZE, PAGE_BYTES  # noqa: E402

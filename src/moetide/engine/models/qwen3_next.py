@@ -37,10 +37,10 @@ from moetide.engine.models.common import (
     Attention,
     DecoderLayer,
     MoECausalLM,
-    Rope,
     SparseMoE,
 )
 from moetide.engine.models.hooks import LinearStateShape, StepBatch, StepContext
+from moetide.engine.models.norm_rope import Rope
 from moetide.engine.models.ops import linear
 from moetide.engine.models.qwen3_moe import Qwen3MoeEngineConfig
 from moetide.specs import LINEAR_ATTENTION

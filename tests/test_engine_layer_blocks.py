@@ -105,13 +105,13 @@ def test_the_moe_block_equals_the_router_then_the_experts(torch_one_thread):
     x = torch.randn(19, 32, generator=generator)
     for renormalize in (False, True):
         weights, ids = native.moe_route(x @ gate.T, 2, renormalize)
-        out, block_ids = native.moe_block(x, gate, 2, renormalize, gate_up, down)
+        out, block_ids = native.run_moe(native.moe_args(32, gate, 2, renormalize, gate_up, down), x)
         assert torch.equal(block_ids, ids)
         assert_close(out, native.moe_experts(x, weights, ids, gate_up, down))
     with pytest.raises(ValueError, match="top_k 9 must lie"):
-        native.moe_block(x, gate, 9, True, gate_up, down)
+        native.moe_args(32, gate, 9, True, gate_up, down)
     with pytest.raises(ValueError, match=r"contiguous \[8, 32\]"):
-        native.moe_block(x, gate[:4], 2, True, gate_up, down)
+        native.moe_args(32, gate[:4], 2, True, gate_up, down)
 
 
 def test_the_moe_block_announces_the_routing_it_ran(torch_one_thread):
@@ -183,11 +183,16 @@ def test_the_attention_block_refuses_rows_outside_the_cache_and_writes_nothing(t
     norm = (torch.ones(H), 1e-6)
     qkv, o = torch.randn((Hq + 2 * Hkv) * D, H, generator=generator), torch.randn(H, Hq * D, generator=generator)
     rows = DecodeRows(k_rows, v_rows, torch.tensor([[0, 1], [2, 8]]), torch.tensor([2, 2]))
+
+    def attention_half(qkv):
+        weights = native.attention_weights(H, torch.float32, norm, qkv, Hq, None, 0.25, o, norm, k_rows, v_rows)
+        return native.attention_step(weights, rope, rows)
+
     with pytest.raises(ValueError, match=r"key_rows must lie in \[0, 8\)"):
-        native.attention_block(x, residual, norm, qkv, Hq, None, rope, rows, 0.25, o, norm)
+        native.run_attention(attention_half(qkv), x, residual)
     assert torch.equal(residual, before) and not k_rows.any() and not v_rows.any()
     with pytest.raises(ValueError, match="shapes disagree"):
-        native.attention_block(x, residual, norm, qkv[:-1], Hq, None, rope, rows, 0.25, o, norm)
+        attention_half(qkv[:-1])
 
 
 def test_the_stack_refuses_rows_outside_the_cache_before_any_layer_runs(torch_one_thread):
@@ -200,8 +205,9 @@ def test_the_stack_refuses_rows_outside_the_cache_before_any_layer_runs(torch_on
     rope, norm = (torch.ones(T, D), torch.zeros(T, D)), (torch.ones(H), 1e-6)
     qkv, o = torch.randn((Hq + 2 * Hkv) * D, H, generator=generator), torch.randn(H, Hq * D, generator=generator)
     key_rows = [torch.tensor([[0, 1], [2, 3]]), torch.tensor([[0, 1], [2, 8]])]
-    attention = [native.attention_args(T, H, torch.float32, norm, qkv, Hq, None, rope,
-                                       DecodeRows(k, v, rows, torch.tensor([2, 2])), 0.25, o, norm)
+    attention = [native.attention_step(native.attention_weights(H, torch.float32, norm, qkv, Hq, None, 0.25, o,
+                                                                norm, k, v),
+                                       rope, DecodeRows(k, v, rows, torch.tensor([2, 2])))
                  for (k, v), rows in zip(caches, key_rows)]
     gate_up, down = strided_experts(generator, E, H, 16)
     moe_halves = [native.moe_args(H, torch.randn(E, H, generator=generator), 2, True, gate_up, down)] * 2

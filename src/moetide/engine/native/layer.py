@@ -4,9 +4,9 @@ experts); and, where every layer of a model takes both, all its layers in one ca
 same kernels in the same order as the op-by-op path, so the same bits, and pay the per-call cost once instead of
 once per op.
 
-A half's arguments are checked once, where they are gathered (``attention_args``, ``moe_args``), into the
-ctypes mirror of its C struct, which keeps the tensors it points into alive; ``run_attention``, ``run_moe`` and
-``run_layers`` then check only the activations they are handed.
+A half's arguments are checked once, where they are gathered (``attention_weights`` and ``attention_step``,
+``moe_args``), into the ctypes mirror of its C struct, which keeps the tensors it points into alive;
+``run_attention``, ``run_moe`` and ``run_layers`` then check only the activations they are handed.
 """
 
 from __future__ import annotations
@@ -148,19 +148,6 @@ def attention_step(weights: AttentionArgs, rope: tuple[Tensor, Tensor], rows: De
     return args
 
 
-def attention_args(T: int, H: int, dtype: torch.dtype, input_norm: tuple[Tensor, float], qkv_weight: Tensor,
-                   num_heads: int, qk_norm: tuple[Tensor, Tensor, float] | None, rope: tuple[Tensor, Tensor],
-                   rows: DecodeRows, scale: float, o_weight: Tensor, post_norm: tuple[Tensor, float]) -> AttentionArgs:
-    """``attention_weights`` then ``attention_step``, for a step of T tokens: the whole attention half of one
-    step, for a caller that does not keep the weights' part."""
-    weights = attention_weights(H, dtype, input_norm, qkv_weight, num_heads, qk_norm, scale, o_weight, post_norm,
-                                rows.k_rows, rows.v_rows)
-    args = attention_step(weights, rope, rows)
-    if args.T != T:
-        raise ValueError(f"attention_block: shapes disagree with T {T}: rope tables {list(rope[0].shape)}")
-    return args
-
-
 def _check_activations(name: str, args: AttentionArgs, *tensors: Tensor | None) -> None:
     if any(t is not None and (tuple(t.shape) != (args.T, args.H) or t.dtype != args.dtype or t.device.type != "cpu"
                               or not t.is_contiguous()) for t in tensors):
@@ -169,9 +156,9 @@ def _check_activations(name: str, args: AttentionArgs, *tensors: Tensor | None) 
 
 
 def run_attention(args: AttentionArgs, x: Tensor | None, residual: Tensor) -> Tensor:
-    """``attention_args``' half in one call: ``residual`` += x (x None in the first layer, where the residual is
-    the input), the input norm, ..., the post-attention add into ``residual`` and its norm -> the MLP's input
-    [T, H]. x, residual [T, H] contiguous in the args' dtype."""
+    """The attention half of ``args`` (``attention_weights`` then ``attention_step``) in one call: ``residual``
+    += x (x None in the first layer, where the residual is the input), the input norm, ..., the post-attention add
+    into ``residual`` and its norm -> the MLP's input [T, H]. x, residual [T, H] contiguous in the args' dtype."""
     _check_activations("attention_block", args, x, residual)
     lib = load()
     h = torch.empty(args.T, args.H, dtype=args.dtype)
@@ -183,18 +170,6 @@ def run_attention(args: AttentionArgs, x: Tensor | None, residual: Tensor) -> Te
     if status:
         raise _rows_error(status, args.num_rows, args.L)
     return h
-
-
-def attention_block(x: Tensor | None, residual: Tensor, input_norm: tuple[Tensor, float], qkv_weight: Tensor,
-                    num_heads: int, qk_norm: tuple[Tensor, Tensor, float] | None, rope: tuple[Tensor, Tensor],
-                    rows: DecodeRows, scale: float, o_weight: Tensor, post_norm: tuple[Tensor, float]) -> Tensor:
-    """A decoder layer's attention half for a pure decode step in one call (``attention_args``, then
-    ``run_attention``). The same kernels in the same order as ``models.common``'s op-by-op native path, so the
-    same bits."""
-    T, H = residual.shape
-    args = attention_args(T, H, residual.dtype, input_norm, qkv_weight, num_heads, qk_norm, rope, rows, scale,
-                          o_weight, post_norm)
-    return run_attention(args, x, residual)
 
 
 def moe_args(H: int, gate_weight: Tensor, top_k: int, renormalize: bool, gate_up: Tensor, down: Tensor) -> MoEArgs:
@@ -236,13 +211,6 @@ def run_moe(args: MoEArgs, x: Tensor) -> tuple[Tensor, Tensor]:
     load().moetide_moe_block(ctypes.addressof(args), x.data_ptr(), T, args.H, out.data_ptr(), weights.data_ptr(),
                              ids.data_ptr(), scratch.data_ptr(), iscratch.data_ptr())
     return out, ids
-
-
-def moe_block(x: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool, gate_up: Tensor,
-              down: Tensor) -> tuple[Tensor, Tensor]:
-    """A MoE block's router and routed experts in one fp32 call (``moe_args``, then ``run_moe``) -> (out [T, H],
-    expert ids [T, K] int64)."""
-    return run_moe(moe_args(x.shape[-1], gate_weight, top_k, renormalize, gate_up, down), x)
 
 
 def run_layers(attention: Sequence[AttentionArgs], moe: Sequence[MoEArgs], x: Tensor | None,

@@ -21,6 +21,7 @@ from moetide.engine.models import ContiguousKVCache, DecodeRows  # noqa: E402
 from moetide.engine.models import common, moe  # noqa: E402
 from moetide.engine.experts import StagedExpertProvider  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
+from moetide.engine.sampling import SamplingParams  # noqa: E402
 from moetide.engine.testmodel import TinyModelArgs, make_test_model  # noqa: E402
 from engine_parity import greedy_reference  # noqa: E402
 from test_engine_native import assert_close, count_calls  # noqa: E402
@@ -221,18 +222,68 @@ def test_the_stack_refuses_rows_outside_the_cache_before_any_layer_runs(torch_on
 
 
 def test_a_layer_keeps_its_checked_weights_until_one_moves(wide_checkpoint):
-    """``native_attention_weights`` and ``SparseMoE.native_args`` check a layer's weights once; a weight that
-    moves (a new tensor behind the parameter) is checked again, so no stale pointer reaches the kernels."""
+    """``DecoderLayer.native_attention_args`` and ``SparseMoE.native_args`` check a layer once and keep the result;
+    a weight that moves (a new tensor behind the parameter, or a new parameter) is checked again, so no stale
+    pointer reaches the kernels, and the generations are unchanged by it."""
     engine = Engine(wide_checkpoint("qwen3_moe"), kv_budget_mib=4, ignore_eos=True)
-    engine.generate(PROMPTS, 3)
-    layer = engine.parts.model.layers[0]
+    first = engine.generate(PROMPTS, 6)
+    for prompt in PROMPTS:
+        engine.add_request(prompt, SamplingParams(6, 0.0))
+    layer, attn = engine.parts.model.layers[0], engine.parts.model.layers[0].self_attn
+    tokens = [engine.step() for _ in range(2)]  # the prefill, then a decode step, which keeps its checks
     kept, moe_kept = layer.native_weights, layer.mlp.native_weights
-    assert kept is not None and moe_kept is not None
-    engine.generate(PROMPTS, 3)
+    assert kept is not None and kept.args is not None and moe_kept is not None and moe_kept.args is not None
+    tokens.append(engine.step())
     assert layer.native_weights is kept and layer.mlp.native_weights is moe_kept
     with torch.no_grad():
-        layer.self_attn.qkv_proj.weight.data = layer.self_attn.qkv_proj.weight.data.clone()
+        attn.qkv_proj.weight.data = attn.qkv_proj.weight.data.clone()
         layer.mlp.gate.weight.data = layer.mlp.gate.weight.data.clone()
-    engine.generate(PROMPTS, 3)
-    assert layer.native_weights[0] != kept[0] and layer.native_weights[1].qkv_w != kept[1].qkv_w
-    assert layer.mlp.native_weights[1].gate_w == layer.mlp.gate.weight.data_ptr() != moe_kept[1].gate_w
+    tokens.append(engine.step())
+    assert layer.native_weights.args.qkv_w == attn.qkv_proj.weight.data_ptr() != kept.args.qkv_w
+    assert layer.mlp.native_weights.args.gate_w == layer.mlp.gate.weight.data_ptr() != moe_kept.args.gate_w
+    kept, moe_kept = layer.native_weights, layer.mlp.native_weights
+    attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.detach().clone(), requires_grad=False)
+    layer.mlp.gate.weight = torch.nn.Parameter(layer.mlp.gate.weight.detach().clone(), requires_grad=False)
+    tokens.append(engine.step())
+    assert layer.native_weights.args.o_w == attn.o_proj.weight.data_ptr() != kept.args.o_w
+    assert layer.mlp.native_weights.args.gate_w == layer.mlp.gate.weight.data_ptr() != moe_kept.args.gate_w
+    while engine.has_unfinished_requests():
+        tokens.append(engine.step())
+    emitted: dict[str, list[int]] = {}
+    for step in tokens:
+        for out in step:
+            emitted.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert list(emitted.values()) == [o.token_ids for o in first.outputs]
+
+
+def test_a_kept_check_follows_what_it_read():
+    """``keep_checked`` runs its check again when its key, a live tensor, grad mode or a module's registrations
+    change, and returns the kept record otherwise; a layer that does not take the native half is kept as None."""
+
+    class Owner:
+        native_weights = None
+
+    owner, calls = Owner(), []
+    weight = torch.ones(4)
+    moe = native.moe_args(2, torch.ones(2, 2), 1, False, *strided_experts(torch.Generator().manual_seed(0), 2, 2, 4))
+
+    def check():
+        calls.append(1)
+        return moe
+
+    live = (weight,)
+    with torch.inference_mode():
+        assert native.keep_checked(owner, (1,), live, check) is moe
+        assert native.keep_checked(owner, (1,), live, check) is moe and len(calls) == 1
+        native.keep_checked(owner, (2,), live, check)
+        assert len(calls) == 2
+        native.keep_checked(owner, (2,), (weight.clone(),), check)
+        assert len(calls) == 3
+        torch.nn.Linear(2, 2)  # registers parameters: any module may have changed
+        native.keep_checked(owner, (2,), owner.native_weights.live, check)
+        assert len(calls) == 4
+    native.keep_checked(owner, (2,), owner.native_weights.live, check)  # grad mode on again
+    assert len(calls) == 5
+    none_owner = Owner()
+    assert native.keep_checked(none_owner, (), (), lambda: calls.append(1)) is None
+    assert native.keep_checked(none_owner, (), (), lambda: calls.append(1)) is None and len(calls) == 6

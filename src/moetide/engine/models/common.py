@@ -151,7 +151,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps, zero_centered_norm)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centered_norm)
-        self.native_weights: tuple[tuple, native.AttentionArgs] | None = None  # native_attention_weights' own
+        self.native_weights: native.KeptArgs | None = None  # native_attention_args' own
 
     @property
     def mixer(self) -> nn.Module:
@@ -182,38 +182,35 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, experts), residual
 
     def native_attention_args(self, x: Tensor, ctx: StepContext, rope: Rope) -> native.AttentionArgs | None:
-        """The layer's attention half as ``native.attention_args`` for inputs like x, where every op of it would
-        take its native kernel op by op (a decode step whose attention backend hands out its key rows,
-        ``decode_rows``), so that one call gives the same bits; else None."""
-        attn = self.self_attn if self.is_full_attention else None
-        if attn is None or not attn.joint_qk or x.dim() != 2 or not x.is_contiguous():
+        """The layer's attention half as ``native.attention_step`` arguments for inputs like x, where every op of it
+        would take its native kernel op by op (a decode step whose attention backend hands out its key rows,
+        ``decode_rows``), so that one call gives the same bits; else None. What holds for every step like this one
+        is checked once and kept (``native_attention_weights``)."""
+        if not self.is_full_attention or x.dim() != 2 or not x.is_contiguous() or rope[0].dtype != x.dtype:
             return None
-        norms = (self.input_layernorm, self.post_attention_layernorm)
+        attn = self.self_attn
+        rows = ctx.attention.decode_rows(attn.layer_id, attn.num_heads, x)
+        if rows is None:
+            return None
+        weights = native.keep_checked(self, (x.dtype, *x.shape), (rows.k_rows, rows.v_rows),
+                                      lambda: self.native_attention_weights(x, rows))
+        return None if weights is None else native.attention_step(weights, rope, rows)
+
+    def native_attention_weights(self, x: Tensor, rows: DecodeRows) -> native.AttentionArgs | None:
+        """``native.attention_weights`` for the layer and inputs like x where its attention half takes the native
+        kernels (fused q/k projection, one dtype throughout, projections the native linear takes); else None."""
+        attn, norms = self.self_attn, (self.input_layernorm, self.post_attention_layernorm)
         T = x.shape[0]
-        if (not native.worth_it(x, x.numel(), native.EXPERT_DTYPES) or rope[0].dtype != x.dtype
+        if (not attn.joint_qk or not native.worth_it(x, x.numel(), native.EXPERT_DTYPES)
                 or any(n.weight.dtype != x.dtype or n.zero_centered for n in norms)
                 or (attn.qk_norm and not attn.q_norm.weight.dtype == attn.k_norm.weight.dtype == x.dtype)
                 or not native_linear_takes(x, T, attn.qkv_proj.weight)
                 or not native_linear_takes(x, T, attn.o_proj.weight)):
             return None
-        rows = ctx.attention.decode_rows(attn.layer_id, attn.num_heads, x)
-        if rows is None:
-            return None
-        return native.attention_step(self.native_attention_weights(x, rows), rope, rows)
-
-    def native_attention_weights(self, x: Tensor, rows: DecodeRows) -> native.AttentionArgs:
-        """``native.attention_weights`` for the layer, kept while no weight and no cache view moves
-        (``native.keep_checked``)."""
-        attn, norms = self.self_attn, (self.input_layernorm, self.post_attention_layernorm)
-        qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else ()
-        return native.keep_checked(
-            self, (norms[0].weight, attn.qkv_proj.weight, attn.o_proj.weight, norms[1].weight, *qk,
-                                  rows.k_rows, rows.v_rows), (x.dtype, x.shape[1]),
-            lambda: native.attention_weights(x.shape[1], x.dtype, (norms[0].weight, norms[0].eps),
-                                             attn.qkv_proj.weight, attn.num_heads,
-                                             (*qk, attn.q_norm.eps) if attn.qk_norm else None, attn.head_dim**-0.5,
-                                             attn.o_proj.weight, (norms[1].weight, norms[1].eps), rows.k_rows,
-                                             rows.v_rows))
+        qk = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else None
+        return native.attention_weights(x.shape[1], x.dtype, (norms[0].weight, norms[0].eps), attn.qkv_proj.weight,
+                                        attn.num_heads, qk, attn.head_dim**-0.5, attn.o_proj.weight,
+                                        (norms[1].weight, norms[1].eps), rows.k_rows, rows.v_rows)
 
     def attention_block(self, x: Tensor, residual: Tensor | None, ctx: StepContext,
                         rope: Rope) -> tuple[Tensor, Tensor] | None:

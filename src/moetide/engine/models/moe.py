@@ -159,7 +159,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.has_shared_expert = shared_intermediate_size > 0
-        self.native_weights: tuple[tuple, native.MoEArgs] | None = None  # native_args' own, with its key
+        self.native_weights: native.KeptArgs | None = None  # native_args' own
         if self.has_shared_expert:
             self.shared_expert = MLP(config.hidden_size, shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
@@ -192,14 +192,18 @@ class SparseMoE(nn.Module):
     def native_args(self, x: Tensor, experts: ExpertProvider) -> native.MoEArgs | None:
         """The router and the routed experts as ``native.moe_args`` for inputs like x, in fp32 where the router's
         top-k and the experts would each take their native kernel and every expert is resident
-        (``resident_weights``: the routing is announced after); else None."""
+        (``resident_weights``: the routing is announced after); else None. Checked once while nothing moves
+        (``native.keep_checked``)."""
         stacked = experts.resident_weights(self.layer_id)
-        if (stacked is None or x.dim() != 2 or not x.is_contiguous() or not self.native_routes(x)
-                or not native_takes(x, x.shape[0] * self.top_k, *stacked)):
+        if stacked is None or x.dim() != 2 or not x.is_contiguous():
             return None
-        return native.keep_checked(  # checked once while nothing moves
-            self, (self.gate.weight, *stacked), (x.shape[1],),
-            lambda: native.moe_args(x.shape[1], self.gate.weight, self.top_k, self.norm_topk_prob, *stacked))
+        return native.keep_checked(self, (x.dtype, *x.shape), stacked, lambda: self.checked_args(x, stacked))
+
+    def checked_args(self, x: Tensor, stacked: tuple[Tensor, Tensor]) -> native.MoEArgs | None:
+        """``native_args`` without keeping: the checks, then ``native.moe_args``."""
+        if not self.native_routes(x) or not native_takes(x, x.shape[0] * self.top_k, *stacked):
+            return None
+        return native.moe_args(x.shape[1], self.gate.weight, self.top_k, self.norm_topk_prob, *stacked)
 
     def native_block(self, x: Tensor, experts: ExpertProvider) -> Tensor | None:
         """The router and the routed experts in one call (``native_args``, ``native.run_moe``), the routing

@@ -22,19 +22,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from moetide.engine.native.layer import (AttentionArgs, MoEArgs, attention_step, attention_weights, keep_checked,
-                                         moe_args, run_attention, run_layers, run_moe)
+from moetide.engine.native.layer import (AttentionArgs, KeptArgs, MoEArgs, attention_step, attention_weights,
+                                         keep_checked, moe_args, run_attention, run_layers, run_moe)
 from moetide.engine.native.library import (EXPERT_DTYPES, available, experts_readable, load, ptr, require_f32,
                                            unavailable_reason)
 
 if TYPE_CHECKING:
     from moetide.engine.models.hooks import StateBlocks
 
-__all__ = ["EXPERT_DTYPES", "AttentionArgs", "MoEArgs", "attention_step", "attention_weights", "available",
-           "copy_blocks", "decode_macs", "decode_worth_it", "experts_readable", "gdn_decode", "keep_checked",
-           "linear", "linear_isa", "load", "moe_args", "moe_experts", "moe_route", "paged_decode_attention",
-           "rms_norm", "rms_norm_rope", "run_attention", "run_layers", "run_moe", "unavailable_reason",
-           "worth_it"]
+__all__ = ["EXPERT_DTYPES", "AttentionArgs", "KeptArgs", "MoEArgs", "attention_step", "attention_weights",
+           "available", "copy_blocks", "decode_macs", "decode_worth_it", "experts_readable", "gdn_decode",
+           "keep_checked", "linear", "linear_isa", "load", "moe_args", "moe_experts", "moe_route",
+           "paged_decode_attention", "rms_norm", "rms_norm_rope", "run_attention", "run_layers", "run_moe",
+           "unavailable_reason", "worth_it"]
 _SINGLE_THREAD_MACS = 4_000_000  # with several torch threads, work above this (≈0.3 ms on one core) goes to torch
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -54,25 +55,66 @@ class MoEArgs(ctypes.Structure):
 
 Args = TypeVar("Args", AttentionArgs, MoEArgs)
 
+_registrations = 0  # parameters, buffers and submodules registered on any torch module since import
+
+
+def _registered(module: torch.nn.Module, name: str, value: object) -> None:
+    global _registrations
+    _registrations += 1
+
+
+# Assigning a parameter, buffer or submodule (``module.weight = nn.Parameter(...)``, ``load_state_dict(...,
+# assign=True)``) runs these hooks, so a kept argument record can tell that a module it read may have changed
+# without reading every module again.
+torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
+torch.nn.modules.module.register_module_buffer_registration_hook(_registered)
+torch.nn.modules.module.register_module_module_registration_hook(_registered)
+
+
+@dataclass(frozen=True)
+class KeptArgs(Generic[Args]):
+    """A layer's checked arguments (None: the layer does not take the native half for such inputs) and what they
+    were checked for (``keep_checked``)."""
+
+    key: tuple
+    live: tuple[Tensor, ...]
+    registrations: int
+    pointers: tuple
+    args: Args | None
+
 
 class KeepsNativeArgs(Protocol):
-    """What ``keep_checked`` keeps a layer's checked arguments in: (their key, the arguments), None before."""
+    """What ``keep_checked`` keeps a layer's checked arguments in; None before the first check."""
 
-    native_weights: tuple[tuple, Any] | None
+    native_weights: KeptArgs | None
 
 
-def keep_checked(owner: KeepsNativeArgs, tensors: Sequence[Tensor], extra: tuple, check: Callable[[], Args]) -> Args:
-    """A layer's checked arguments, kept from step to step in ``owner.native_weights``: the kept ones while
-    ``tensors`` (what they point into) have the data pointers and strides they had and ``extra`` is unchanged,
-    else ``check()``'s, kept with that key. At decode sizes the checks cost as much as a kernel; a tensor that
-    moves is checked again. The owner is written only when the key changes: on a torch module every assignment
-    runs ``nn.Module.__setattr__``, slow enough to count at decode sizes."""
-    key = (*extra, *((t.data_ptr(), t.stride()) for t in tensors))
+def _pointers(args: AttentionArgs | MoEArgs | None) -> tuple:
+    return () if args is None else tuple((t.data_ptr(), t.stride()) for t in args.tensors)
+
+
+def keep_checked(owner: KeepsNativeArgs, key: tuple, live: Sequence[Tensor],
+                 check: Callable[[], Args | None]) -> Args | None:
+    """A layer's checked arguments, or None where it does not take the native half, kept from step to step in
+    ``owner.native_weights``. At decode sizes the checks, and reading the modules' parameters they check, cost as
+    much as a kernel; so ``check()`` runs again only when something it read may have changed:
+
+    - ``key``, the plain values it depends on (dtype and shape of the input), or torch's grad mode or thread
+      count (``worth_it`` reads them);
+    - ``live``, tensors handed in each step (K/V views, the experts' views), not the same objects;
+    - a parameter, buffer or submodule was assigned on any torch module since (a registration hook counts them);
+    - a tensor the arguments point into has another data pointer or strides (``param.data = ...``).
+
+    The owner is written only when the record changes: on a torch module every assignment runs
+    ``nn.Module.__setattr__``, slow enough to count at decode sizes."""
+    key = (*key, torch.is_grad_enabled(), torch.get_num_threads())
     kept = owner.native_weights
-    if kept is None or kept[0] != key:
-        kept = (key, check())
+    if (kept is None or kept.registrations != _registrations or kept.key != key or len(kept.live) != len(live)
+            or any(a is not b for a, b in zip(kept.live, live)) or kept.pointers != _pointers(kept.args)):
+        args = check()
+        kept = KeptArgs(key, tuple(live), _registrations, _pointers(args), args)
         owner.native_weights = kept
-    return kept[1]
+    return kept.args
 
 
 def _rows_error(status: int, num_rows: int, L: int) -> ValueError:

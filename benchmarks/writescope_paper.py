@@ -9,7 +9,7 @@ geometric means over the same rows. ``--contention`` adds one line per setup for
 the CPU twice as slow as modeled (another user on the host), writescope without feedback against writescope with
 it (``--feedback-steps`` 20). The paper's figures are in ``PAPER``; docs/writescope.md prints both side by side.
 
-    python benchmarks/writescope_paper.py                   # the main grid (72 lines, ~2 min)
+    python benchmarks/writescope_paper.py                   # the main grid (108 lines, ~3 min)
     python benchmarks/writescope_paper.py --contention      # plus the two-user lines
 """
 
@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 
 from moetide.commands import plan_split
+from moetide.perf.host_share import HOST_EXPERT_PLACES
 
 HOSTS = {"preset": "xeon-gold-5318y",
          "kernel-share": str(Path(__file__).parent.parent / "docs/writescope/hosts/xeon-gold-5318y-kernel-share.toml"),
@@ -86,10 +87,10 @@ def main() -> None:
     parser.add_argument("--hosts", default=",".join(HOSTS), help=f"comma-separated, from {', '.join(HOSTS)}")
     args = parser.parse_args()
     hosts = args.hosts.split(",")
-    for model, gpu, host, experts, density in itertools.product(MODELS, GPUS, hosts, ("stage", "cpu"), (0.125, 1.0)):
+    for model, gpu, host, experts, density in itertools.product(MODELS, GPUS, hosts, HOST_EXPERT_PLACES, (0.125, 1.0)):
         print(json.dumps(grid_line(model, gpu, host, experts, density)), flush=True)
     if args.contention:
-        for model, gpu, host, experts in itertools.product(MODELS, GPUS, hosts, ("stage", "cpu")):
+        for model, gpu, host, experts in itertools.product(MODELS, GPUS, hosts, HOST_EXPERT_PLACES):
             print(json.dumps(contention_line(model, gpu, host, experts)), flush=True)
 
 

@@ -153,3 +153,14 @@ def test_cpu_experts_and_prefetch_change_only_what_they_should(capsys):
     assert on_cpu["rows"][0]["prefetch_bytes"] > 0 == off["rows"][0]["prefetch_bytes"]
     assert on_cpu["rows"][0]["attention_s"]["transfer-all"] < off["rows"][0]["attention_s"]["transfer-all"]
     assert on_cpu["rows"][0]["attention_s"]["cpu-all"] == off["rows"][0]["attention_s"]["cpu-all"]
+
+
+def test_split_experts_give_the_shortest_moe_phase(capsys):
+    """``--host-experts split``: the MoE phase no longer than staged or on the CPU, the share it chose reported."""
+    base = ["--model", "mixtral-8x7b", "--gpu", "v100-pcie-32gb", "--cpu", "xeon-gold-5318y", "--context", "32k"]
+    docs = {place: json_doc(capsys, *base, "--host-experts", place) for place in ("stage", "cpu", "split")}
+    moe = {place: doc["rows"][0]["non_attention_s"] for place, doc in docs.items()}
+    assert moe["split"] < min(moe["stage"], moe["cpu"])
+    assert docs["split"]["host_experts"] == "split"
+    assert 0 < docs["split"]["rows"][0]["host_phase"]["cpu_expert_share"] < 1
+    assert docs["stage"]["rows"][0]["host_phase"]["cpu_expert_share"] == 0

@@ -5,13 +5,15 @@ phase's host keywords. Hand-computed from the presets: Qwen3-30B-A3B (an expert 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from moetide.perf.attention import AttentionCostModel
 from moetide.perf.budget import GiB
 from moetide.perf.host_share import cpu_expert_s, host_phase, prefetch_bytes
 from moetide.perf.offload import OffloadStepModel, SeqTokens, vram_layout
-from moetide.perf.step import StepTimeModel
+from moetide.perf.step import StepShape, StepTimeModel
 from moetide.specs import get_gpu, get_host, get_model
 
 EXPERT_BYTES = 3 * 2048 * 768 * 2
@@ -69,3 +71,31 @@ def test_attention_phase_host_keywords(model):
     relaid = model.attention_phase(toks, relayout_bytes=1e9)
     assert relaid.serial_s == pytest.approx(2e9 / (187.712e9 * 0.8))  # a read and a write of 1 GB
     assert relaid.total_s == pytest.approx(base.total_s + relaid.serial_s)
+
+
+def test_split_experts_balance_the_link_and_the_cpu(model):
+    """``split`` puts a share c of each layer's routed host experts on the CPU and stages the rest, the GPU
+    computing the resident and the staged ones meanwhile: no slower than either place alone, and c is the best
+    share on its grid, by hand: a layer's phase is max(staging, CPU, GPU compute) over its all-resident compute."""
+    from moetide.perf.host_share import SPLIT_GRID
+
+    staged, on_cpu, split = (host_phase(model, 128, place) for place in ("stage", "cpu", "split"))
+    assert staged.cpu_expert_share == 0 and on_cpu.cpu_expert_share == 1
+    assert 0 < split.cpu_expert_share < 1 and split.extra_s < min(staged.extra_s, on_cpu.extra_s)
+    per_layer = model.step.distinct_experts_per_layer(128)
+    assert len(set(per_layer)) == 1  # uniform routing: every MoE layer routes as many experts, so one share
+    f_off, host = model.layout.offloaded_expert_fraction, model.layout.offloaded_expert_fraction * per_layer[0]
+    compute = model.step.breakdown(StepShape(128, 1, 0, 0, 0))["experts_s"] / len(per_layer)
+    latency = model.attention.offload.transfer_latency_s
+
+    def phase(c: float) -> tuple[float, float, float]:
+        link = (1 - c) * host * EXPERT_BYTES / 25e9 + math.ceil((1 - c) * host) * latency
+        cpu = cpu_expert_s(model, c * host, c * 128 * 8 * f_off)
+        return max(link, cpu, (1 - c * f_off) * compute) - compute, link, cpu
+
+    c, step = split.cpu_expert_share, 1 / SPLIT_GRID
+    extra, link, cpu = phase(c)
+    assert split.extra_s == pytest.approx(len(per_layer) * extra)
+    assert split.link_busy_s == pytest.approx(len(per_layer) * link)
+    assert split.cpu_busy_s == pytest.approx(len(per_layer) * cpu)
+    assert extra <= phase(c - step)[0] and extra <= phase(c + step)[0]

@@ -103,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feedback-steps", type=int, default=20, metavar="N",
                         help="online-correction steps writescope runs before its split is charged (default 20)")
     parser.add_argument("--host-experts", choices=HOST_EXPERT_PLACES, default="stage",
-                        help="where the experts that do not fit in VRAM run: staged over the link to the GPU, or on "
-                             "the host CPU as KTransformers does (default stage)")
+                        help="where the experts that do not fit in VRAM run: staged over the link to the GPU, on "
+                             "the host CPU as KTransformers does, or split between the two per layer, the share that "
+                             "shortens the MoE phase most (default stage)")
     parser.add_argument("--no-kv-prefetch", action="store_true",
                         help="the link does not prefetch streamed KV while it idles in the MoE phase")
     parser.add_argument("--sparse-density", type=float, default=0.125, metavar="F",

@@ -97,6 +97,28 @@ def test_evicting_a_head_invalidates_down_the_chain():
     pool.check_invariants()
 
 
+def test_descendants_of_a_chain_computed_twice_are_each_listed_once():
+    """Two requests computed the same 40-block chain after one shared head: every hash below the head is held by
+    two blocks, and the descendants are the 80 blocks once each, what evicting the head unregisters — not the
+    2^40 paths through the duplicated hashes."""
+    depth = 40
+    pool = BlockPool(range(2 * depth + 1))
+    hashes = hash_token_blocks(list(range(BS * (depth + 1))), BS)
+    head, *rest = pool.allocate(2 * depth + 1)
+    assert pool.cache_block(head, hashes[0], None)
+    for chain in (rest[:depth], rest[depth:]):
+        for i, block_id in enumerate(chain, start=1):
+            assert pool.cache_block(block_id, hashes[i], hashes[i - 1])
+    pool.check_invariants()
+    assert sorted(pool.registered_descendants(head, limit=len(rest) + 1)) == sorted(rest)  # bounded: fails fast
+    assert sorted(pool.registered_descendants(head)) == sorted(rest)
+    assert len(pool.registered_descendants(head, limit=7)) == 7
+    pool.free([head])
+    assert pool.evict(1) == [head]
+    assert all(pool.block_hash(b) is None for b in rest)
+    pool.check_invariants()
+
+
 def test_invalidation_reaches_referenced_descendants_without_freeing_them():
     pool = BlockPool(range(4))
     hashes = hash_token_blocks(list(range(8)), BS)

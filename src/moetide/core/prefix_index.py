@@ -106,19 +106,27 @@ class PrefixIndex:
 
     def descendants(self, block_id: int, limit: int | None = None, skip: Collection[int] = ()) -> list[int]:
         """Registered blocks whose chains pass through this one: what unregistering it takes besides itself
-        (nothing while another block holds its hash). Stops after ``limit`` blocks when given; does not enter
-        blocks in ``skip``."""
+        (nothing while another block holds its hash), each once. Stops after ``limit`` blocks when given; does not
+        enter blocks in ``skip``. Children hang under their parent's hash, so a hash held by several blocks (two
+        requests that computed the same prefix at once) has one set of children: it is entered once, as
+        ``unregister_chain`` descends from it once, when its last holder goes. Entered once per holder, a chain
+        computed twice would be walked 2^depth times."""
         block_hash = self._hash_of.get(block_id)
         if block_hash is None or block_hash in self._dups:
             return []
-        stack = list(self._children.get(block_hash, ()))
+        children, hash_of = self._children, self._hash_of
+        stack = list(children.get(block_hash, ()))
+        entered = {block_hash}
         out = []
         while stack and (limit is None or len(out) < limit):
             child = stack.pop()
             if child in skip:
                 continue
             out.append(child)
-            stack.extend(self._children.get(self._hash_of[child], ()))
+            child_hash = hash_of[child]
+            if child_hash not in entered:
+                entered.add(child_hash)
+                stack.extend(children.get(child_hash, ()))
         return out
 
     # ---- removal and moves --------------------------------------------------------------------------------

@@ -192,7 +192,7 @@ class DecoderLayer(nn.Module):
         rows = ctx.attention.decode_rows(attn.layer_id, attn.num_heads, x)
         if rows is None:
             return None
-        weights = native.keep_checked(self, (x.dtype, *x.shape), (rows.k_rows, rows.v_rows),
+        weights = native.keep_checked(self, (x.device, x.dtype, *x.shape), (rows.k_rows, rows.v_rows),
                                       lambda: self.native_attention_weights(x, rows))
         return None if weights is None else native.attention_step(weights, rope, rows)
 

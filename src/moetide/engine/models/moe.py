@@ -197,7 +197,8 @@ class SparseMoE(nn.Module):
         stacked = experts.resident_weights(self.layer_id)
         if stacked is None or x.dim() != 2 or not x.is_contiguous():
             return None
-        return native.keep_checked(self, (x.dtype, *x.shape), stacked, lambda: self.checked_args(x, stacked))
+        return native.keep_checked(self, (x.device, x.dtype, *x.shape), stacked,
+                                   lambda: self.checked_args(x, stacked))
 
     def checked_args(self, x: Tensor, stacked: tuple[Tensor, Tensor]) -> native.MoEArgs | None:
         """``native_args`` without keeping: the checks, then ``native.moe_args``."""

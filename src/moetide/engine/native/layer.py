@@ -99,7 +99,7 @@ def keep_checked(owner: KeepsNativeArgs, key: tuple, live: Sequence[Tensor],
     ``owner.native_weights``. At decode sizes the checks, and reading the modules' parameters they check, cost as
     much as a kernel; so ``check()`` runs again only when something it read may have changed:
 
-    - ``key``, the plain values it depends on (dtype and shape of the input), or torch's grad mode or thread
+    - ``key``, the plain values it depends on (device, dtype and shape of the input), or torch's grad mode or thread
       count (``worth_it`` reads them);
     - ``live``, tensors handed in each step (K/V views, the experts' views), not the same objects;
     - a parameter, buffer or submodule was assigned on any torch module since (a registration hook counts them);

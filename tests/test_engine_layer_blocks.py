@@ -66,8 +66,8 @@ def test_the_layer_blocks_give_the_op_by_op_bits(arch, dtype, wide_checkpoint, m
     checkpoint = wide_checkpoint(arch, dtype)
     routed = []
     original_route = StagedExpertProvider.route
-    monkeypatch.setattr(StagedExpertProvider, "route",
-                        lambda self, layer, ids: routed.append((layer, ids.tolist())) or original_route(self, layer, ids))
+    monkeypatch.setattr(StagedExpertProvider, "route", lambda self, layer, ids: (
+        routed.append((layer, ids.tolist())) or original_route(self, layer, ids)))
     recorded = count_calls(monkeypatch, "run_layers", "run_attention")
     results = [run(checkpoint)]
     stacked = dtype == "float32"

@@ -4,10 +4,10 @@ WriteScope paper's four named ones and its monolithic-cache ablation, per contex
 For each context, ``--batch`` sequences (default: as many as make ``--aggregate-tokens`` of KV in total) decode one
 token each. Their blocks are placed as the engine's pool places them (``core.blocks``, two tiers: device blocks
 first, host after; written in lockstep, so each sequence gets an equal share of the device, give or take one);
-each policy of ``core.split_baselines.MODELED_POLICIES`` chooses the split from coefficients that ``perf.offload`` derives,
-``perf.host_share`` says what the MoE phase leaves the link and the CPU, and ``perf.offload`` charges the step with
-the policy's ``Mechanism``. Same model, GPU, host, VRAM layout and weights for every policy. All figures are
-MODELED (docs/writescope.md says what and how).
+each policy of ``core.split_baselines.MODELED_POLICIES`` chooses the split from coefficients that ``perf.offload``
+derives, ``perf.host_share`` says what the MoE phase leaves the link and the CPU, and ``perf.offload`` charges the
+step with the policy's ``Mechanism``. Same model, GPU, host, VRAM layout and weights for every policy. All figures
+are MODELED (docs/writescope.md says what and how).
 """
 
 from __future__ import annotations

@@ -88,9 +88,12 @@ def host_phase(model: OffloadStepModel, num_tokens: int, place: str = "stage") -
     shares = {"stage": (0.0,), "cpu": (1.0,), "split": [i / SPLIT_GRID for i in range(SPLIT_GRID + 1)]}[place]
     extra = link_busy = cpu_busy = link_idle = cpu_idle = share_sum = 0.0
     distinct = step.distinct_experts_per_layer(num_tokens) if f_off > 0 and num_tokens > 0 else []
+    best: dict[float, tuple[float, _Layer]] = {}  # layers routing as many experts place them alike
     for d in distinct:
-        share, layer = min(((c, _layer(model, f_off * d, pairs, compute, f_off, c)) for c in shares),
-                           key=lambda pair: (pair[1].phase_s, pair[0]))
+        if d not in best:
+            best[d] = min(((c, _layer(model, f_off * d, pairs, compute, f_off, c)) for c in shares),
+                          key=lambda pair: (pair[1].phase_s, pair[0]))
+        share, layer = best[d]
         phase = base_layer_s + layer.phase_s
         extra += layer.phase_s
         link_busy += layer.link_busy_s

@@ -285,5 +285,5 @@ class Qwen3NextForCausalLM(MoECausalLM):
         return DecoderLayer(name, mixer, mlp, config.hidden_size, config.rms_norm_eps, zero_centered_norm=True)
 
     def linear_state_shapes(self) -> dict[int, LinearStateShape]:
-        return {i: layer.linear_attn.state_shape() for i, layer in enumerate(self.layers)
+        return {i: layer.mixer.state_shape() for i, layer in enumerate(self.layers)
                 if isinstance(layer.mixer, GatedDeltaNet)}

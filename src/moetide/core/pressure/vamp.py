@@ -23,17 +23,20 @@ of one HBM, with the KV side measured by shadow tags as UCP does:
 
 The comparison moves an allowed line, not every decision: once per ``horizon_s`` (the review), the allowance
 grows by the experts that give ``W`` blocks if W more blocks would have saved more than ``margin`` (2) times the
-re-prefill those experts' staging costs, and shrinks by as many if the last window's staging costs more than
-``margin`` times what that window saves. The ghost list prices the next window, not the last one (past a cliff in
-the miss curve the next window is worth nothing while the last is worth a lot), so the last window is measured on
-its own: a waiting request's prefix hits on blocks among the W next victims (the head of the LRU queue) are hits a
-pool W blocks smaller would have lost, priced by position like ghost hits. The factor-of-two dead band stands for
-the error of two first-order estimates: neither side sees the queueing its change causes (a line moved on an even
-comparison ran to the cap in the collapse of an overloaded run and left it worse). UCP repartitions at intervals
-for the same reason: one step per interval keeps the line from outrunning what its measurements can see (a line
-moved at every shortfall ran to the cap before the re-prefills it saved, or the queues its staging built, showed
-up). ``W = G / 4``: a marginal slice of the capacity the cap can add, wide enough to see ghost hits, narrow enough
-to be marginal.
+re-prefill those experts' staging costs. The factor-of-two dead band stands for the error of two first-order
+estimates: neither side sees the queueing its change causes (a line moved on an even comparison ran to the cap in
+the collapse of an overloaded run and left it worse). UCP repartitions at intervals for the same reason: one step
+per interval keeps the line from outrunning what its measurements can see (a line moved at every shortfall ran to
+the cap before the re-prefills it saved, or the queues its staging built, showed up). ``W = G / 4``: a marginal
+slice of the capacity the cap can add, wide enough to see ghost hits, narrow enough to be marginal.
+
+A review never gives a window back on a first-order estimate of what the last window saves. The one there is to
+make — hits on the W blocks a smaller pool would have lost, the head of the LRU queue — undervalues capacity near
+the cache's cliff: the LRU head holds prefixes that never come back, yet shrinking the pool tips the queue over
+it, and the drain then loses the region's cached prefixes whatever their place in the queue (on the whole WEKA
+trace, windows given back on it made ``vamp`` 1.07x ``vllm``'s TTFT p90 at a load where keeping them gives
+0.95x; docs/vamp.md). The line comes back on measurement instead: a growth that made each token dearer, and a
+pool that has had room to spare for long (both below).
 
 Each growth is then checked against what it was for, measured rather than estimated: the accelerator's busy
 seconds per prompt token asked for (first admissions; re-prefill and staging both raise it, and so does the
@@ -42,9 +45,7 @@ more than ``growth_tolerance`` (10%) above what it was when the line grew, the w
 allowance and the line may not grow for ``growth_hold_reviews`` (4) reviews: a cache past its cliff, where the
 saved re-prefill turns into little shorter queueing while the staging slows every step, no longer drives the line
 to the cap. A growth that preemption recompute rather than ghost hits paid for is not
-checked so: it trades recompute for staging where preemption costs latency, not accelerator time. Nor is a
-window given back while, at some step since the last review, fewer blocks than it were free: with no prefix
-cache there are no tail hits to say what it is worth, and giving it back would preempt again.
+checked so: it trades recompute for staging where preemption costs latency, not accelerator time.
 
 A shortfall is covered by offloading the next cold experts (spread over layers, only as many as the shortfall
 needs, never past the allowance or the cap) and eviction covers the rest; past the allowance it is covered as
@@ -58,10 +59,7 @@ any eviction), each block in use leaves when its request lets it go, none is all
 their pages back when it is empty (``BlockPool.drain``); the line growing first cancels the drain. A region that
 only waited for a moment when all its blocks happened to be free would never go back from a busy pool, and a line
 that cannot come back turns a growth the measurements later reject into a lasting slowdown (a stable load tipped
-into collapse; docs/vamp.md). Giving a window back on the LRU tail's measured worth alone needs its staging to
-cost at least ``give_back_min_share`` of the accelerator's time: tail hits undervalue capacity near the cache's
-cliff (the head of the LRU queue holds prefixes that never come back, yet shrinking the pool can tip the queue
-over), so a cheap window is kept. Reviews run only at shortfalls, so once pressure has receded for good none
+into collapse; docs/vamp.md). Reviews run only at shortfalls, so once pressure has receded for good none
 comes: a pool that has had room to spare (``vamp-reclaim``'s watermark) for ``calm_reviews`` horizons gives a
 window back, and the smaller pool must show as long a calm of its own before the next. An offload made because
 nothing else could admit a request raises the allowance with it. ``give_back=False`` is the paper's controller:
@@ -104,7 +102,6 @@ class VampPolicy(PressurePolicy):
         self._ghost_capacity = 0  # G: set from the expert line (blocks the cap can add)
         self._next = DecayedRate(params.horizon_s)  # re-prefill s/s W more blocks would have saved (ghost hits)
         self._preempted = DecayedRate(params.horizon_s)  # ... and the recompute of preemptions W more would avoid
-        self._tail = DecayedRate(params.horizon_s)  # re-prefill s/s the last W blocks of the pool save
         self._admitted: str | None = None  # the waiting request whose ghost hits were counted last
         self._allowed = 0  # experts the line may have offloaded now (moved by _review)
         self._demand = DecayedRate(params.horizon_s)  # prompt tokens asked for (first admissions) per second
@@ -116,8 +113,6 @@ class VampPolicy(PressurePolicy):
         self._roomy_since: float | None = None  # since when the pool has had room to spare (vamp-reclaim)
         self._draining: list[int] | None = None  # blocks of the region being given back (give_back)
         self._line = None  # the expert line of the last plan (read by reads_every_step)
-        self._pool = None  # and its pool
-        self._min_free = math.inf  # fewest free blocks seen before a step since the last review
         self.num_given_back = 0
 
     @property
@@ -133,7 +128,6 @@ class VampPolicy(PressurePolicy):
     def relieve(self, view: PressureView) -> list[Action]:
         self._observe(view.now_s)
         line = self._line = view.expert_line
-        self._pool = view.pool
         if line is not None:
             self._size_ghost_list(line)
             self._review(line, view.now_s)
@@ -231,10 +225,6 @@ class VampPolicy(PressurePolicy):
         if now_s < self._next_review_s:
             return
         self._next_review_s = now_s + self.params.horizon_s
-        # the last window was in use if, at some step since the last review, fewer blocks than it were free
-        in_use = min(self._min_free, self._pool.num_free_blocks if self._pool is not None else math.inf) < \
-            self._window()
-        self._min_free = math.inf
         step = self._experts_for(line, self._window())
         p = self.params
         cost = self._busy_per_demand(now_s)
@@ -258,19 +248,12 @@ class VampPolicy(PressurePolicy):
             # recompute for staging at a load where latency, not the accelerator's time, is what preemption costs
             preempted = self._preempted.rate(now_s) or 0.0
             self._grew_at = None if preempted > (self._next.rate(now_s) or 0.0) else cost
-        elif allowed > 0:
-            back = min(step, allowed)
-            kept = self._tail.rate(now_s) or 0.0  # what the last window saves (hits in the LRU tail)
-            staging = self._staging_s_per_s(now_s, allowed - back, allowed)
-            if staging > margin * kept * back / step and staging >= p.give_back_min_share and not in_use:
-                self._allowed = allowed - back
 
     # ---- measurements -----------------------------------------------------------------------------------------
     def admitting(self, request, hits: Sequence[int], pool, now_s: float, line=None) -> None:
-        """The scheduler's admission hook: a waiting request's prefix lookup (``hits``: the cached blocks it will
-        take, block j of its prefix at j), before anything is allocated — every admission, not only those that hit
-        a shortfall, so a stable pool's LRU-tail hits are seen too, and the prompt tokens asked for (the growth
-        check's demand). Measured once per request (a blocked request is retried every step)."""
+        """The scheduler's admission hook, at a waiting request's prefix lookup before anything is allocated:
+        every admission, not only those that hit a shortfall, counts its ghost hits and the prompt tokens asked for
+        (the growth check's demand). Measured once per request (a blocked request is retried every step)."""
         if request.request_id == self._admitted:
             return
         self._admitted = request.request_id
@@ -279,7 +262,6 @@ class VampPolicy(PressurePolicy):
         if line is not None:
             self._size_ghost_list(line)
         self._count_ghost_hits(request, now_s)
-        self._count_tail_hits(hits, pool, now_s)
 
     def _remember(self, pool, lost) -> None:
         """Put evicted blocks' hashes in the ghost list; each freed block advances its clock."""
@@ -328,17 +310,6 @@ class VampPolicy(PressurePolicy):
         if seconds:
             self._preempted.add(view.now_s, seconds)
 
-    def _count_tail_hits(self, hits: Sequence[int], pool, now_s: float) -> None:
-        """A waiting request's prefix hits blocks among the W next victims (the LRU head of the cached-free
-        queue): a pool W blocks smaller would have lost them before the request came back — what the last window
-        of capacity is worth (the ghost list prices the next window, not the last)."""
-        if not hits or not self._ghost_capacity:
-            return
-        victims = set(pool.peek_victims(self._window()))
-        seconds = sum(self.params.block_prefill_s(j) for j, b in enumerate(hits) if b in victims)  # hits[j]: block j
-        if seconds:
-            self._tail.add(now_s, seconds)
-
     # ---- rates -------------------------------------------------------------------------------------------------
     def _busy_per_demand(self, now_s: float) -> float | None:
         """Accelerator seconds per prompt token asked for, over the last ``horizon_s`` (None before both exist);
@@ -350,7 +321,7 @@ class VampPolicy(PressurePolicy):
         busy = self.params.steps.busy_s()
         self._busy.add(now_s, busy - self._last_busy_s)
         self._last_busy_s = busy
-        for rate in (self._next, self._preempted, self._tail):
+        for rate in (self._next, self._preempted):
             rate.add(now_s, 0.0)  # the clocks run from the start, not from the first hit
 
     # ---- giving regions back -------------------------------------------------------------------------------
@@ -360,7 +331,6 @@ class VampPolicy(PressurePolicy):
         ``reclaim_check_s`` review the line and lower it by the last region once the pool has had room to spare
         for ``reclaim_hold_s``. Returns whether a region went back."""
         p = self.params
-        self._min_free = min(self._min_free, pool.num_free_blocks)
         if p.reclaim and now_s >= self._next_reclaim_check_s:
             self._next_reclaim_check_s = now_s + p.reclaim_check_s
             self._observe(now_s)

@@ -42,8 +42,8 @@ class VampParams:
     # full of reused prefixes keeps its pages)
     reclaim_watermark: float = 0.05
     reclaim_hold_s: float = 60.0
-    # dead band: the line moves out when W blocks are worth this many times their staging, back when their
-    # staging costs this many times their worth (first-order estimates on both sides; the band absorbs their error)
+    # the line moves out when W more blocks are worth this many times their staging (first-order estimates on both
+    # sides, neither seeing the queueing a move causes; the factor absorbs their error)
     margin: float = 2.0
     # a growth of the line is checked one review later against what it was for: the accelerator's busy seconds per
     # prompt token asked for (re-prefill and staging both raise it). Worse by more than this fraction: the window
@@ -54,9 +54,6 @@ class VampParams:
     # leave the pool as they come free; none is allocated again) and goes back to its experts. False: the line
     # only grows (the VAMP paper's controller).
     give_back: bool = True
-    # ... but not on the LRU tail's measured worth alone while the last window's staging costs less than this
-    # share of the accelerator's time: tail hits undervalue capacity near the cache's cliff (docs/vamp.md)
-    give_back_min_share: float = 0.05
     # ... and, a window at a time, once the pool has had room to spare (vamp-reclaim's watermark) for this many
     # horizons: reviews run only at shortfalls, so a line that pressure moved would otherwise stay out for good
     # once it recedes. Long enough that a lull within a burst keeps the line (4 horizons gave lines back between
@@ -77,8 +74,6 @@ class VampParams:
             raise ValueError(f"VampParams.calm_reviews must be positive, got {self.calm_reviews}")
         if not self.growth_tolerance >= 0 or self.growth_hold_reviews < 0:
             raise ValueError("VampParams: growth_tolerance and growth_hold_reviews must be >= 0")
-        if not 0 <= self.give_back_min_share < 1:
-            raise ValueError(f"VampParams.give_back_min_share must be in [0, 1), got {self.give_back_min_share}")
 
     def block_prefill_s(self, block_index: int) -> float:
         """Re-prefill of pool block ``block_index`` of a prefix (tokens at context ≈ its middle)."""

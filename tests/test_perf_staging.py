@@ -4,7 +4,6 @@ from dataclasses import replace
 
 import pytest
 
-from moetide.errors import UserError
 from moetide.perf.staging import StagingConfig, StagingModel
 from moetide.sim.setup import ReplayConfig, run_replay
 from moetide.specs import get_gpu, get_host, get_model
@@ -166,3 +165,43 @@ def test_offloading_policies_respect_the_cap_and_lose_no_request(policy):
     assert metrics["completed"] + metrics["failed"] == workload.num_requests
     assert 0 < metrics["offloaded_ratio_max"] <= 0.05
     assert metrics["staged_bytes"] > 0
+
+
+def test_the_policys_price_keeps_chunks_of_one_size_at_different_contexts_apart():
+    """Two 8K prefill chunks, one at 1K context and one at 100K: the long one's attention gives prefetch far more
+    compute to hide behind. Priced together as one averaged step, the short one's exposed staging would be hidden
+    behind the long one's cover; the mix keeps them apart, so the price is what the replay charges."""
+    from moetide.core.blocks import BlockPool
+    from moetide.core.expert_line import ByteLayout, ExpertLine
+    from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
+    from moetide.perf import StepTimeModel
+    from moetide.sim.step_time import StepTimeWithStaging
+
+    m, gpu = get_model("qwen3-next-80b-a3b"), get_gpu("h200")
+    staging = model(routing_zipf_s=1.0)
+    residency = ExpertResidency(ExpertResidencyConfig(num_layers=48, num_experts=512, expert_bytes=3 * MIB))
+    line = ExpertLine(residency, ByteLayout(BlockPool([]), block_bytes=6_684_672,
+                                            kv_bytes_per_expert=residency.config.expert_bytes, first_block_id=0))
+    timer = StepTimeWithStaging(StepTimeModel(m, gpu, tp=2), staging, line, m.num_layers, mix_tau_s=1e9)
+
+    def chunk(context):
+        return 8192, 1, 0, context + 8192, 8192 * context + 8192 * 8193 // 2
+
+    short, long = chunk(1024), chunk(100_000)
+    for _ in range(20):
+        timer(*short)
+        timer(*long)
+    n = 48 * 40
+    predicted = timer.staging_share(n)
+    line.offload(residency.next_offload_region(max_experts=n))
+    base_s = charged_s = 0.0
+    for shape in (short, long):
+        base = timer.step_model.step_time_s(*shape)
+        base_s += base
+        charged_s += timer(*shape) - base
+    assert charged_s > 0 and predicted == pytest.approx(charged_s / base_s, rel=1e-6)
+    # what one averaged step would have priced: well below the charge
+    mean_base = base_s / 2
+    window = staging.config.effective_overlap_layers * mean_base / m.num_layers
+    averaged = 48 * staging.layer(8192, 40, window)[1] / mean_base
+    assert averaged < 0.5 * predicted  # (here nothing: the long chunk's cover hides all of it)

@@ -29,13 +29,15 @@ STAGING_MIX_HORIZONS = 10
 class StepTimeWithStaging:
     """Modeled step time plus the exposed staging of the experts offloaded at that moment; counts staged bytes.
 
-    It also keeps the recent step mix — steps grouped by the bit length of their token count, each group's
-    weighted count, tokens and staging-free modeled time, weights decaying as e^(−age/``mix_tau_s``) over step
-    time — so that ``vamp`` prices an offload with the very staging model charged here, over the steps that
-    actually run (``core.pressure.vamp_params.StepStats``). Before any step it prices a reference decode step. Only a
-    policy that reads it needs the mix: ``track_mix=False`` skips it (the replay's other policies)."""
-
-    NUM_GROUPS = 24  # token counts up to 2^23 per step
+    It also keeps the recent step mix — steps grouped by the octave of their token count *and* of their
+    staging-free modeled time, each group's weighted count, tokens and time, weights decaying as
+    e^(−age/``mix_tau_s``) over step time — so that ``vamp`` prices an offload with the very staging model charged
+    here, over the steps that actually run (``core.pressure.vamp_params.StepStats``). The time matters as much as
+    the tokens: it sets the compute that prefetch hides behind, and exposed staging is convex in it, so a group
+    that averaged an 8K chunk at 1K context with one at 100K would price the short one's exposure at the long
+    one's cover (on the whole WEKA trace, 5x below what the replay then charged). Before any step it prices a
+    reference decode step. Only a policy that reads it needs the mix: ``track_mix=False`` skips it (the replay's
+    other policies)."""
 
     def __init__(self, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine, num_layers: int, *,
                  mix_tau_s: float = 300.0, reference_step: tuple[int, float] = (32, 0.014),
@@ -47,9 +49,7 @@ class StepTimeWithStaging:
         self.mix_tau_s = mix_tau_s
         self.reference_step = reference_step
         self._origin = 0.0  # a step's weight is e^((busy − origin) / tau); rescaled before it overflows
-        self._count = [0.0] * self.NUM_GROUPS
-        self._tokens = [0.0] * self.NUM_GROUPS
-        self._base_s = [0.0] * self.NUM_GROUPS
+        self._mix: dict[tuple[int, int], list[float]] = {}  # (token octave, time octave) -> [count, tokens, s]
         self._shares: dict[int, float] = {}
         self._shares_at = -1.0
 
@@ -68,16 +68,19 @@ class StepTimeWithStaging:
             self._rescale()
             x = 0.0
         w = math.exp(x)
-        g = min(num_tokens.bit_length(), self.NUM_GROUPS - 1)
-        self._count[g] += w
-        self._tokens[g] += w * num_tokens
-        self._base_s[g] += w * base
+        key = (num_tokens.bit_length(), math.frexp(base)[1])
+        group = self._mix.get(key)
+        if group is None:
+            group = self._mix[key] = [0.0, 0.0, 0.0]
+        group[0] += w
+        group[1] += w * num_tokens
+        group[2] += w * base
         return duration
 
     def _rescale(self) -> None:
         f = math.exp(-(self.busy - self._origin) / self.mix_tau_s)
-        for acc in (self._count, self._tokens, self._base_s):
-            acc[:] = [v * f for v in acc]
+        for group in self._mix.values():
+            group[:] = [v * f for v in group]
         self._origin = self.busy
 
     # ---- StepStats (what vamp reads) ------------------------------------------------------------------------
@@ -98,7 +101,7 @@ class StepTimeWithStaging:
     def _share(self, num_offloaded: int) -> float:
         if num_offloaded <= 0:
             return 0.0
-        groups = [(c, t / c, b / c) for c, t, b in zip(self._count, self._tokens, self._base_s) if c > 0]
+        groups = [(c, t / c, b / c) for c, t, b in self._mix.values() if c > 0]
         if not groups:
             tokens, base = self.reference_step
             groups = [(1.0, tokens, base)]

@@ -34,8 +34,8 @@ A review never gives a window back on a first-order estimate of what the last wi
 make — hits on the W blocks a smaller pool would have lost, the head of the LRU queue — undervalues capacity near
 the cache's cliff: the LRU head holds prefixes that never come back, yet shrinking the pool tips the queue over
 it, and the drain then loses the region's cached prefixes whatever their place in the queue (on the whole WEKA
-trace, windows given back on it made ``vamp`` 1.07x ``vllm``'s TTFT p90 at a load where keeping them gives
-0.95x; docs/vamp.md). The line comes back on measurement instead: a growth that made each token dearer, and a
+trace it left ``vamp`` 1.07x ``vllm``'s TTFT p90 at a load where, without it, ``vamp`` is below ``vllm``;
+docs/vamp.md). The line comes back on measurement instead: a growth that made each token dearer, and a
 pool that has had room to spare for long (both below).
 
 Each growth is then checked against what it was for, measured rather than estimated: the accelerator's busy

@@ -64,7 +64,9 @@ def test_auto_mode_is_never_worse_than_touched_or_segment(zipf_s):
                 assert auto.layer(tokens, n, window)[1] <= best + 1e-12
 
 
-def test_the_policy_prices_offload_with_the_staging_the_replay_charges():
+def replay_timer():
+    """The replay's step timer for Qwen3-Next-80B on 2 x H200 over an expert line with nothing offloaded yet, its
+    mix never decaying: (timer, staging model, residency, line)."""
     from moetide.core.blocks import BlockPool
     from moetide.core.expert_line import ByteLayout, ExpertLine
     from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
@@ -77,6 +79,11 @@ def test_the_policy_prices_offload_with_the_staging_the_replay_charges():
     line = ExpertLine(residency, ByteLayout(BlockPool([]), block_bytes=6_684_672,
                                             kv_bytes_per_expert=residency.config.expert_bytes, first_block_id=0))
     timer = StepTimeWithStaging(StepTimeModel(m, gpu, tp=2), staging, line, m.num_layers, mix_tau_s=1e9)
+    return timer, staging, residency, line
+
+
+def test_the_policy_prices_offload_with_the_staging_the_replay_charges():
+    timer, _, residency, line = replay_timer()
     decode, prefill = (16, 16, 16, 16 * 65537, 16 * 65537), (8192, 1, 0, 65536 + 8192, 8192 * 65536 + 8192 * 8193 // 2)
     for _ in range(50):  # a mix of decode batches and prefill chunks at 64K context
         timer(*decode)
@@ -171,18 +178,7 @@ def test_the_policys_price_keeps_chunks_of_one_size_at_different_contexts_apart(
     """Two 8K prefill chunks, one at 1K context and one at 100K: the long one's attention gives prefetch far more
     compute to hide behind. Priced together as one averaged step, the short one's exposed staging would be hidden
     behind the long one's cover; the mix keeps them apart, so the price is what the replay charges."""
-    from moetide.core.blocks import BlockPool
-    from moetide.core.expert_line import ByteLayout, ExpertLine
-    from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
-    from moetide.perf import StepTimeModel
-    from moetide.sim.step_time import StepTimeWithStaging
-
-    m, gpu = get_model("qwen3-next-80b-a3b"), get_gpu("h200")
-    staging = model(routing_zipf_s=1.0)
-    residency = ExpertResidency(ExpertResidencyConfig(num_layers=48, num_experts=512, expert_bytes=3 * MIB))
-    line = ExpertLine(residency, ByteLayout(BlockPool([]), block_bytes=6_684_672,
-                                            kv_bytes_per_expert=residency.config.expert_bytes, first_block_id=0))
-    timer = StepTimeWithStaging(StepTimeModel(m, gpu, tp=2), staging, line, m.num_layers, mix_tau_s=1e9)
+    timer, staging, residency, line = replay_timer()
 
     def chunk(context):
         return 8192, 1, 0, context + 8192, 8192 * context + 8192 * 8193 // 2
@@ -202,6 +198,6 @@ def test_the_policys_price_keeps_chunks_of_one_size_at_different_contexts_apart(
     assert charged_s > 0 and predicted == pytest.approx(charged_s / base_s, rel=1e-6)
     # what one averaged step would have priced: well below the charge
     mean_base = base_s / 2
-    window = staging.config.effective_overlap_layers * mean_base / m.num_layers
+    window = staging.config.effective_overlap_layers * mean_base / timer.num_layers
     averaged = 48 * staging.layer(8192, 40, window)[1] / mean_base
     assert averaged < 0.5 * predicted  # (here nothing: the long chunk's cover hides all of it)

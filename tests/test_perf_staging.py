@@ -82,20 +82,27 @@ def replay_timer():
     return timer, staging, residency, line
 
 
+def price_then_charge(timer, residency, line, shapes, num_offloaded):
+    """The policy's price of offloading ``num_offloaded`` experts over the timer's mix, then, with them offloaded,
+    what the replay charges for one step of each shape: (price, charged staging s / staging-free s, those s)."""
+    predicted = timer.staging_share(num_offloaded)
+    line.offload(residency.next_offload_region(max_experts=num_offloaded))
+    base_s = charged_s = 0.0
+    for shape in shapes:
+        base = timer.step_model.step_time_s(*shape)
+        base_s += base
+        charged_s += timer(*shape) - base
+    return predicted, charged_s / base_s, base_s
+
+
 def test_the_policy_prices_offload_with_the_staging_the_replay_charges():
     timer, _, residency, line = replay_timer()
     decode, prefill = (16, 16, 16, 16 * 65537, 16 * 65537), (8192, 1, 0, 65536 + 8192, 8192 * 65536 + 8192 * 8193 // 2)
     for _ in range(50):  # a mix of decode batches and prefill chunks at 64K context
         timer(*decode)
         timer(*prefill)
-    predicted = timer.staging_share(960)
-    line.offload(residency.next_offload_region(max_experts=960))  # 20 per layer
-    base_s = charged_s = 0.0
-    for shape in (decode, prefill):
-        base = timer.step_model.step_time_s(*shape)
-        base_s += base
-        charged_s += timer(*shape) - base
-    assert predicted > 0 and predicted == pytest.approx(charged_s / base_s, rel=1e-6)
+    predicted, charged, _ = price_then_charge(timer, residency, line, (decode, prefill), 960)  # 20 per layer
+    assert predicted > 0 and predicted == pytest.approx(charged, rel=1e-6)
 
 
 def host_model(**config):
@@ -187,15 +194,8 @@ def test_the_policys_price_keeps_chunks_of_one_size_at_different_contexts_apart(
     for _ in range(20):
         timer(*short)
         timer(*long)
-    n = 48 * 40
-    predicted = timer.staging_share(n)
-    line.offload(residency.next_offload_region(max_experts=n))
-    base_s = charged_s = 0.0
-    for shape in (short, long):
-        base = timer.step_model.step_time_s(*shape)
-        base_s += base
-        charged_s += timer(*shape) - base
-    assert charged_s > 0 and predicted == pytest.approx(charged_s / base_s, rel=1e-6)
+    predicted, charged, base_s = price_then_charge(timer, residency, line, (short, long), 48 * 40)
+    assert charged > 0 and predicted == pytest.approx(charged, rel=1e-6)
     # what one averaged step would have priced: well below the charge
     mean_base = base_s / 2
     window = staging.config.effective_overlap_layers * mean_base / timer.num_layers

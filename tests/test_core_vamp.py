@@ -70,7 +70,7 @@ def relieve(policy, pressure, hits=()):
     """What the scheduler does on a shortfall: the admission hook first for a waiting requester (its prefix hits,
     in prefix order), then the policy."""
     if not pressure.requester_is_running:
-        policy.admitting(pressure.requester, list(hits), pressure.pool, pressure.now_s, pressure.expert_line)
+        policy.admitting(pressure.requester, pressure.now_s, pressure.expert_line)
     return policy.relieve(pressure)
 
 
@@ -388,7 +388,7 @@ def test_a_growth_that_makes_each_asked_token_dearer_is_taken_back(busy_after):
     def ten_seconds(start, busy_share):  # a request of 8 prompt tokens asked for every second
         for t in range(start, start + 10):
             steps.busy += busy_share
-            policy.admitting(request(f"ask-{t}", 0, hashes=[10_000 + t, 20_000 + t]), [], pool, float(t), line)
+            policy.admitting(request(f"ask-{t}", 0, hashes=[10_000 + t, 20_000 + t]), float(t), line)
 
     evicted_then_back(policy, pool, line, 1000.0, seed=1, running=running)  # ghost hits; the first review at 1010
     ten_seconds(1001, 0.2)
@@ -453,7 +453,7 @@ def test_a_growth_bought_back_from_preemptions_is_not_judged_by_busy_seconds_per
     def ten_seconds(start, busy_share):
         for t in range(start, start + 10):
             steps.busy += busy_share
-            policy.admitting(request(f"ask-{t}", 0, hashes=[10_000 + t, 20_000 + t]), [], pool, float(t), line)
+            policy.admitting(request(f"ask-{t}", 0, hashes=[10_000 + t, 20_000 + t]), float(t), line)
 
     requester = request("old", computed=40)
     assert relieve(policy, view(pool, line, 1, requester, running=True,

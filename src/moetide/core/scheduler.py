@@ -31,7 +31,7 @@ A request leaves by finishing (``update``), by failing to fit even alone, or by 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from moetide.core.expert_line import ExpertLine
@@ -256,7 +256,7 @@ class Scheduler:
                 if kept is not hits:  # host hits moved to device blocks, or dropped to be recomputed
                     hits, num_computed = kept, len(kept) * self.kv.block_size
             request.num_computed_tokens = num_computed
-            self.policy.admitting(request, hits, self.kv.pool, self.now_s, self.expert_line)
+            self.policy.admitting(request, self.now_s, self.expert_line)
             n = self._chunk(request, budget)
             if n == 0 or not self.kv.hits_ready(hits):  # (hybrid) no aligned chunk fits, or its state is unwritten
                 request.num_computed_tokens = 0

@@ -73,9 +73,9 @@ class PressurePolicy(Protocol):
         """Return actions that together free at least ``view.shortfall_blocks`` blocks, or [] if none can."""
         ...
 
-    def admitting(self, request: Request, hits: Sequence[int], pool: BlockPool, now_s: float,
-                  line: ExpertLine | None = None) -> None:
-        """Called at every waiting request's prefix lookup, before allocation (``hits``: its cached blocks)."""
+    def admitting(self, request: Request, now_s: float, line: ExpertLine | None = None) -> None:
+        """Called at every waiting request's prefix lookup (``request.num_computed_tokens`` set to its hits),
+        before allocation."""
 
     def maybe_reclaim(self, line: ExpertLine, pool: BlockPool, now_s: float) -> bool:
         """Called before each step with an expert line; True when it moved the line back towards the experts."""

@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
 
 from moetide.core.pressure.base import Action, EvictPrefix, OffloadExperts, Preempt, PressurePolicy, PressureView
 from moetide.core.pressure.vamp_params import DecayedRate, StepStats, VampParams
@@ -250,7 +249,7 @@ class VampPolicy(PressurePolicy):
             self._grew_at = None if preempted > (self._next.rate(now_s) or 0.0) else cost
 
     # ---- measurements -----------------------------------------------------------------------------------------
-    def admitting(self, request, hits: Sequence[int], pool, now_s: float, line=None) -> None:
+    def admitting(self, request, now_s: float, line=None) -> None:
         """The scheduler's admission hook, at a waiting request's prefix lookup before anything is allocated:
         every admission, not only those that hit a shortfall, counts its ghost hits and the prompt tokens asked for
         (the growth check's demand). Measured once per request (a blocked request is retried every step)."""

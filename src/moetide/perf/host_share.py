@@ -38,6 +38,8 @@ from moetide.perf.step import StepShape
 
 HOST_EXPERT_PLACES = ("stage", "cpu", "split")
 SPLIT_GRID = 64  # ``split`` tries CPU shares 0, 1/64, ..., 1 of a layer's routed host experts
+# the CPU shares of a layer's routed host experts each place tries
+CPU_SHARES = {"stage": (0.0,), "cpu": (1.0,), "split": tuple(i / SPLIT_GRID for i in range(SPLIT_GRID + 1))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +87,7 @@ def host_phase(model: OffloadStepModel, num_tokens: int, place: str = "stage") -
     f_off = model.layout.offloaded_expert_fraction
     compute = bd["experts_s"] / spec.num_moe_layers if spec.num_moe_layers else 0.0
     pairs = num_tokens * spec.num_experts_per_tok * f_off
-    shares = {"stage": (0.0,), "cpu": (1.0,), "split": [i / SPLIT_GRID for i in range(SPLIT_GRID + 1)]}[place]
+    shares = CPU_SHARES[place]
     extra = link_busy = cpu_busy = link_idle = cpu_idle = share_sum = 0.0
     distinct = step.distinct_experts_per_layer(num_tokens) if f_off > 0 and num_tokens > 0 else []
     best: dict[float, tuple[float, _Layer]] = {}  # layers routing as many experts place them alike

@@ -6,11 +6,13 @@ density): the geometric-mean speedup of writescope over each compared policy at 
 total per row, the paper's aggregate), and the ablation ratios the paper reports as throughput fractions:
 ``fixed_0.5`` = writescope time / fixed-ratio-0.5 time, ``monolithic`` = writescope time / monolithic time, both
 geometric means over the same rows. ``--contention`` adds one line per setup for the two-user case: 32 x 32K,
-the CPU twice as slow as modeled (another user on the host), writescope without feedback against writescope with
-it (``--feedback-steps`` 20). The paper's figures are in ``PAPER``; docs/writescope.md prints both side by side.
+the CPU ``--cpu-slowdown`` times as slow as modeled (another user on the host; 2 by default, a fair share of the
+cores; ``host_contention.py`` measures it), writescope without feedback against writescope with it
+(``--feedback-steps`` 20). The paper's figures are in ``PAPER``; docs/writescope.md prints both side by side.
 
     python benchmarks/writescope_paper.py                   # the main grid (108 lines, ~3 min)
     python benchmarks/writescope_paper.py --contention      # plus the two-user lines
+    python benchmarks/writescope_paper.py --contention --no-grid --cpu-slowdown 2.2   # those lines only
 """
 
 from __future__ import annotations
@@ -66,12 +68,12 @@ def grid_line(model: str, gpu_label: str, host_label: str, experts: str, density
                                               if r["context"] == 32768), 1)}
 
 
-def contention_line(model: str, gpu_label: str, host_label: str, experts: str) -> dict:
+def contention_line(model: str, gpu_label: str, host_label: str, experts: str, cpu_slowdown: float = 2.0) -> dict:
     out = {"modeled": True, "case": "two users", "model": model, "gpu": gpu_label, "host": host_label,
-           "host_experts": experts, "batch": 32, "context": 32768, "cpu_slowdown": 2}
+           "host_experts": experts, "batch": 32, "context": 32768, "cpu_slowdown": cpu_slowdown}
     for label, steps in (("static_ms", "0"), ("feedback_ms", "20")):
         args = args_for(model, GPUS[gpu_label], HOSTS[host_label], experts, 0.125, context="32k", batch="32",
-                        cpu_slowdown="2", feedback_steps=steps)
+                        cpu_slowdown=str(cpu_slowdown), feedback_steps=steps)
         row = plan_split.evaluate(args, plan_split.build_setup(args))["rows"][0]
         out[label] = round(row["step_time_s"]["writescope"] * 1e3, 1)
         out[label.replace("_ms", "_cpu_share")] = round(row["cpu_share"], 3)
@@ -84,14 +86,21 @@ def contention_line(model: str, gpu_label: str, host_label: str, experts: str) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contention", action="store_true", help="also the two-user lines")
+    parser.add_argument("--cpu-slowdown", type=float, default=2.0, metavar="X",
+                        help="the second user's slowdown of CPU attention in the two-user lines (default 2)")
+    parser.add_argument("--no-grid", action="store_true", help="skip the main grid")
     parser.add_argument("--hosts", default=",".join(HOSTS), help=f"comma-separated, from {', '.join(HOSTS)}")
     args = parser.parse_args()
     hosts = args.hosts.split(",")
-    for model, gpu, host, experts, density in itertools.product(MODELS, GPUS, hosts, HOST_EXPERT_PLACES, (0.125, 1.0)):
-        print(json.dumps(grid_line(model, gpu, host, experts, density)), flush=True)
+    if not (math.isfinite(args.cpu_slowdown) and args.cpu_slowdown > 0):
+        parser.error(f"--cpu-slowdown must be a positive number, got {args.cpu_slowdown}")
+    if not args.no_grid:
+        for model, gpu, host, experts, density in itertools.product(MODELS, GPUS, hosts, HOST_EXPERT_PLACES,
+                                                                    (0.125, 1.0)):
+            print(json.dumps(grid_line(model, gpu, host, experts, density)), flush=True)
     if args.contention:
         for model, gpu, host, experts in itertools.product(MODELS, GPUS, hosts, HOST_EXPERT_PLACES):
-            print(json.dumps(contention_line(model, gpu, host, experts)), flush=True)
+            print(json.dumps(contention_line(model, gpu, host, experts, args.cpu_slowdown)), flush=True)
 
 
 if __name__ == "__main__":

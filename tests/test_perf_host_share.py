@@ -73,6 +73,24 @@ def test_attention_phase_host_keywords(model):
     assert relaid.total_s == pytest.approx(base.total_s + relaid.serial_s)
 
 
+def test_a_faulting_append_rewrites_at_its_share_of_dram():
+    """``host_append`` (a DynamicCache's fresh tensor faulted in page by page: ~0.14 of triad, measured by
+    benchmarks/host_append.py) divides the rewrite's rate and nothing else."""
+    from moetide.perf.attention import OffloadEfficiency
+    from moetide.perf.offload import attention_phase
+
+    spec, gpu, host = get_model("qwen3-30b-a3b"), get_gpu("a100-pcie-40gb"), get_host("xeon-gold-5318y")
+    mapped = AttentionCostModel(spec, gpu, host)
+    faulting = AttentionCostModel(spec, gpu, host, offload=OffloadEfficiency(host_append=0.25))
+    toks = [SeqTokens(1, 4096, 8192)]
+    a, b = (attention_phase(m, toks, relayout_bytes=1e9) for m in (mapped, faulting))
+    assert b.serial_s == pytest.approx(4 * a.serial_s) == pytest.approx(4 * 2e9 / (187.712e9 * 0.8))
+    assert (b.cpu_s, b.gpu_s) == (a.cpu_s, a.gpu_s)
+    assert attention_phase(faulting, toks) == attention_phase(mapped, toks)  # nothing rewritten: no charge
+    with pytest.raises(ValueError, match="host_append"):
+        OffloadEfficiency(host_append=0)
+
+
 def test_split_experts_balance_the_link_and_the_cpu(model):
     """``split`` puts a share c of each layer's routed host experts on the CPU and stages the rest, the GPU
     computing the resident and the staged ones meanwhile: no slower than either place alone, and c is the best

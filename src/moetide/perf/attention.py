@@ -70,6 +70,9 @@ class OffloadEfficiency:
     transfer_latency_s: per DMA (cudaMemcpyAsync issue + PCIe round trip), a few microseconds
     cpu_sync_s:         per layer, handing the queries to the CPU threads and waiting for them
     kernel_launch_s:    per device attention kernel (one per ring slot, one for the device-resident part)
+    host_append:        share of that DRAM bandwidth a monolithic cache's per-step rewrite reaches (a transformers
+                        DynamicCache appends by concatenation into a fresh tensor, faulted in page by page); 1 = a
+                        streaming copy into memory already mapped. Only the monolithic ablation reads it
     """
 
     cpu_memory: float = 0.9
@@ -79,10 +82,11 @@ class OffloadEfficiency:
     transfer_latency_s: float = 5e-6
     cpu_sync_s: float = 20e-6
     kernel_launch_s: float = 5e-6
+    host_append: float = 1.0
 
     def __post_init__(self) -> None:
         _fraction("OffloadEfficiency", cpu_memory=self.cpu_memory, cpu_compute=self.cpu_compute,
-                  cpu_available=self.cpu_available, link=self.link)
+                  cpu_available=self.cpu_available, link=self.link, host_append=self.host_append)
         _seconds("OffloadEfficiency", transfer_latency_s=self.transfer_latency_s, cpu_sync_s=self.cpu_sync_s,
                  kernel_launch_s=self.kernel_launch_s)
 

@@ -179,7 +179,7 @@ def attention_phase(a: AttentionCostModel, seqs: Sequence[SeqTokens], num_querie
     ``prefetch_bytes`` and ``reuse_bytes`` of the streamed KV do not cross the link in this phase (moved while
     the link idled in the previous one; still on the device from the previous step), ``cpu_head_start_s`` of CPU
     work ran in the previous phase (a layer-ahead CPU), and ``relayout_bytes`` are rewritten in host DRAM (read
-    and write) before either side starts."""
+    and write, at ``host_append`` of its bandwidth) before either side starts."""
     o, L = a.offload, a.num_layers
     kvb, lkvb = a.kv_bytes_per_token, a.layer_kv_bytes_per_token
     num_cpu_seqs = cpu_tokens = device_tokens = streamed = 0
@@ -205,7 +205,7 @@ def attention_phase(a: AttentionCostModel, seqs: Sequence[SeqTokens], num_querie
         link = a.transfer_s(moved, math.ceil(num_dma * moved / (streamed * kvb)))
         device = a.device_attention_s(streamed * kvb, num_queries) + slots * o.kernel_launch_s
         gpu_s += max(link, device) + fill_s(a, layer_bytes, num_queries)
-    serial = 2 * relayout_bytes / a.host.dram_bandwidth_bytes_per_s  # a streaming copy: read + write
+    serial = 2 * relayout_bytes / (a.host.dram_bandwidth_bytes_per_s * o.host_append)  # read + write
     return PhaseTime(cpu_s, gpu_s, serial)
 
 

@@ -71,7 +71,8 @@ def synthetic(*, h2d: dict | None = None) -> Calibration:
                     for t in [model_cpu_s(s, D, C, **fit.efficiency())])
     return Calibration(measured_at="2026-01-02T03:04:05+00:00", quick=True, clock="wall", torch_version="2.13.0+cpu",
                        num_threads=1, logical_cpus=2, cpu_model='AMD "EPYC"', dram_bytes=24 * 2**30,
-                       llc_bytes=32 * 2**20, dram=DramResult(128 * 2**20, D, 20e9, 28e9), gemm_n=1024,
+                       llc_bytes=32 * 2**20, dram=DramResult(128 * 2**20, D, 20e9, 28e9),
+                       append_bytes_per_s=0.25 * D, gemm_n=1024,
                        gemm_flops_per_s=C, attention=samples, fit=fit,
                        host_to_device=h2d or {"skipped": "no CUDA device (test)"})
 
@@ -100,6 +101,8 @@ def test_quick_run_json(quick_run):
     assert {a["kv_dtype"] for a in doc["attention"]} == {"fp32", "bf16"}
     assert all(a["seconds"] > 0 and a["kv_bytes_per_s"] > 0 for a in doc["attention"])
     assert 0 < doc["fit"]["cpu_memory"] <= 1 and 0 < doc["fit"]["cpu_compute"] <= 1 and doc["fit"]["cpu_sync_s"] >= 0
+    assert doc["append_bytes_per_s"] > 0
+    assert doc["host_append"] == pytest.approx(min(1, doc["append_bytes_per_s"] / doc["dram"]["triad_bytes_per_s"]))
     assert ("bytes_per_s" in doc["host_to_device"]) != ("skipped" in doc["host_to_device"])
 
 
@@ -125,6 +128,7 @@ def test_quick_run_file_loads_back(quick_run):
     eff = offload_efficiency_for_host(str(out))
     assert eff.cpu_memory == pytest.approx(doc["fit"]["cpu_memory"], rel=1e-4)
     assert eff.cpu_sync_s == pytest.approx(doc["fit"]["cpu_sync_s"], rel=1e-4, abs=1e-9)
+    assert eff.host_append == pytest.approx(doc["host_append"], rel=1e-4)
     assert get_host_calibration(str(out))["measured"]["num_threads"] == 1
     assert "MEASURED" in out.read_text() and doc["measured_at"] in out.read_text()
 
@@ -149,10 +153,11 @@ def test_file_round_trips(tmp_path):
     assert host.num_memory_channels == 1 and host.dram_mega_transfers_per_s == math.ceil(D / 8e6)
     assert host.dram_bandwidth_bytes_per_s == pytest.approx(D, rel=1e-5) and host.fp32_flops_per_s == C
     eff = offload_efficiency_for_host(str(path))
-    assert (eff.cpu_memory, eff.cpu_compute, eff.cpu_sync_s) == (0.25, 0.6, 1.5e-4)
+    assert (eff.cpu_memory, eff.cpu_compute, eff.cpu_sync_s, eff.host_append) == (0.25, 0.6, 1.5e-4, 0.25)
     assert (eff.link, eff.transfer_latency_s) == (OffloadEfficiency().link, OffloadEfficiency().transfer_latency_s)
     tables = get_host_calibration(str(path))
     assert tables["measured"]["dram_copy_bytes_per_s"] == 20e9
+    assert tables["measured"]["append_bytes_per_s"] == 0.25 * D
     assert tables["measured"]["host_to_device_skipped"] == "no CUDA device (test)"
     assert tables["measured"]["attention_kernel_native"] == NATIVE_KERNEL
     assert tables["measured"]["attention_kernel_flash"] == FLASH_KERNEL
@@ -189,6 +194,7 @@ def test_cli_text_output_and_file(monkeypatch, tmp_path, capsys):
     rc, stdout, err = run_cli(capsys, "calibrate", "--out", str(out), "--name", "mine")
     assert rc == 0 and err == ""
     assert stdout.startswith('MEASURED on AMD "EPYC": 1 torch thread(s) of 2 logical CPUs, wall clock')
+    assert "append 6.2 GB/s (host_append 0.250)" in stdout
     assert "triad 25.0 GB/s" in stdout and "fp32 GEMM 1024^3: 90.0 GFLOP/s" in stdout
     assert "cpu_memory 0.250, cpu_compute 0.600, cpu_sync_s 150.0 us" in stdout
     assert "host-to-device: skipped: no CUDA device (test)" in stdout and f"wrote {out}" in stdout

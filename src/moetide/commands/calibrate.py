@@ -155,6 +155,8 @@ def _efficiency_lines(cal: Calibration) -> list[str]:
         toml_line("cpu_memory", fit.cpu_memory, "share of the triad bandwidth the attention kernel reaches"),
         toml_line("cpu_compute", fit.cpu_compute, "share of the GEMM rate the attention kernel reaches"),
         toml_line("cpu_sync_s", fit.cpu_sync_s, "per layer: the fixed cost of one kernel call"),
+        toml_line("host_append", cal.host_append, "MEASURED: a DynamicCache-style append into a fresh tensor, "
+                  "as a share of triad (the monolithic ablation's rewrite)"),
     ]
     if "latency_s" in cal.host_to_device:
         lines.append(toml_line("transfer_latency_s", cal.host_to_device["latency_s"],
@@ -173,6 +175,8 @@ def _measured_lines(cal: Calibration) -> list[str]:
              toml_line("dram_triad_bytes_per_s", d.triad_bytes_per_s, "a = b + s c, 12 B per element"),
              toml_line("dram_copy_bytes_per_s", d.copy_bytes_per_s, "a = b, 8 B per element"),
              toml_line("dram_read_bytes_per_s", d.read_bytes_per_s, "sum(c), 4 B per element"),
+             toml_line("append_bytes_per_s", cal.append_bytes_per_s, "torch.cat of one token onto 64 MiB, read + "
+                       "write"),
              toml_line("fp32_gemm_flops_per_s", cal.gemm_flops_per_s)]
     lines += [toml_line(f"attention_kernel_{kernel}", name, _kernel_shapes(cal, kernel))
               for kernel, name in kernels_used(cal.attention).items()]
@@ -242,7 +246,8 @@ def _text(cal: Calibration, out: str | None) -> str:
             f"{cal.clock} clock, torch {cal.torch_version}, {cal.measured_at}{' (--quick)' if cal.quick else ''}")
     memory = (f"DRAM, 3 x {d.buffer_bytes / MiB:.0f} MiB fp32 buffers (last-level cache {cal.llc_bytes / MiB:.0f} "
               f"MiB), median: triad {d.triad_bytes_per_s / 1e9:.1f} GB/s, copy {d.copy_bytes_per_s / 1e9:.1f} GB/s, "
-              f"read {d.read_bytes_per_s / 1e9:.1f} GB/s\nfp32 GEMM {cal.gemm_n}^3: "
+              f"read {d.read_bytes_per_s / 1e9:.1f} GB/s; a DynamicCache-style append "
+              f"{cal.append_bytes_per_s / 1e9:.1f} GB/s (host_append {cal.host_append:.3f})\nfp32 GEMM {cal.gemm_n}^3: "
               f"{cal.gemm_flops_per_s / 1e9:.1f} GFLOP/s")
     fitted = (f"fitted: cpu_memory {fit.cpu_memory:.3f}, cpu_compute {fit.cpu_compute:.3f}, cpu_sync_s "
               f"{fit.cpu_sync_s * 1e6:.1f} us; error on these same shapes: median {fit.median_abs_rel_error:.1%}, "

@@ -72,6 +72,21 @@ def measure_dram(buffer_bytes: int, repeats: int, clock: str = "wall") -> DramRe
     return DramResult(n * 4, 3 * 4 * n / triad, 2 * 4 * n / copy, 4 * n / read)
 
 
+APPEND_SHAPE = (2, 4, 32768, 128)  # a layer's K for 2 x 32K tokens, 4 KV heads of 128: 64 MiB of bf16
+
+
+def measure_append(repeats: int, clock: str = "wall") -> float:
+    """Bytes per second (the old tensor read and written) of appending one token by concatenation into a fresh
+    tensor, as a transformers ``DynamicCache`` does every step: past the allocator's mmap threshold the new tensor
+    is faulted in page by page, which a streaming copy into mapped memory never pays."""
+    import torch
+
+    old = torch.ones(APPEND_SHAPE, dtype=torch.bfloat16)
+    new = torch.ones(*APPEND_SHAPE[:2], 1, APPEND_SHAPE[3], dtype=torch.bfloat16)
+    median, _ = time_calls(lambda: torch.cat([old, new], dim=-2), repeats, clock=clock)
+    return 2 * old.numel() * old.element_size() / median
+
+
 def measure_gemm(n: int, repeats: int, clock: str = "wall") -> float:
     """fp32 FLOP/s of an n x n x n matrix product (median)."""
     import torch
@@ -225,6 +240,7 @@ def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall
         llc = llc_bytes()
         repeats = 3 if quick else 7
         dram = measure_dram((4 if quick else 8) * llc, repeats, clock)
+        append = measure_append(repeats, clock)
         gemm_n = 1024 if quick else 2048
         gemm = measure_gemm(gemm_n, repeats, clock)
         samples = tuple(time_attention(s, repeats, 2 * llc, clock=clock) for s in calibration_shapes(quick, threads))
@@ -234,7 +250,8 @@ def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall
     return Calibration(
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), quick=quick,
         clock=clock, torch_version=torch.__version__, num_threads=threads, logical_cpus=os.cpu_count() or threads,
-        cpu_model=cpu_model_name(), dram_bytes=installed_memory_bytes(), llc_bytes=llc, dram=dram, gemm_n=gemm_n,
+        cpu_model=cpu_model_name(), dram_bytes=installed_memory_bytes(), llc_bytes=llc, dram=dram,
+        append_bytes_per_s=append, gemm_n=gemm_n,
         gemm_flops_per_s=gemm, attention=samples, fit=fit_cpu_efficiency(samples, dram.triad_bytes_per_s, gemm),
         host_to_device=h2d)
 

@@ -23,6 +23,8 @@ MEASURED, on the machine that runs it (everything else in ``perf`` is modeled):
 
   Before every timed call a buffer of twice the last-level cache is read, so the KV comes from DRAM, as host KV
   does in serving;
+- a monolithic cache's append (``measure_append``: a concatenation into a fresh tensor past the allocator's mmap
+  threshold, as a transformers ``DynamicCache`` appends), whose share of triad is ``host_append``;
 - the pinned host-to-device copy rate and a small copy's latency, when a CUDA device exists.
 
 Times are wall-clock by default. On a shared machine, ``clock="thread"`` (one torch thread only) times the calling
@@ -282,17 +284,24 @@ class Calibration:
     dram_bytes: int
     llc_bytes: int
     dram: DramResult
+    append_bytes_per_s: float  # ``engine.measure.measure_append``: a DynamicCache-style append, read + write
     gemm_n: int
     gemm_flops_per_s: float
     attention: tuple[AttentionSample, ...]
     fit: CpuFit
     host_to_device: dict[str, Any]
 
+    @property
+    def host_append(self) -> float:
+        """``OffloadEfficiency.host_append``: the append's rate as a share of triad, at most 1 (a streaming copy)."""
+        return min(1.0, self.append_bytes_per_s / self.dram.triad_bytes_per_s)
+
     def as_dict(self) -> dict[str, Any]:
         nested = ("attention", "dram", "fit")
         doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in nested}
-        doc.update(measured=True, dram=dataclasses.asdict(self.dram), attention_kernel=kernels_used(self.attention),
-                   attention=[s.as_dict() for s in self.attention], fit=dataclasses.asdict(self.fit),
+        doc.update(measured=True, dram=dataclasses.asdict(self.dram), host_append=self.host_append,
+                   attention_kernel=kernels_used(self.attention), attention=[s.as_dict() for s in self.attention],
+                   fit=dataclasses.asdict(self.fit),
                    fit_by_kernel=errors_by_kernel(self.attention, self.dram.triad_bytes_per_s,
                                                   self.gemm_flops_per_s, self.fit.efficiency()))
         return doc

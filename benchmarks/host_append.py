@@ -22,20 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 KV_HEADS, HEAD_DIM, SEQS = 4, 128, 2
-
-
-def median_s(call, repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -52,7 +40,7 @@ def main() -> int:
     import torch
     from transformers import DynamicCache
 
-    from moetide.engine.measure import measure_dram
+    from moetide.engine.measure import measure_dram, time_calls
 
     torch.set_num_threads(1)
     triad = measure_dram(256 * 2**20, 5).triad_bytes_per_s
@@ -65,10 +53,10 @@ def main() -> int:
         moved = 2 * (k.numel() + v.numel()) * k.element_size()  # the old K and V, read and written
         cache = DynamicCache()
         cache.update(k, v, 0)
-        dynamic = median_s(lambda: cache.update(new, new, 0), args.repeats)
+        dynamic, _ = time_calls(lambda: cache.update(new, new, 0), args.repeats)
         out_k, out_v = (torch.empty(SEQS, KV_HEADS, n + 1, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
-        mapped = median_s(lambda: (torch.cat([k, new], dim=-2, out=out_k), torch.cat([v, new], dim=-2, out=out_v)),
-                          args.repeats)
+        mapped, _ = time_calls(lambda: (torch.cat([k, new], dim=-2, out=out_k), torch.cat([v, new], dim=-2, out=out_v)),
+                               args.repeats)
         print(json.dumps({"context": n, "kv_mib": round(moved / 2 / 2**20, 1),
                           "dynamic_cache_ms": round(dynamic * 1e3, 2),
                           "dynamic_cache_gb_s": round(moved / dynamic / 1e9, 2),

@@ -29,7 +29,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 SHAPE = {"num_seqs": 2, "num_kv_heads": 4, "group": 8, "kv_tokens": 32768, "head_dim": 128}
 STREAM_BYTES = 512 * 2**20
@@ -60,20 +59,19 @@ def stream_call(threads: int):
 
 
 def worker(kind: str, threads: int, calls: int) -> None:
-    """Run as a child: ``calls`` timed calls after two warm-ups, printed as one JSON line; ``calls`` 0 loops until
-    killed (a competitor), after printing ``ready`` once warm."""
+    """Run as a child: ``calls`` timed calls after two warm-ups (``time_calls`` makes the second), printed as
+    one JSON line; ``calls`` 0 loops until killed (a competitor), after printing ``ready`` once warm."""
+    from moetide.engine.measure import time_calls
+
     call = attention_call(threads) if kind == "same" or kind == "user" else stream_call(threads)
-    call(), call()
+    call()
     if calls == 0:
+        call()
         print("ready", flush=True)
         while True:
             call()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    print(json.dumps({"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}), flush=True)
+    median, least = time_calls(call, calls)
+    print(json.dumps({"median_s": median, "min_s": least}), flush=True)
 
 
 def spawn(kind: str, threads: int, calls: int, cpus: list[int]) -> subprocess.Popen:

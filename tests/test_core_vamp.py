@@ -66,9 +66,9 @@ def view(pool, line, shortfall, requester, running=False, preemptible=(), now=10
                         list(preemptible))
 
 
-def relieve(policy, pressure, hits=()):
-    """What the scheduler does on a shortfall: the admission hook first for a waiting requester (its prefix hits,
-    in prefix order), then the policy."""
+def relieve(policy, pressure):
+    """What the scheduler does on a shortfall: the admission hook first for a waiting requester, then the
+    policy."""
     if not pressure.requester_is_running:
         policy.admitting(pressure.requester, pressure.now_s, pressure.expert_line)
     return policy.relieve(pressure)

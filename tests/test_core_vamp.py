@@ -1,5 +1,7 @@
 """VAMP: each way out is chosen when it should be; the cap holds; conversion moves no KV; reclaim waits."""
 
+import math
+
 import pytest
 
 from moetide.core.blocks import BlockPool
@@ -8,6 +10,7 @@ from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
 from moetide.core.hashing import hash_token_blocks
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import EvictPrefix, OffloadExperts, Preempt, PressureView, VampParams, get_policy
+from moetide.core.pressure.vamp_params import DecayedRate
 from moetide.core.request import Request
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 
@@ -465,3 +468,21 @@ def test_a_growth_bought_back_from_preemptions_is_not_judged_by_busy_seconds_per
     ten_seconds(1012, 0.6)
     relieve(policy, view(pool, line, 1, requester, running=True, preemptible=[request("v3", 4)], now=1022.0))
     assert policy.num_growths_undone == 0
+
+
+def test_busy_seconds_read_after_a_gap_count_as_spread_over_it():
+    """The policy reads the step timer only at shortfalls: 50 busy seconds found after a gap of 100 s are a busy
+    share of 0.5 over that gap, not an event of 50 s now (which the decayed rate would read as 50 / τ(1 − e^−10),
+    above 1 for τ = 10)."""
+    rate = DecayedRate(10.0)
+    rate.add_spread(0.0, 123.0)  # the first reading only starts the clock: its interval is unknown
+    assert rate.rate(0.0) is None
+    rate.add_spread(100.0, 50.0)
+    assert rate.rate(100.0) == pytest.approx(0.5)
+    rate.add_spread(110.0, 10.0)  # busy all the last 10 s: e^-1 of the weight is the old 0.5, the rest 1.0
+    assert rate.rate(110.0) == pytest.approx((0.5 * math.exp(-1) * (1 - math.exp(-10)) + (1 - math.exp(-1)))
+                                             / (math.exp(-1) * (1 - math.exp(-10)) + (1 - math.exp(-1))))
+    lump = DecayedRate(10.0)
+    lump.add(0.0, 0.0)
+    lump.add(100.0, 50.0)
+    assert lump.rate(100.0) > 1.0

@@ -318,7 +318,7 @@ class VampPolicy(PressurePolicy):
 
     def _observe(self, now_s: float) -> None:
         busy = self.params.steps.busy_s()
-        self._busy.add(now_s, busy - self._last_busy_s)
+        self._busy.add_spread(now_s, busy - self._last_busy_s)
         self._last_busy_s = busy
         for rate in (self._next, self._preempted):
             rate.add(now_s, 0.0)  # the clocks run from the start, not from the first hit

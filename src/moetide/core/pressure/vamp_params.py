@@ -106,6 +106,22 @@ class DecayedRate:
         self._advance(now_s)
         self._sum += amount
 
+    def add_spread(self, now_s: float, amount: float) -> None:
+        """``amount`` accrued evenly since the last observation (busy seconds read only now and then): counted as
+        a constant rate over that interval, not as one event now, which would overstate the rate after a long gap.
+        The first observation only starts the clock (its interval is unknown)."""
+        if self._t is None:
+            self._t = now_s
+            return
+        dt = now_s - self._t
+        if dt <= 0:
+            self._sum += amount
+            return
+        f = math.exp(-dt / self.tau_s)
+        self._sum = self._sum * f + amount * self.tau_s * (1.0 - f) / dt
+        self._elapsed = self._elapsed * f + self.tau_s * (1.0 - f)
+        self._t = now_s
+
     def rate(self, now_s: float) -> float | None:
         self._advance(now_s)
         return self._sum / self._elapsed if self._elapsed > 0 else None

@@ -12,6 +12,7 @@ from moetide.commands.plan_split import COMPARED, parse_contexts, parse_tokens
 from moetide.core.split_baselines import NAMED_BASELINES
 from moetide.core.splits import BASELINES
 from moetide.errors import UserError
+from moetide.report import split_plan
 
 POLICIES = {"writescope", *COMPARED}
 
@@ -143,6 +144,17 @@ def test_json_path_convention(capsys, tmp_path):
     assert json.loads(out) == from_file
     rc, out, err = run_cli(capsys, *base, "--json", str(tmp_path / "no" / "x.json"))
     assert rc == 2 and out == "" and "does not exist" in err
+
+
+def test_a_saved_document_renders_as_the_run_did(capsys, tmp_path):
+    """The table is made from the JSON document alone: what ``--json`` saved prints the run's text again."""
+    base = ["--model", "qwen3-30b-a3b", "--gpu", "a100-40gb", "--vram-gib", "32", "--context", "8k,1m"]
+    path = tmp_path / "out.json"
+    rc, out, _ = run_cli(capsys, *base, "--json", str(path))
+    assert rc == 0
+    doc = json.loads(path.read_text())
+    assert doc["policies"] == ["writescope", *COMPARED] and doc["rates"]["link_gb_per_s"] > 0
+    assert out == split_plan.text(doc) + f"\nwrote {path}\n"
 
 
 def test_cpu_experts_and_prefetch_change_only_what_they_should(capsys):

@@ -47,7 +47,7 @@ from moetide.perf.budget import GiB
 from moetide.perf.host_share import HOST_EXPERT_PLACES, HostPhase, host_phase, prefetch_bytes
 from moetide.perf.offload import OffloadStepModel, SeqTokens, vram_layout
 from moetide.perf.step import StepShape, StepTimeModel
-from moetide.report.tables import format_table
+from moetide.report import split_plan
 from moetide.specs import get_gpu, get_host, get_model
 from moetide.units import cdiv
 
@@ -347,12 +347,14 @@ def evaluate(args: argparse.Namespace, setup: Setup) -> dict:
     rows = [evaluate_context(setup, c, b, ratio) for c, b in plan]
     e2e = geomean_speedups(rows) or {}
     doc = {"modeled": True, "note": MODELED_NOTE, "model": setup.attention.model.name,
-           "gpu": setup.attention.gpu.name, "cpu": setup.attention.host.name, "vram_gib": args.vram_gib,
+           "gpu": setup.attention.gpu.name, "cpu": setup.attention.host.name,
+           "cpu_model": setup.attention.host.cpu_model, "vram_gib": args.vram_gib, "policies": list(POLICIES),
            "fixed_ratio": ratio, "cpu_slowdown": args.cpu_slowdown, "host_experts": args.host_experts,
            "kv_prefetch": not args.no_kv_prefetch, "sparse_density": args.sparse_density,
            "solid_locality": args.solid_locality, "feedback_steps": args.feedback_steps,
            "hybridgen_streams": args.hybridgen_streams,
-           "layout": dataclasses.asdict(setup.offload.layout), "rows": rows,
+           "layout": dataclasses.asdict(setup.offload.layout), "vram_layout": setup.offload.layout.describe(),
+           "rates": _rates(setup), "rows": rows,
            "geomean_speedup": e2e.get("geomean_speedup"),
            "geomean_speedup_over_best_baseline": e2e.get("over_best_baseline"),
            "geomean_speedup_over_all_baselines": e2e.get("over_all_baselines"),
@@ -362,91 +364,16 @@ def evaluate(args: argparse.Namespace, setup: Setup) -> dict:
     return doc
 
 
-# ---- output -----------------------------------------------------------------------------------------------
-
-
-def _rates_line(setup: Setup) -> str:
+def _rates(setup: Setup) -> dict:
+    """The rates the split is planned from (what the text's third line says), in GB/s of KV."""
     a = setup.attention
-    cpu_rate, link_rate = 1 / a.cpu_s_per_byte() / 1e9, 1 / a.link_s_per_byte() / 1e9
     h = a.host
-    bound = "compute" if a.flops_per_kv_byte() / (h.fp32_flops_per_s * a.offload.cpu_compute) > 1 / (
-        h.dram_bandwidth_bytes_per_s * a.offload.cpu_memory) else "memory"
-    return (f"CPU attention {cpu_rate:,.1f} GB/s of KV ({bound}-bound, {a.flops_per_kv_byte():.1f} FLOP per KV byte); "
-            f"host link {link_rate:,.1f} GB/s; device attention {1 / a.device_s_per_byte() / 1e9:,.0f} GB/s")
-
-
-def _fmt_tokens(n: int) -> str:
-    for suffix, unit in (("M", 1024**2), ("k", 1024)):
-        if n % unit == 0:
-            return f"{n // unit}{suffix}"
-    return f"{n:,}"
-
-
-SHORT = {"writescope": "ws", "transfer-all": "xfer-all", "cpu-all": "cpu-all", "request-split": "req-split",
-         "fixed-ratio": "fixed", "solidattention": "Solid", "scoutattention": "Scout", "hybridgen": "HybridGen",
-         "fastdecode": "FastDecode", "monolithic": "monolithic"}
-
-
-def _text(doc: dict, setup: Setup) -> str:
-    head = (f"{doc['model']} on {doc['gpu']} + {doc['cpu']} ({setup.attention.host.cpu_model}), VRAM budget "
-            f"{doc['vram_gib']:g} GiB; fixed-ratio = {doc['fixed_ratio']:.2f}, CPU slowdown {doc['cpu_slowdown']:g}; "
-            f"host experts: {doc['host_experts']}, KV prefetch {'on' if doc['kv_prefetch'] else 'off'}; sparse "
-            f"baselines attend {doc['sparse_density']:g} of host KV (lossy)\n{MODELED_NOTE}\n{_rates_line(setup)}")
-    layout = format_table(["VRAM", "bytes"], setup.offload.layout.describe(), align="<<")
-    headers = ["context", "batch", "host KV GiB", "CPU share", *(SHORT[p] for p in POLICIES), "vs best", "vs named"]
-    body = []
-    for r in doc["rows"]:
-        t = r["step_time_s"]
-        best, named = min(t[b] for b in BASELINES), min(t[b] for b in NAMED_BASELINES)
-        body.append([_fmt_tokens(r["context"]), r["batch"], f"{r['host_kv_bytes'] / GiB:,.1f}",
-                     f"{r['cpu_share']:.3f}", *(f"{t[p] * 1e3:,.1f}" for p in POLICIES),
-                     f"{best / t['writescope']:.2f}x", f"{named / t['writescope']:.2f}x"])
-    parts = [head, layout, "Decode step time, ms (end to end)\n" + format_table(headers, body)]
-    attention = doc["attention_phase"] or {}
-    e2e = {"geomean_speedup": doc["geomean_speedup"],
-           "over_all_baselines": doc["geomean_speedup_over_all_baselines"],
-           "over_best_baseline": doc["geomean_speedup_over_best_baseline"],
-           "over_all_named_baselines": doc["geomean_speedup_over_all_named_baselines"],
-           "over_best_named_baseline": doc["geomean_speedup_over_best_named_baseline"]}
-    for label, g in (("end to end", e2e), ("attention phase only", attention)):
-        per = g.get("geomean_speedup")
-        if per is None:
-            parts.append(f"geomean speedup ({label}): no context >= 8k")
-            continue
-        ours = ", ".join(f"{b} {per[b]:.2f}x" for b in BASELINES)
-        named = ", ".join(f"{b} {per[b]:.2f}x" for b in (*NAMED_BASELINES, "monolithic"))
-        parts.append(f"writescope geomean speedup, contexts >= 8k ({label}):\n  ours: {ours}; over the best "
-                     f"{g['over_best_baseline']:.2f}x\n  the paper's: {named}; over the best named "
-                     f"{g['over_best_named_baseline']:.2f}x, over all four {g['over_all_named_baselines']:.2f}x")
-    return "\n\n".join(parts)
-
-
-def _plot(doc: dict, path: str) -> None:
-    from moetide.report.plots import require_matplotlib, save_figure
-
-    plt = require_matplotlib()
-    import matplotlib.ticker
-    rows = doc["rows"]
-    x = [r["context"] for r in rows]
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for p in POLICIES:
-        ax_t.plot(x, [r["step_time_s"][p] * 1e3 for r in rows], marker="o", label=p,
-                  linestyle="--" if p in NAMED_BASELINES or p == "monolithic" else "-")
-    ax_s.plot(x, [r["cpu_share"] for r in rows], marker="o", color="black")
-    for ax, label in ((ax_t, "modeled decode step (ms)"), (ax_s, "writescope CPU share of host KV")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(x, [_fmt_tokens(c) for c in x])
-        ax.minorticks_off()
-        ax.set_xlabel("context tokens per sequence")
-        ax.set_ylabel(label)
-    ax_t.set_yscale("log")
-    ax_t.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax_t.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax_t.legend(fontsize=7, ncol=2)
-    ax_s.set_ylim(0, 1)
-    fig.suptitle(f"{doc['model']} on {doc['gpu']} + {doc['cpu']}, {doc['vram_gib']:g} GiB VRAM (MODELED)")
-    fig.tight_layout()
-    save_figure(fig, path)
+    compute_bound = a.flops_per_kv_byte() / (h.fp32_flops_per_s * a.offload.cpu_compute) > 1 / (
+        h.dram_bandwidth_bytes_per_s * a.offload.cpu_memory)
+    return {"cpu_attention_gb_per_s": 1 / a.cpu_s_per_byte() / 1e9,
+            "cpu_attention_bound": "compute" if compute_bound else "memory",
+            "flop_per_kv_byte": a.flops_per_kv_byte(), "link_gb_per_s": 1 / a.link_s_per_byte() / 1e9,
+            "device_attention_gb_per_s": 1 / a.device_s_per_byte() / 1e9}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -454,9 +381,9 @@ def run(args: argparse.Namespace) -> int:
     setup = build_setup(args)
     doc = evaluate(args, setup)
     if args.plot:
-        _plot(doc, args.plot)
+        split_plan.plot(doc, args.plot)
     if args.json != "-":
-        print(_text(doc, setup))
+        print(split_plan.text(doc))
     if args.json is not None:
         write_json_output(args.json, json.dumps(doc, indent=2))
     with human_output(args.json):

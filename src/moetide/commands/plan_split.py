@@ -349,6 +349,7 @@ def evaluate(args: argparse.Namespace, setup: Setup) -> dict:
     doc = {"modeled": True, "note": MODELED_NOTE, "model": setup.attention.model.name,
            "gpu": setup.attention.gpu.name, "cpu": setup.attention.host.name,
            "cpu_model": setup.attention.host.cpu_model, "vram_gib": args.vram_gib, "policies": list(POLICIES),
+           "baselines": list(BASELINES), "named_baselines": list(NAMED_BASELINES),
            "fixed_ratio": ratio, "cpu_slowdown": args.cpu_slowdown, "host_experts": args.host_experts,
            "kv_prefetch": not args.no_kv_prefetch, "sparse_density": args.sparse_density,
            "solid_locality": args.solid_locality, "feedback_steps": args.feedback_steps,

@@ -161,7 +161,19 @@ class KVCacheManager:
             return None
         if self._host_tier is not None:  # state blocks included: they are read every step too
             self._count_host(request_id, new_computed_blocks, new_blocks)
-        if mamba is not None:  # the groups' blocks first, as vLLM's coordinator allocates them
+        blocks, new_blocks = self._install(request_id, new_computed_blocks, new_blocks, total)
+        self._register_full_blocks(request_id, blocks, block_hashes, total)
+        if mamba is not None:
+            mamba.cache(request_id, block_hashes, total, num_prompt_tokens, shared_prefix_boundary)
+        return new_blocks
+
+    def _install(self, request_id: str, new_computed_blocks: Sequence[int], new_blocks: list[int],
+                 total: int) -> tuple[list[int], list[int]]:
+        """Hand freshly allocated blocks out: mamba states and per-request state blocks first (as vLLM's
+        coordinator allocates the groups), then the hits and the new KV blocks onto the block table. Returns the
+        table and the new KV blocks."""
+        mamba = self.mamba
+        if mamba is not None:
             if request_id not in self._blocks:
                 hit_states = mamba.hit_states(self.pool.block_hash(new_computed_blocks[-1])) if new_computed_blocks \
                     else []  # type: ignore[arg-type]
@@ -180,10 +192,7 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
             self._num_registered[request_id] = len(new_computed_blocks)
         blocks.extend(new_blocks)
-        self._register_full_blocks(request_id, blocks, block_hashes, num_computed_tokens + num_new_tokens)
-        if mamba is not None:
-            mamba.cache(request_id, block_hashes, total, num_prompt_tokens, shared_prefix_boundary)
-        return new_blocks
+        return blocks, new_blocks
 
     def _count_host(self, request_id: str, *block_lists: Sequence[int]) -> None:
         n = sum(self._host_tier.count(blocks) for blocks in block_lists)  # type: ignore[union-attr]

@@ -486,3 +486,22 @@ def test_busy_seconds_read_after_a_gap_count_as_spread_over_it():
     lump.add(0.0, 0.0)
     lump.add(100.0, 50.0)
     assert lump.rate(100.0) > 1.0
+
+
+def test_a_request_that_preempted_itself_is_measured_again_when_it_returns():
+    """Its return is an admission of its own: if its prefix was evicted meanwhile, the miss is a ghost hit, even
+    though it was also the last request admitted before (the hook measures a blocked retry only once)."""
+    pool = BlockPool(range(8))
+    line = make_line(pool)
+    policy = get_policy("vamp", params=params(1e-7))
+    hashes = cached_prefix(pool, "s", 2, seed=1)
+    policy.admitting(request("A", 0, hashes=hashes), 1000.0, line)
+    held = pool.lookup_chain(hashes)
+    assert relieve(policy, view(pool, line, 1, request("A", 8, hashes=hashes), running=True,
+                                hits=held)) == [Preempt("A")]
+    assert relieve(policy, view(pool, line, 2, request("B", 4), running=True, now=1000.5)) == [EvictPrefix(2)]
+    pool.evict(2)
+    pool.check_invariants()
+    assert not policy._next.rate(1000.5)
+    policy.admitting(request("A", 0, hashes=hashes), 1001.0, line)
+    assert policy._next.rate(1001.0) > 0

@@ -144,6 +144,8 @@ class VampPolicy(PressurePolicy):
                 # evictable and the scheduler asks again
                 victim = view.preemptible[-1] if view.preemptible else view.requester
                 self._count_preemption(view, victim, need)
+                if victim.request_id == self._admitted:
+                    self._admitted = None  # its return is an admission of its own, measured again
                 return [Preempt(victim.request_id)]
             if view.running or line is None:
                 return []  # a waiting requester waits for running requests to free memory

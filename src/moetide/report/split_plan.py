@@ -33,7 +33,8 @@ def text(doc: dict) -> str:
             f"baselines attend {doc['sparse_density']:g} of host KV (lossy)\n{doc['note']}\n"
             f"{_rates_line(doc['rates'])}")
     layout = format_table(["VRAM", "bytes"], doc["vram_layout"], align="<<")
-    headers = ["context", "batch", "host KV GiB", "CPU share", *(SHORT.get(p, p) for p in policies), "vs best", "vs named"]
+    headers = ["context", "batch", "host KV GiB", "CPU share", *(SHORT.get(p, p) for p in policies),
+               "vs best", "vs named"]
     body = []
     for r in doc["rows"]:
         t = r["step_time_s"]

@@ -7,8 +7,11 @@ TTFT p90 and request throughput (the checks of issue 17). The setup is the paper
 2 x H100 NVL at TP 2, 8.02 GiB of KV per GPU, cap 0.15, vLLM 0.15's defaults (docs/vamp.md).
 
     .venv/bin/python benchmarks/vamp_oracle.py [--sessions 40] [--rates 0.005,0.01,0.02,0.05] [--seeds 1,2]
+        [--reuse EARLIER.jsonl]
 
-Every time is the roofline's, not a measurement. About 10 s a replay on this machine.
+Every time is the roofline's, not a measurement. About 10 s a replay on this machine. ``--reuse`` takes `vllm`'s
+and the fixed ratios' lines from an earlier run's output instead of replaying them (they do not depend on the
+controller; each reused line says so), which makes a controller change cost one replay a load.
 """
 
 from __future__ import annotations
@@ -30,12 +33,41 @@ PAPER = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_budget
                      vllm_version="0.15")
 
 
+FIGURES = ("ttft_p90_s", "tpot_p50_s", "request_throughput_per_s", "requests_per_busy_s", "preemptions",
+           "prefix_hit_rate")
+
+
 def figures(result: dict) -> dict:
     m = result["metrics"]
     return {"ttft_p90_s": m["ttft_s"]["p90"], "tpot_p50_s": m["tpot_s"]["p50"],
             "request_throughput_per_s": m["request_throughput_per_s"],
             "requests_per_busy_s": m["completed"] / m["busy_s"] if m["busy_s"] else None,
             "preemptions": m["preemptions"], "prefix_hit_rate": m["prefix_hit_rate"]}
+
+
+def load_reused(path: Path) -> dict[tuple, dict]:
+    """The runs of an earlier output, keyed by (seed, session rate, sessions, run); summary lines and `vamp`'s are
+    skipped (the controller is what a rerun is for)."""
+    reused: dict[tuple, dict] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        sys.exit(f"vamp_oracle: --reuse {path}: {e.strerror}")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            sys.exit(f"vamp_oracle: {path}:{number}: not a JSON line ({e.msg})")
+        if not isinstance(row, dict) or "run" not in row or row["run"] == "vamp":
+            continue
+        try:
+            key = (int(row["seed"]), float(row["session_rate"]), int(row["sessions"]), row["run"])
+        except (KeyError, TypeError, ValueError):
+            sys.exit(f"vamp_oracle: {path}:{number}: a run line needs seed, session_rate and sessions")
+        reused[key] = {k: row[k] for k in FIGURES}
+    return reused
 
 
 def main() -> None:
@@ -45,9 +77,12 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2")
     parser.add_argument("--vamp-horizon-s", type=float, default=PAPER.vamp_horizon_s)
     parser.add_argument("--ratios", default="0.0375,0.075,0.1125,0.15", help="static-offload ratios (the oracle)")
+    parser.add_argument("--reuse", type=Path, metavar="JSONL",
+                        help="take vllm's and the fixed ratios' figures from an earlier run's output")
     args = parser.parse_args()
     if not TRACE.exists():
         sys.exit(f"vamp_oracle: {TRACE} is absent (../shared/traces beside the checkout)")
+    reused = load_reused(args.reuse) if args.reuse else {}
     for seed in (int(s) for s in args.seeds.split(",")):
         for rate in (float(r) for r in args.rates.split(",")):
             workload = load_workload(TRACE, seed=seed, session_rate_per_s=rate, sessions=args.sessions)
@@ -56,9 +91,15 @@ def main() -> None:
                 runs[f"static-{ratio:g}"] = ("static-offload", replace(PAPER, max_offload_ratio=ratio))
             out = {}
             for name, (policy, config) in runs.items():
-                result, _ = run_replay(workload, replace(config, policy=policy, seed=seed))
-                out[name] = figures(result)
-                print(json.dumps({"seed": seed, "session_rate": rate, "run": name, **out[name]}), flush=True)
+                line = {"seed": seed, "session_rate": rate, "sessions": args.sessions, "run": name}
+                earlier = reused.get((seed, rate, args.sessions, name))
+                if earlier is not None:
+                    out[name] = earlier
+                    line["reused"] = str(args.reuse)
+                else:
+                    result, _ = run_replay(workload, replace(config, policy=policy, seed=seed))
+                    out[name] = figures(result)
+                print(json.dumps({**line, **out[name]}), flush=True)
             fixed = {k: v for k, v in out.items() if k == "vllm" or k.startswith("static-")}
             best = min(fixed, key=lambda k: fixed[k]["ttft_p90_s"])
             vamp, vllm = out["vamp"], out["vllm"]

@@ -27,8 +27,11 @@ re-prefill those experts' staging costs. The factor-of-two dead band stands for 
 estimates: neither side sees the queueing its change causes (a line moved on an even comparison ran to the cap in
 the collapse of an overloaded run and left it worse). UCP repartitions at intervals for the same reason: one step
 per interval keeps the line from outrunning what its measurements can see (a line moved at every shortfall ran to
-the cap before the re-prefills it saved, or the queues its staging built, showed up). ``W = G / 4``: a marginal
-slice of the capacity the cap can add, wide enough to see ghost hits, narrow enough to be marginal.
+the cap before the re-prefills it saved, or the queues its staging built, showed up). ``W = G / 8``: a marginal
+slice of the capacity the cap can add, wide enough to see ghost hits, narrow enough to be marginal. With a review
+every 120 s the line can move as fast as a quarter of the cap every 300 s, but in steps half as large, so it
+stops closer to what a load needs: a quarter ran a load just under ``vllm``'s cliff on the whole WEKA trace past
+what it needed and into collapse, where an eighth serves it at half ``vllm``'s TTFT p90 (docs/vamp.md).
 
 A review never gives a window back on a first-order estimate of what the last window saves. The one there is to
 make — hits on the W blocks a smaller pool would have lost, the head of the LRU queue — undervalues capacity near
@@ -86,7 +89,7 @@ from moetide.units import cdiv
 
 __all__ = ["DecayedRate", "StepStats", "VampParams", "VampPolicy"]
 
-WINDOWS_PER_CAP = 4  # W = G / 4: the line moves by a quarter of what the cap can add at a time
+WINDOWS_PER_CAP = 8  # W = G / 8: the line moves by an eighth of what the cap can add at a time
 
 
 class VampPolicy(PressurePolicy):

@@ -32,7 +32,8 @@ class VampParams:
     prefill_s_per_token_per_context: float = 0.0  # what one token of context adds to one token's prefill
     # time constant of the measured rates (ghost hits, busy share) and the review interval: with windows of an
     # eighth of the cap, 120 s is within 10% of an oracle of fixed offload ratios at 14 of 15 loads and within 5% of
-    # vllm on the whole WEKA trace; 300 s lags the onset of pressure (docs/vamp.md, "The default horizon")
+    # vllm on the whole WEKA trace; 300 s lags the onset of pressure
+    # (docs/vamp.md, "The default horizon and window")
     horizon_s: float = 120.0
     remap_s_per_expert: float = 50e-6  # cuMemUnmap/cuMemMap of an expert's pages and the block-table update
     reclaim: bool = False

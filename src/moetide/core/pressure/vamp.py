@@ -31,7 +31,8 @@ the cap before the re-prefills it saved, or the queues its staging built, showed
 slice of the capacity the cap can add, wide enough to see ghost hits, narrow enough to be marginal. With a review
 every 120 s the line can move as fast as a quarter of the cap every 300 s, but in steps half as large, so it
 stops closer to what a load needs: a quarter ran a load just under ``vllm``'s cliff on the whole WEKA trace past
-what it needed and into collapse, where an eighth serves it at half ``vllm``'s TTFT p90 (docs/vamp.md).
+what it needed and into collapse, where an eighth serves it at 0.73x the TTFT p90 of ``vllm`` given the same
+KV blocks (docs/vamp.md).
 
 A review never gives a window back on a first-order estimate of what the last window saves. The one there is to
 make — hits on the W blocks a smaller pool would have lost, the head of the LRU queue — undervalues capacity near

@@ -503,5 +503,7 @@ def test_a_request_that_preempted_itself_is_measured_again_when_it_returns():
     pool.evict(2)
     pool.check_invariants()
     assert not policy._next.rate(1000.5)
-    policy.admitting(request("A", 0, hashes=hashes), 1001.0, line)
+    back = request("A", 0, hashes=hashes)
+    back.num_preemptions = 1  # as the scheduler counts the preemption it applied
+    policy.admitting(back, 1001.0, line)
     assert policy._next.rate(1001.0) > 0

@@ -105,7 +105,9 @@ class VampPolicy(PressurePolicy):
         self._ghost_capacity = 0  # G: set from the expert line (blocks the cap can add)
         self._next = DecayedRate(params.horizon_s)  # re-prefill s/s W more blocks would have saved (ghost hits)
         self._preempted = DecayedRate(params.horizon_s)  # ... and the recompute of preemptions W more would avoid
-        self._admitted: str | None = None  # the waiting request whose ghost hits were counted last
+        # the waiting request whose ghost hits were counted last, and its preemptions then: a return after a
+        # preemption is an admission of its own
+        self._admitted: tuple[str, int] | None = None
         self._allowed = 0  # experts the line may have offloaded now (moved by _review)
         self._demand = DecayedRate(params.horizon_s)  # prompt tokens asked for (first admissions) per second
         self._grew_at: float | None = None  # busy s per demanded token when the line last grew (checked next review)
@@ -148,8 +150,6 @@ class VampPolicy(PressurePolicy):
                 # evictable and the scheduler asks again
                 victim = view.preemptible[-1] if view.preemptible else view.requester
                 self._count_preemption(view, victim, need)
-                if victim.request_id == self._admitted:
-                    self._admitted = None  # its return is an admission of its own, measured again
                 return [Preempt(victim.request_id)]
             if view.running or line is None:
                 return []  # a waiting requester waits for running requests to free memory
@@ -258,10 +258,12 @@ class VampPolicy(PressurePolicy):
     def admitting(self, request, now_s: float, line=None) -> None:
         """The scheduler's admission hook, at a waiting request's prefix lookup before anything is allocated:
         every admission, not only those that hit a shortfall, counts its ghost hits and the prompt tokens asked for
-        (the growth check's demand). Measured once per request (a blocked request is retried every step)."""
-        if request.request_id == self._admitted:
+        (the growth check's demand). Measured once per admission: a blocked request is retried every step, and
+        a preempted one comes back as a new admission."""
+        admission = (request.request_id, request.num_preemptions)
+        if admission == self._admitted:
             return
-        self._admitted = request.request_id
+        self._admitted = admission
         if request.num_cached_prompt_tokens is None:  # its first admission (not a preempted one's return)
             self._demand.add(now_s, request.num_prompt_tokens)
         if line is not None:

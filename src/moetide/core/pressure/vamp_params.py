@@ -115,13 +115,8 @@ class DecayedRate:
             self._t = now_s
             return
         dt = now_s - self._t
-        if dt <= 0:
-            self._sum += amount
-            return
-        f = math.exp(-dt / self.tau_s)
-        self._sum = self._sum * f + amount * self.tau_s * (1.0 - f) / dt
-        self._elapsed = self._elapsed * f + self.tau_s * (1.0 - f)
-        self._t = now_s
+        self._advance(now_s)
+        self._sum += amount if dt <= 0 else amount * self.tau_s * (1.0 - math.exp(-dt / self.tau_s)) / dt
 
     def rate(self, now_s: float) -> float | None:
         self._advance(now_s)

@@ -33,10 +33,6 @@ PAPER = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_budget
                      vllm_version="0.15")
 
 
-FIGURES = ("ttft_p90_s", "tpot_p50_s", "request_throughput_per_s", "requests_per_busy_s", "preemptions",
-           "prefix_hit_rate")
-
-
 def figures(result: dict) -> dict:
     m = result["metrics"]
     return {"ttft_p90_s": m["ttft_s"]["p90"], "tpot_p50_s": m["tpot_s"]["p50"],
@@ -66,7 +62,7 @@ def load_reused(path: Path) -> dict[tuple, dict]:
             key = (int(row["seed"]), float(row["session_rate"]), int(row["sessions"]), row["run"])
         except (KeyError, TypeError, ValueError):
             sys.exit(f"vamp_oracle: {path}:{number}: a run line needs seed, session_rate and sessions")
-        reused[key] = {k: row[k] for k in FIGURES}
+        reused[key] = {k: v for k, v in row.items() if k not in ("seed", "session_rate", "sessions", "run", "reused")}
     return reused
 
 

@@ -11,7 +11,7 @@ SHORT = {"writescope": "ws", "transfer-all": "xfer-all", "cpu-all": "cpu-all", "
          "fastdecode": "FastDecode", "monolithic": "monolithic"}
 
 
-def fmt_tokens(n: int) -> str:
+def _fmt_tokens(n: int) -> str:
     """``8k``, ``1M``; a count that is neither, with separators."""
     for suffix, unit in (("M", 1024**2), ("k", 1024)):
         if n % unit == 0:
@@ -39,7 +39,7 @@ def text(doc: dict) -> str:
     for r in doc["rows"]:
         t = r["step_time_s"]
         best, named = min(t[b] for b in ours), min(t[b] for b in named_baselines)
-        body.append([fmt_tokens(r["context"]), r["batch"], f"{r['host_kv_bytes'] / GiB:,.1f}",
+        body.append([_fmt_tokens(r["context"]), r["batch"], f"{r['host_kv_bytes'] / GiB:,.1f}",
                      f"{r['cpu_share']:.3f}", *(f"{t[p] * 1e3:,.1f}" for p in policies),
                      f"{best / t['writescope']:.2f}x", f"{named / t['writescope']:.2f}x"])
     parts = [head, layout, "Decode step time, ms (end to end)\n" + format_table(headers, body)]
@@ -76,7 +76,7 @@ def plot(doc: dict, path: str) -> None:
     ax_s.plot(x, [r["cpu_share"] for r in rows], marker="o", color="black")
     for ax, label in ((ax_t, "modeled decode step (ms)"), (ax_s, "writescope CPU share of host KV")):
         ax.set_xscale("log", base=2)
-        ax.set_xticks(x, [fmt_tokens(c) for c in x])
+        ax.set_xticks(x, [_fmt_tokens(c) for c in x])
         ax.minorticks_off()
         ax.set_xlabel("context tokens per sequence")
         ax.set_ylabel(label)

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from moetide.cli import main
-from moetide.perf import StepShape, StepTimeModel
+from moetide.perf import Efficiency, StepShape, StepTimeModel
+from moetide.perf.engines import engine_efficiency
 from moetide.specs import get_gpu, get_model
 
 
@@ -28,7 +29,7 @@ def assert_one_line_error(rc: int, out: str, err: str, *needles: str) -> None:
 def test_decode_qwen3_30b_on_h100(capsys):
     rc, out, err = run_cli(capsys, "--model", "qwen3-30b-a3b", "--gpu", "h100", "--batch", "1", "--context", "4096")
     assert rc == 0 and err == ""
-    step = StepTimeModel(get_model("qwen3-30b-a3b"), get_gpu("h100"))
+    step = StepTimeModel(get_model("qwen3-30b-a3b"), get_gpu("h100"), efficiency=engine_efficiency())
     total_s = step.step_time_s(*StepShape.decode(1, 4096).as_args())
     assert "MODELED times" in out and "not measurements" in out
     assert f"throughput: 1 token / {total_s * 1e3:.3f} ms = {1 / total_s:,.1f} tokens/s" in out
@@ -54,7 +55,7 @@ def test_json_has_exact_figures(capsys):
                          "--context", "1000", "--prefill-tokens", "2048")
     doc = json.loads(out)
     assert rc == 0 and doc["modeled"] is True
-    step = StepTimeModel(get_model("qwen3-30b-a3b"), get_gpu("h100"))
+    step = StepTimeModel(get_model("qwen3-30b-a3b"), get_gpu("h100"), efficiency=engine_efficiency())
     assert doc["decode"]["step_time_s"] == step.step_time_s(*StepShape.decode(8, 1000).as_args())
     assert doc["decode"]["tokens_per_s"] == pytest.approx(8 / doc["decode"]["step_time_s"])
     assert doc["prefill"]["shape"]["num_tokens"] == 2048
@@ -88,3 +89,11 @@ def test_bad_arguments_are_one_line(capsys, argv, needle):
 def test_unknown_model(capsys):
     rc, out, err = run_cli(capsys, "--model", "no-such-model", "--gpu", "h100")
     assert_one_line_error(rc, out, err, "unknown model")
+
+
+def test_engine_profile_roofline_gives_the_plain_roofline(capsys):
+    rc, out, _ = run_cli(capsys, "--json", "--model", "qwen3-30b-a3b", "--gpu", "h100", "--engine-profile", "roofline")
+    doc = json.loads(out)
+    step = StepTimeModel(get_model("qwen3-30b-a3b"), get_gpu("h100"), efficiency=Efficiency())
+    assert rc == 0 and doc["engine_profile"] == "roofline"
+    assert doc["decode"]["step_time_s"] == step.step_time_s(*StepShape.decode(1, 4096).as_args())

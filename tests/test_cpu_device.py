@@ -14,6 +14,7 @@ import pytest
 
 from moetide.errors import UserError
 from moetide.perf import Efficiency, StepShape, StepTimeModel
+from moetide.perf.engines import engine_efficiency
 from moetide.perf.step_calibrate import (StepSample, _overheads, fit_request_overhead, fit_step_efficiency,
                                          step_efficiency_for_gpu)
 from moetide.sim.setup import ReplayConfig, build_replay, resolve_dtype
@@ -115,7 +116,7 @@ def test_device_file_efficiency_table(tmp_path):
     path.write_text(DEVICE_TOML + "\n[efficiency]\nmatmul = 0.5\nseq_overhead_s = 1e-4\n\n[measured]\nsteps = 3\n")
     assert get_gpu(str(path)).matmul_dtype == "fp32"
     assert step_efficiency_for_gpu(str(path)) == Efficiency(matmul=0.5, seq_overhead_s=1e-4)
-    assert step_efficiency_for_gpu("h100") == Efficiency()
+    assert step_efficiency_for_gpu("h100") == engine_efficiency()  # a preset: the engine profile
     path.write_text(DEVICE_TOML + "\n[efficiency]\nmatmull = 0.5\n")
     with pytest.raises(UserError, match=r"cpu.toml: \[efficiency\]: unknown field\(s\) \['matmull'\]"):
         step_efficiency_for_gpu(str(path))

@@ -17,6 +17,8 @@ from moetide.commands.options import write_json_output
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepShape, StepTimeModel, memory_budget
 from moetide.perf.budget import default_block_size
+from moetide.perf.engines import DEFAULT_ENGINE_PROFILE, engine_profiles
+from moetide.perf.step_calibrate import step_efficiency_for_gpu
 from moetide.report.tables import format_table
 from moetide.specs import HardwareSpec, ModelSpec, get_gpu, get_model
 
@@ -47,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget per step; sizes the activation reserve (default 8192)")
     parser.add_argument("--state-checkpoints", action="store_true",
                         help="hybrid models: charge a linear-attention state copy per cached block (prefix caching)")
+    parser.add_argument("--engine-profile", default=DEFAULT_ENGINE_PROFILE, choices=engine_profiles(),
+                        help="the serving engine's fitted efficiency profile (default %(default)s; roofline: none); "
+                             "a GPU file's own [efficiency] table replaces it")
     parser.add_argument("--dtype-bytes", type=int, default=2, metavar="N", help="bytes per weight (2 = bf16)")
     parser.add_argument("--kv-dtype-bytes", type=int, default=2, metavar="N", help="bytes per KV element (2)")
     add_json_argument(parser, "the figures instead of tables", bare=True)
@@ -74,7 +79,8 @@ def _check_args(args: argparse.Namespace) -> None:
 def _build(args: argparse.Namespace, model: ModelSpec, gpu: HardwareSpec) -> tuple[StepTimeModel, MemoryBudget]:
     try:
         step = StepTimeModel(model, gpu, tp=args.tp, dtype_bytes=args.dtype_bytes,
-                             kv_dtype_bytes=args.kv_dtype_bytes)
+                             kv_dtype_bytes=args.kv_dtype_bytes,
+                             efficiency=step_efficiency_for_gpu(args.gpu, args.engine_profile))
     except ValueError as exc:
         raise UserError(f"--tp: {exc}") from None
     block_size = args.block_size or default_block_size(model, tp=args.tp)
@@ -113,6 +119,8 @@ def _term_rows(step: StepTimeModel, bd: dict[str, float]) -> list[list[object]]:
     if step.tp > 1:
         rows.append([f"all-reduce (2 x {m.num_layers} layers)", None, f"{bd['allreduce_bytes'] / 1e6:,.2f}", None,
                      None, f"{bd['allreduce_s'] * 1e3:.3f}", "link"])
+    if bd["floors_s"]:
+        rows.append(["per-layer kernel floors", None, None, None, None, f"{bd['floors_s'] * 1e3:.3f}", "fixed"])
     rows.append(["step overhead", None, None, None, None, f"{bd['overhead_s'] * 1e3:.3f}", "fixed"])
     rows.append(["total", None, None, None, None, f"{bd['total_s'] * 1e3:.3f}", None])
     return rows
@@ -127,12 +135,12 @@ def _step_section(title: str, step: StepTimeModel, shape: StepShape, tokens_out:
     return f"{title}\n{table}\nthroughput: {tokens_out:,} {noun} / {bd['total_s'] * 1e3:.3f} ms = {rate:,.1f} tokens/s"
 
 
-def _efficiency_line(step: StepTimeModel) -> str:
+def _efficiency_line(step: StepTimeModel, profile: str) -> str:
     e, g = step.efficiency, step.gpu
     return (f"efficiency: matmul {e.matmul:.2f} and attention {e.attention:.2f} x {g.matmul_flops_per_s / 1e12:,.1f} "
             f"TFLOP/s, HBM {e.hbm:.2f} x {g.hbm_bandwidth_bytes_per_s / 1e9:,.0f} GB/s, all-reduce {e.allreduce:.2f} x "
             f"{g.gpu_link_bandwidth_bytes_per_s / 1e9:,.0f} GB/s + {e.allreduce_latency_s * 1e6:g} us, "
-            f"step overhead {e.step_overhead_s * 1e3:g} ms")
+            f"step overhead {e.step_overhead_s * 1e3:g} ms; profile {profile}")
 
 
 def _fit_line(budget: MemoryBudget, num_seqs: int, context_tokens: int) -> str:
@@ -145,7 +153,8 @@ def _fit_line(budget: MemoryBudget, num_seqs: int, context_tokens: int) -> str:
 def _text(args: argparse.Namespace, step: StepTimeModel, budget: MemoryBudget, shapes: dict[str, StepShape]) -> str:
     m, g = step.model, step.gpu
     head = (f"{m.name} on {args.tp} x {g.name} (tp={args.tp}); weights {DTYPE_NAMES.get(args.dtype_bytes, '?')} "
-            f"({args.dtype_bytes} B), KV {args.kv_dtype_bytes} B per element\n{MODELED_NOTE}\n{_efficiency_line(step)}")
+            f"({args.dtype_bytes} B), KV {args.kv_dtype_bytes} B per element\n{MODELED_NOTE}\n"
+            f"{_efficiency_line(step, args.engine_profile)}")
     decode = shapes["decode"]
     seqs = "sequence" if args.batch == 1 else "sequences"
     parts = [head, _step_section(
@@ -166,7 +175,7 @@ def _json(args: argparse.Namespace, step: StepTimeModel, budget: MemoryBudget, s
     doc: dict[str, object] = {
         "modeled": True, "note": MODELED_NOTE, "model": step.model.name, "gpu": step.gpu.name, "tp": args.tp,
         "dtype_bytes": args.dtype_bytes, "kv_dtype_bytes": args.kv_dtype_bytes,
-        "efficiency": dataclasses.asdict(step.efficiency),
+        "engine_profile": args.engine_profile, "efficiency": dataclasses.asdict(step.efficiency),
     }
     out_tokens = {"decode": args.batch, "prefill": args.prefill_tokens}
     for kind, shape in shapes.items():

@@ -25,6 +25,7 @@ from moetide.commands.options import (
     human_output,
     write_json_output,
 )
+from moetide.perf.engines import engine_profiles
 from moetide.perf.staging import STAGING_MODES
 from moetide.core.pressure import POLICIES
 from moetide.errors import UserError
@@ -56,6 +57,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
                         metavar="F", help="share of HBM the engine may use for weights, activations and the KV "
                                           "cache, as in vLLM (default %(default)s)")
+    parser.add_argument("--engine-profile", choices=engine_profiles(), default=defaults.engine_profile,
+                        help="the step model's fitted efficiency for a GPU preset (default %(default)s; roofline: "
+                             "none; docs/perf.md)")
     parser.add_argument("--vllm-version", choices=VLLM_VERSIONS, default=defaults.vllm_version,
                         help="the vLLM whose scheduler defaults the baseline takes: 0.32 (default), or 0.15 (0.15.1, "
                         "the VAMP paper's base: first-chunk admission, the long-prefill threshold on every chunk, "
@@ -222,7 +226,7 @@ def _config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         model=args.model, gpu=args.gpu, tp=args.tp, policy=policy, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_budget_gib=_gib(args.kv_cache_memory),
-        vllm_version=args.vllm_version, enable_prefix_caching=args.prefix_caching,
+        vllm_version=args.vllm_version, engine_profile=args.engine_profile, enable_prefix_caching=args.prefix_caching,
         scheduler_reserve_full_isl=args.scheduler_reserve_full_isl, seed=args.seed,
         mamba_cache_mode=args.mamba_cache_mode, prefix_cache_retention_interval=_retention_of(args),
         max_offload_ratio=args.max_offload_ratio, staging_mode=args.staging,

@@ -23,7 +23,10 @@ tensor parallelism (``perf.budget`` says what is split and what replicated), eff
              T tokens touch. Uniform routing, each token picking k of E: D(T) = E (1 - (1 - k/E)^T) (exact in
              expectation: an expert is missed by one token with probability 1 - k/E). With per-layer routing
              probabilities p_e (sum_e p_e = k): D_l(T) = sum_e 1 - (1 - p_e)^T, and the term sums the per-layer maxima.
-             D(1) = k; D(T) -> E as T grows.
+             D(1) = k; D(T) -> E as T grows. The grouped GEMM reaches e_moe m / (m + h) of peak at m = T k / D
+             tokens per active expert (``moe_matmul``, ``moe_half_tokens``), so its compute is 2 W_e (T k + h D)
+             / (F e_moe): each active expert costs h tokens more, as a kernel that tiles every expert's rows to a
+             block of M rows pays for the padding.
   attention  max(P x L_full x 4 H d / (F e_att),  KV x b_kv / (M e_kv))           full-attention layers only
              H = query heads on this GPU, d = head_dim: QK^T and PV are 2 d FLOPs each per head and pair. MLA in
              the absorbed form (scores against the latent, W_UK folded into the query, W_UV applied after): 2 (r +
@@ -37,13 +40,21 @@ tensor parallelism (``perf.budget`` says what is split and what replicated), eff
   lm_head    max(2 S V h / tp / (F e_mm),  B_lm / (M e_hbm))
              Logits for the sampled positions only: one row per sequence (S), not per token (vLLM's
              logits_indices), the head read once per step. The embedding lookup is a gather of T rows: left out.
-  allreduce  2 L x (2 (tp-1)/tp x T h b / (N e_ar) + latency)                      only when tp > 1
-             Two all-reduces per layer (after attention, after the MLP) of T x hidden activations (b = dtype
-             bytes), ring algorithm over the GPU link N. The embedding's all-reduce and the logits gather are
-             one each per step and left out.
-  overhead   a fixed per-step time (launch, scheduling, sampling) that no roofline term explains, plus a time
-             per sequence in the batch (an engine's per-request bookkeeping: zero for the GPU presets, fitted by
-             ``moetide calibrate --model`` for an engine on a CPU).
+  allreduce  2 L x allreduce(T h b)                                                 only when tp > 1
+             Two all-reduces per layer (after attention, after the MLP) of a message of T x hidden activations
+             (b = dtype bytes), by the algorithm vLLM picks for its size: up to ``custom_allreduce_max_bytes``
+             vLLM's custom all-reduce, one-shot (every GPU reads each peer's whole message: (tp-1) S bytes) at
+             tp = 2 or below 512 KiB (tp <= 4) / 256 KiB (tp 8), else two-shot (2 (tp-1)/tp S), plus
+             ``allreduce_latency_s``; above it NCCL's ring, 2 (tp-1)/tp S, plus ``nccl_latency_s``; each over the
+             GPU link N at ``allreduce``. The embedding's all-reduce and the logits gather are left out.
+  floors     L_moe x moe_layer_s + L_full x attention_layer_s + L_lin x linear_layer_s: the kernels of a layer
+             that no byte or FLOP term carries (norms, rotary, cache writes, router top-k, the MoE sort and
+             reduction, launch gaps), a fixed time per layer of each kind.
+  overhead   a fixed per-step time (host-side scheduling, input preparation, sampling) that no roofline term
+             explains, plus a time per sequence in the batch (an engine's per-request bookkeeping).
+
+The new-term defaults are neutral (zero floors, ring all-reduce, ``moe_matmul`` = ``matmul``), which is the plain
+roofline; ``perf.engines`` holds each engine's fitted profile (docs/perf.md, "Against published measurements").
 
 F = matmul_flops_per_s, M = hbm_bandwidth_bytes_per_s, N = gpu_link_bandwidth_bytes_per_s (``HardwareSpec``).
 ``num_decode_seqs`` is part of the shape for callers that key on it; no term depends on it yet.
@@ -95,6 +106,14 @@ class Efficiency:
                  steps, fixed and per prompt token (0 for the GPU presets, whose server runs on other cores; a
                  server sharing its one core with the engine receives and checks each prompt on it). The replay
                  charges them at the request's send (``sim.replay``), not in ``step_time_s``
+    moe_matmul:  the grouped MoE GEMM's share of peak at many tokens per expert; None: ``matmul``
+    moe_half_tokens: tokens per active expert at which the grouped GEMM reaches half of ``moe_matmul``
+    moe_layer_s, attention_layer_s, linear_layer_s: fixed time per MoE, full-attention and linear-attention
+                 layer (the small kernels and launch gaps no byte or FLOP term carries)
+    custom_allreduce_max_bytes: all-reduce messages up to this size use vLLM's custom all-reduce (0: none do)
+    nccl_latency_s: per NCCL ring all-reduce; None: ``allreduce_latency_s``
+
+    Every new-term default is neutral (the plain roofline); ``perf.engines`` holds the fitted engine profiles.
     """
 
     matmul: float = 0.7
@@ -107,19 +126,29 @@ class Efficiency:
     attention_memory: float | None = None
     request_overhead_s: float = 0.0
     request_overhead_s_per_token: float = 0.0
+    moe_matmul: float | None = None
+    moe_half_tokens: float = 0.0
+    moe_layer_s: float = 0.0
+    attention_layer_s: float = 0.0
+    linear_layer_s: float = 0.0
+    custom_allreduce_max_bytes: float = 0.0
+    nccl_latency_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("matmul", "hbm", "attention", "allreduce", "attention_memory"):
+        for name in ("matmul", "hbm", "attention", "allreduce", "attention_memory", "moe_matmul"):
             value = getattr(self, name)
-            if value is None and name == "attention_memory":
+            if value is None and name in ("attention_memory", "moe_matmul"):
                 continue
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise ValueError(f"Efficiency.{name} is a fraction of peak and must be in (0, 1], got {value!r}")
         for name in ("allreduce_latency_s", "step_overhead_s", "seq_overhead_s", "request_overhead_s",
-                     "request_overhead_s_per_token"):
+                     "request_overhead_s_per_token", "moe_half_tokens", "moe_layer_s", "attention_layer_s",
+                     "linear_layer_s", "custom_allreduce_max_bytes", "nccl_latency_s"):
             value = getattr(self, name)
+            if value is None and name == "nccl_latency_s":
+                continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"Efficiency.{name} must be a finite number of seconds >= 0, got {value!r}")
+                raise ValueError(f"Efficiency.{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +200,21 @@ def _check_routing_probs(model: ModelSpec, routing_probs: Sequence[Sequence[floa
     return tuple(checked)
 
 
+def allreduce_s(gpu: HardwareSpec, tp: int, efficiency: Efficiency, message_bytes: float) -> float:
+    """One all-reduce of ``message_bytes`` over a tp-way group, by the algorithm vLLM picks for its size (module
+    docstring); 0 at tp = 1."""
+    e = efficiency
+    if tp == 1:
+        return 0.0
+    link = gpu.gpu_link_bandwidth_bytes_per_s * e.allreduce
+    if message_bytes <= e.custom_allreduce_max_bytes:
+        one_shot = tp == 2 or message_bytes < (512 if tp <= 4 else 256) * 1024
+        moved = (tp - 1) * message_bytes if one_shot else 2 * (tp - 1) / tp * message_bytes
+        return e.allreduce_latency_s + moved / link
+    latency = e.allreduce_latency_s if e.nccl_latency_s is None else e.nccl_latency_s
+    return latency + 2 * (tp - 1) / tp * message_bytes / link
+
+
 def _roofline(flops: float, num_bytes: float, flops_rate: float, bytes_rate: float) -> tuple[float, float, float]:
     compute_s, memory_s = flops / flops_rate, num_bytes / bytes_rate
     return compute_s, memory_s, max(compute_s, memory_s)
@@ -182,7 +226,7 @@ class StepTimeModel:
     __slots__ = ("model", "gpu", "tp", "dtype_bytes", "kv_dtype_bytes", "efficiency", "weights", "_rates",
                  "_per_token_flops", "_per_step_bytes", "_dense_c", "_dense_m", "_expert_c", "_expert_m",
                  "_num_experts", "_miss", "_layer_probs", "_memo", "_attn_c", "_attn_m", "_lin_c", "_lin_m",
-                 "_lm_c", "_lm_m", "_ar_c", "_fixed_s", "_seq_s")
+                 "_lm_c", "_lm_m", "_pad", "_ar_memo", "_fixed_s", "_seq_s")
 
     def __init__(self, model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1, dtype_bytes: int = 2,
                  kv_dtype_bytes: int = 2, state_dtype_bytes: int | None = None,
@@ -194,15 +238,17 @@ class StepTimeModel:
         self.weights = weights_per_gpu(model, tp=tp, dtype_bytes=dtype_bytes)
         self._layer_probs = None if routing_probs is None else _check_routing_probs(model, routing_probs)
         self._memo: dict[int, float] = {}
+        self._ar_memo: dict[int, float] = {}
         self._fold_constants(state_dtype_bytes or dtype_bytes)
 
     def _fold_constants(self, state_dtype_bytes: int) -> None:
         m, w, e, tp = self.model, self.weights, self.efficiency, self.tp
         mm = self.gpu.matmul_flops_per_s * e.matmul
+        moe = self.gpu.matmul_flops_per_s * (e.matmul if e.moe_matmul is None else e.moe_matmul)
         att = self.gpu.matmul_flops_per_s * e.attention
         mem = self.gpu.hbm_bandwidth_bytes_per_s * e.hbm
         kv_mem = mem if e.attention_memory is None else self.gpu.hbm_bandwidth_bytes_per_s * e.attention_memory
-        self._rates = {"matmul": mm, "attention": att, "hbm": mem, "kv_read": kv_mem}
+        self._rates = {"matmul": mm, "moe_matmul": moe, "attention": att, "hbm": mem, "kv_read": kv_mem}
         num_moe, num_lin = m.num_moe_layers, len(m.linear_attention_layer_ids)
         # per-token FLOPs (per pair for attention, per row for lm_head) and per-step bytes of each term, this GPU
         self._per_token_flops = {
@@ -219,15 +265,30 @@ class StepTimeModel:
         }
         f, b = self._per_token_flops, self._per_step_bytes
         self._dense_c, self._dense_m = f["dense"] / mm, b["dense"] / mem
-        self._expert_c, self._expert_m = num_moe * f["expert"] / mm, num_moe * b["expert"] / mem
+        self._expert_c, self._expert_m = num_moe * f["expert"] / moe, num_moe * b["expert"] / mem
         self._num_experts, self._miss = float(m.num_experts), 1.0 - m.num_experts_per_tok / m.num_experts
+        self._pad = e.moe_half_tokens / m.num_experts_per_tok  # padding, in tokens, per active expert and top-k
         self._attn_c, self._attn_m = f["attention"] / att, b["kv_per_token"] / kv_mem
         self._lin_c, self._lin_m = f["linear"] / att, b["state_per_seq"] / mem
         self._lm_c, self._lm_m = f["lm_head"] / mm, b["lm_head"] / mem
-        self._ar_c = self._allreduce_bytes_per_token() * 2 * (tp - 1) / tp / (
-            self.gpu.gpu_link_bandwidth_bytes_per_s * e.allreduce)
-        self._fixed_s = e.step_overhead_s + (2 * m.num_layers * e.allreduce_latency_s if tp > 1 else 0.0)
+        self._fixed_s = e.step_overhead_s + self.layer_floors_s()
         self._seq_s = e.seq_overhead_s
+
+    def layer_floors_s(self) -> float:
+        """The fixed kernel time of one step's layers: per MoE, full-attention and linear-attention layer."""
+        m, e = self.model, self.efficiency
+        return (m.num_moe_layers * e.moe_layer_s + len(m.full_attention_layer_ids) * e.attention_layer_s
+                + len(m.linear_attention_layer_ids) * e.linear_layer_s)
+
+    def _step_allreduce_s(self, num_tokens: int) -> float:
+        """The step's two all-reduces per layer of T hidden vectors each, memoized by T."""
+        cached = self._ar_memo.get(num_tokens)
+        if cached is None:
+            m = self.model
+            cached = 2 * m.num_layers * allreduce_s(self.gpu, self.tp, self.efficiency,
+                                                    num_tokens * m.hidden_size * self.dtype_bytes)
+            self._ar_memo[num_tokens] = cached
+        return cached
 
     def request_overhead_s(self, num_prompt_tokens: int) -> float:
         """Device seconds one arriving request costs besides its steps (``Efficiency``)."""
@@ -247,10 +308,6 @@ class StepTimeModel:
         state = FLOPS_PER_STATE_ELEMENT * la.num_value_heads * la.key_head_dim * la.value_head_dim
         return state + 2 * la.conv_dim * la.conv_kernel_size
 
-    def _allreduce_bytes_per_token(self) -> int:
-        """Bytes all-reduced per token per step: two collectives per layer of one hidden vector each."""
-        return 2 * self.model.num_layers * self.model.hidden_size * self.dtype_bytes
-
     # ---- hot path -------------------------------------------------------------------------------------------
 
     def step_time_s(self, num_tokens: int, num_seqs: int, num_decode_seqs: int, kv_tokens_read: int,
@@ -258,12 +315,15 @@ class StepTimeModel:
         """Modeled seconds of one step; 0.0 for a step with no tokens."""
         if num_tokens <= 0:
             return 0.0
-        t = self._fixed_s + num_tokens * self._ar_c + num_seqs * self._seq_s
+        t = self._fixed_s + num_seqs * self._seq_s
+        if self.tp > 1:
+            t += self._step_allreduce_s(num_tokens)
         c, m = num_tokens * self._dense_c, self._dense_m
         t += c if c > m else m
         if self._layer_probs is None:
-            c = num_tokens * self._expert_c
-            m = self._num_experts * (1.0 - self._miss ** num_tokens) * self._expert_m
+            distinct = self._num_experts * (1.0 - self._miss ** num_tokens)
+            c = (num_tokens + self._pad * distinct) * self._expert_c
+            m = distinct * self._expert_m
             t += c if c > m else m
         else:
             t += self._expert_s_from_probs(num_tokens)
@@ -280,15 +340,25 @@ class StepTimeModel:
         if cached is None:
             assert self._layer_probs is not None
             num_moe = len(self._layer_probs)
-            c = num_tokens * self._expert_c / num_moe
             cached = 0.0
             for probs in self._layer_probs:
-                m = expected_distinct_experts_from_probs(num_tokens, probs) * self._expert_m / num_moe
+                distinct = expected_distinct_experts_from_probs(num_tokens, probs)
+                c = (num_tokens + self._pad * distinct) * self._expert_c / num_moe
+                m = distinct * self._expert_m / num_moe
                 cached += c if c > m else m
             self._memo[num_tokens] = cached
         return cached
 
     # ---- explanation --------------------------------------------------------------------------------------
+
+    def moe_layer_terms(self, num_tokens: int) -> dict[str, float]:
+        """One MoE layer under uniform routing: its routed experts' roofline and its fixed time, in seconds (what
+        vLLM's ``benchmark_moe.py`` times as one fused-MoE call)."""
+        num_moe = self.model.num_moe_layers
+        distinct = self._num_experts * (1.0 - self._miss ** num_tokens)
+        c = (num_tokens + self._pad * distinct) * self._expert_c / num_moe
+        m = distinct * self._expert_m / num_moe
+        return {"experts_s": max(c, m), "moe_layer_s": self.efficiency.moe_layer_s}
 
     def distinct_experts_per_layer(self, num_tokens: int) -> list[float]:
         m = self.model
@@ -315,16 +385,17 @@ class StepTimeModel:
         for name, (flops, num_bytes, rate) in terms.items():
             memory_rate = r["kv_read"] if name == "attention" else r["hbm"]
             self._put_term(out, name, flops, num_bytes, *_roofline(flops, num_bytes, rate, memory_rate))
-        layers = [_roofline(T * f["expert"], d * b["expert"], r["matmul"], r["hbm"]) for d in distinct]
-        self._put_term(out, "experts", len(layers) * T * f["expert"], sum(distinct) * b["expert"],
-                       sum(x[0] for x in layers), sum(x[1] for x in layers), sum(x[2] for x in layers))
-        tp, e = self.tp, self.efficiency
-        out["allreduce_bytes"] = T * self._allreduce_bytes_per_token() if tp > 1 else 0.0
-        out["allreduce_s"] = (out["allreduce_bytes"] * 2 * (tp - 1) / tp
-                              / (self.gpu.gpu_link_bandwidth_bytes_per_s * e.allreduce)
-                              + (2 * self.model.num_layers * e.allreduce_latency_s if tp > 1 else 0.0))
+        layers = [_roofline((T + self._pad * d) * f["expert"], d * b["expert"], r["moe_matmul"], r["hbm"])
+                  for d in distinct]
+        self._put_term(out, "experts", sum((T + self._pad * d) * f["expert"] for d in distinct),
+                       sum(distinct) * b["expert"], sum(x[0] for x in layers), sum(x[1] for x in layers),
+                       sum(x[2] for x in layers))
+        m, e = self.model, self.efficiency
+        out["allreduce_bytes"] = 2 * m.num_layers * T * m.hidden_size * self.dtype_bytes if self.tp > 1 else 0.0
+        out["allreduce_s"] = self._step_allreduce_s(T) if self.tp > 1 else 0.0
+        out["floors_s"] = self.layer_floors_s()
         out["overhead_s"] = e.step_overhead_s + S * e.seq_overhead_s
-        out["total_s"] = sum(out[f"{n}_s"] for n in (*terms, "experts", "allreduce", "overhead"))
+        out["total_s"] = sum(out[f"{n}_s"] for n in (*terms, "experts", "allreduce", "floors", "overhead"))
         return out
 
     @staticmethod

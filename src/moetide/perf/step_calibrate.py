@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from moetide.perf.calibrate import factors_from_table
+from moetide.perf.engines import DEFAULT_ENGINE_PROFILE, engine_efficiency
 from moetide.perf.step import Efficiency, StepShape, StepTimeModel
 from moetide.specs import HardwareSpec, ModelSpec
-from moetide.specs.loader import get_gpu_calibration
+from moetide.specs.loader import get_gpu_calibration, is_preset
 
 MIN_EFFICIENCY = 1e-3
 FACTORS = ("matmul", "attention", "hbm", "attention_memory")  # the searched Efficiency fields
@@ -132,19 +133,27 @@ def fit_step_efficiency(samples: Sequence[StepSample], model: ModelSpec, device:
             memo[point] = _overheads(samples, _roofline_s(samples, model, device, dtype_bytes, point), weights)
         return memo[point][2]
 
-    point = (0.5,) * len(FACTORS)
-    for ratio, span in SEARCH_STAGES:
-        for _ in range(SWEEPS):
-            before = point
-            for axis in range(len(FACTORS)):
-                line = sorted({min(1.0, max(MIN_EFFICIENCY, point[axis] * ratio ** i)) for i in range(-span, span + 1)})
-                point = min((point[:axis] + (x,) + point[axis + 1:] for x in line), key=evaluate)
-            if point == before:
-                break
+    point = coordinate_search((0.5,) * len(FACTORS), evaluate, [(MIN_EFFICIENCY, 1.0)] * len(FACTORS))
     fixed, per_seq, _ = memo[point]
     roof = _roofline_s(samples, model, device, dtype_bytes, point)
     errors = [abs((r + fixed + per_seq * s.shape.num_seqs) / s.seconds - 1) for s, r in zip(samples, roof)]
     return StepFit(*point, fixed, per_seq, statistics.median(errors), max(errors))
+
+
+def coordinate_search(start: Sequence[float], evaluate: Callable[[tuple[float, ...]], float],
+                      bounds: Sequence[tuple[float, float]]) -> tuple[float, ...]:
+    """The point (every coordinate > 0, within its bounds) that ``evaluate`` finds lowest by a search coordinate
+    by coordinate on a log scale (``SEARCH_STAGES``); deterministic."""
+    point = tuple(start)
+    for ratio, span in SEARCH_STAGES:
+        for _ in range(SWEEPS):
+            before = point
+            for axis, (low, high) in enumerate(bounds):
+                line = sorted({min(high, max(low, point[axis] * ratio ** i)) for i in range(-span, span + 1)})
+                point = min((point[:axis] + (x,) + point[axis + 1:] for x in line), key=evaluate)
+            if point == before:
+                break
+    return point
 
 
 def fit_request_overhead(requests: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -164,8 +173,12 @@ def fit_request_overhead(requests: Sequence[tuple[int, float]]) -> tuple[float, 
     return fixed, slope
 
 
-def step_efficiency_for_gpu(name_or_path: str) -> Efficiency:
-    """``Efficiency`` with a device file's ``[efficiency]`` values over the defaults (the defaults alone for a
-    preset or a file without that table); ``UserError`` naming the file and field when it is bad."""
+def step_efficiency_for_gpu(name_or_path: str, engine_profile: str = DEFAULT_ENGINE_PROFILE) -> Efficiency:
+    """For a GPU preset, the engine profile's (``perf.engines``: fitted on published measurements of those GPUs);
+    for a device file, its ``[efficiency]`` values over ``Efficiency``'s defaults (``moetide calibrate`` measures a
+    device whole; a file without the table is the plain roofline). ``UserError`` naming the file and field when one
+    is bad."""
+    if is_preset("gpu", name_or_path):
+        return engine_efficiency(engine_profile)
     return factors_from_table(Efficiency, get_gpu_calibration(name_or_path)["efficiency"], name_or_path,
                               "efficiency")

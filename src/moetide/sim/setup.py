@@ -20,6 +20,7 @@ from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
+from moetide.perf.engines import DEFAULT_ENGINE_PROFILE, engine_profiles
 from moetide.perf.step_calibrate import step_efficiency_for_gpu
 from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingModel
 from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv
@@ -53,6 +54,9 @@ class ReplayConfig:
     kv_budget_gib: float | None = None  # per GPU; None: utilization × HBM − weights − activation reserve
     # the vLLM whose scheduler rules and defaults the replay follows (VLLM_VERSIONS; docs/vllm_baseline.md)
     vllm_version: str = "0.32"
+    # the step model's fitted efficiency for a GPU preset (perf.engines; "roofline": none); a device file's own
+    # [efficiency] table replaces it
+    engine_profile: str = DEFAULT_ENGINE_PROFILE
     enable_prefix_caching: bool | None = None  # None: on, except for hybrid models under vLLM 0.15 (off there)
     # admit a waiting request only if its whole known sequence fits; False: on its first chunk; None: the vLLM's
     scheduler_reserve_full_isl: bool | None = None
@@ -132,6 +136,9 @@ class ReplayConfig:
         if self.vllm_version not in VLLM_VERSIONS:
             raise ValueError(f"ReplayConfig.vllm_version must be one of {', '.join(VLLM_VERSIONS)}, got "
                              f"{self.vllm_version!r}")
+        if self.engine_profile not in engine_profiles():
+            raise ValueError(f"ReplayConfig.engine_profile must be one of {', '.join(engine_profiles())}, got "
+                             f"{self.engine_profile!r}")
         if self.prefix_cache_retention_interval not in (None, 0):
             raise ValueError(f"ReplayConfig.prefix_cache_retention_interval: 0 or none are modeled, got "
                              f"{self.prefix_cache_retention_interval}")
@@ -230,7 +237,7 @@ def build_replay(
                         num_state_blocks_per_request=0 if mamba else budget.state_blocks_per_request,
                         evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict", mamba=mamba)
     step_model = StepTimeModel(model, gpu, tp=config.tp, dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes,
-                               efficiency=step_efficiency_for_gpu(config.gpu))
+                               efficiency=step_efficiency_for_gpu(config.gpu, config.engine_profile))
     line = ExpertLine(residency, ByteLayout(pool, block_bytes=budget.charged_block_bytes,
                                             kv_bytes_per_expert=residency.config.expert_bytes,
                                             first_block_id=budget.num_blocks))

@@ -57,6 +57,11 @@ def preset_names(kind: str) -> list[str]:
     return list(_preset_tables(_PRESET_FILES[kind]))
 
 
+def is_preset(kind: str, name_or_path: str) -> bool:
+    """Whether ``name_or_path`` names one of kind's presets (or an alias of one) rather than a file."""
+    return _alias_map(_PRESET_FILES[kind]).get(name_or_path.lower()) is not None
+
+
 def _looks_like_path(arg: str) -> bool:
     return (os.sep in arg or "/" in arg or arg.lower().endswith((".json", ".toml")) or Path(arg).exists())
 
@@ -214,7 +219,7 @@ _CALIBRATION_TABLES = {"gpu": GPU_CALIBRATION_TABLES, "host": HOST_CALIBRATION_T
 
 def _calibration_tables(kind: str, name_or_path: str) -> dict[str, dict[str, Any]]:
     names = _CALIBRATION_TABLES[kind]
-    if _alias_map(_PRESET_FILES[kind]).get(name_or_path.lower()) is not None:
+    if is_preset(kind, name_or_path):
         return {name: {} for name in names}
     path = Path(name_or_path)
     return _split_tables(_read_hardware_file(path), str(path), names)[1]

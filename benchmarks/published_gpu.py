@@ -35,7 +35,8 @@ DATA = Path(__file__).resolve().parent / "data" / "published_gpu.jsonl"
 # the fitted Efficiency fields and their bounds; custom_allreduce_max_bytes is vLLM's CustomAllreduce max_size
 # default (8 MiB), a fact, not a fit
 FIT_FIELDS = {
-    "matmul": (0.2, 1.0), "hbm": (0.3, 1.0), "moe_matmul": (0.1, 1.0), "moe_half_tokens": (1.0, 1024.0),
+    "matmul": (0.2, 1.0), "hbm": (0.3, 1.0), "moe_matmul": (0.1, 1.0), "moe_matmul_fp8": (0.05, 1.0),
+    "moe_half_tokens": (1.0, 1024.0),
     "moe_layer_s": (1e-6, 3e-4), "attention_layer_s": (1e-6, 3e-4), "linear_layer_s": (1e-6, 3e-4),
     "step_overhead_s": (1e-5, 1e-2), "allreduce": (0.2, 1.0), "allreduce_latency_s": (1e-6, 2e-4),
     "nccl_latency_s": (1e-6, 2e-4),
@@ -70,7 +71,7 @@ def weighted_loss(points: list[PublishedPoint], efficiency: Efficiency) -> float
 def fit(points: list[PublishedPoint], start: Efficiency) -> Efficiency:
     names = list(FIT_FIELDS)
     base = replace(start, custom_allreduce_max_bytes=CUSTOM_ALLREDUCE_MAX_BYTES)
-    defaults = {"moe_matmul": base.matmul, "moe_half_tokens": 16.0, "moe_layer_s": 1e-5, "attention_layer_s": 1e-5,
+    defaults = {"moe_matmul": base.matmul, "moe_matmul_fp8": base.matmul, "moe_half_tokens": 16.0, "moe_layer_s": 1e-5, "attention_layer_s": 1e-5,
                 "linear_layer_s": 1e-5, "nccl_latency_s": base.allreduce_latency_s}
     first = tuple(getattr(base, n) if getattr(base, n) else defaults[n] for n in names)
     memo: dict[tuple[float, ...], float] = {}

@@ -99,3 +99,16 @@ def test_profiles_load_by_name_and_presets_get_the_default_one():
     with pytest.raises(UserError, match="unknown engine profile 'vllm-9'.*roofline"):
         engine_efficiency("vllm-9")
 
+
+
+def test_fp8_weights_halve_the_bytes_and_take_their_own_grouped_gemm_efficiency():
+    # 4,096 tokens, FP8: 32,768 pairs x 2 x 4,718,592 FLOPs = 309.2 GFLOP at 0.2 x 989.4 TFLOP/s (the BF16 peak)
+    # = 1.5627 ms, above the 128 x 4,718,592 B = 604 MB read at 3.35 TB/s (180 us); BF16 weights keep moe_matmul
+    e = Efficiency(hbm=1.0, moe_matmul=0.5, moe_matmul_fp8=0.2)
+    fp8 = StepTimeModel(get_model("qwen3-30b-a3b"), get_gpu("h100"), dtype_bytes=1, efficiency=e)
+    bf16 = StepTimeModel(get_model("qwen3-30b-a3b"), get_gpu("h100"), dtype_bytes=2, efficiency=e)
+    assert fp8.moe_layer_terms(4096)["experts_s"] == pytest.approx(32_768 * 2 * Q30_EXPERT_PARAMS / (0.2 * H100_FLOPS))
+    assert fp8.moe_layer_terms(4096)["experts_s"] == pytest.approx(1.5627e-3, rel=1e-4)
+    assert bf16.moe_layer_terms(4096)["experts_s"] == pytest.approx(32_768 * 2 * Q30_EXPERT_PARAMS / (0.5 * H100_FLOPS))
+    # one token, memory-bound: FP8 reads half of BF16's bytes, 8 x 4,718,592 B / 3.35 TB/s = 11.27 us
+    assert fp8.moe_layer_terms(1)["experts_s"] == pytest.approx(8 * Q30_EXPERT_PARAMS / H100_BW)

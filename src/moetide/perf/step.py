@@ -26,7 +26,8 @@ tensor parallelism (``perf.budget`` says what is split and what replicated), eff
              D(1) = k; D(T) -> E as T grows. The grouped GEMM reaches e_moe m / (m + h) of peak at m = T k / D
              tokens per active expert (``moe_matmul``, ``moe_half_tokens``), so its compute is 2 W_e (T k + h D)
              / (F e_moe): each active expert costs h tokens more, as a kernel that tiles every expert's rows to a
-             block of M rows pays for the padding.
+             block of M rows pays for the padding. With 1-byte weights e_moe is ``moe_matmul_fp8``, still against
+             the BF16 peak F.
   attention  max(P x L_full x 4 H d / (F e_att),  KV x b_kv / (M e_kv))           full-attention layers only
              H = query heads on this GPU, d = head_dim: QK^T and PV are 2 d FLOPs each per head and pair. MLA in
              the absorbed form (scores against the latent, W_UK folded into the query, W_UV applied after): 2 (r +
@@ -107,6 +108,8 @@ class Efficiency:
                  server sharing its one core with the engine receives and checks each prompt on it). The replay
                  charges them at the request's send (``sim.replay``), not in ``step_time_s``
     moe_matmul:  the grouped MoE GEMM's share of peak at many tokens per expert; None: ``matmul``
+    moe_matmul_fp8: the same with 1-byte (FP8) weights, against the same BF16 peak (FP8 fused-MoE kernels do not
+                 reach the FP8 tensor-core rate at these shapes); None: ``moe_matmul``
     moe_half_tokens: tokens per active expert at which the grouped GEMM reaches half of ``moe_matmul``
     moe_layer_s, attention_layer_s, linear_layer_s: fixed time per MoE, full-attention and linear-attention
                  layer (the small kernels and launch gaps no byte or FLOP term carries)
@@ -127,6 +130,7 @@ class Efficiency:
     request_overhead_s: float = 0.0
     request_overhead_s_per_token: float = 0.0
     moe_matmul: float | None = None
+    moe_matmul_fp8: float | None = None
     moe_half_tokens: float = 0.0
     moe_layer_s: float = 0.0
     attention_layer_s: float = 0.0
@@ -135,9 +139,9 @@ class Efficiency:
     nccl_latency_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("matmul", "hbm", "attention", "allreduce", "attention_memory", "moe_matmul"):
+        for name in ("matmul", "hbm", "attention", "allreduce", "attention_memory", "moe_matmul", "moe_matmul_fp8"):
             value = getattr(self, name)
-            if value is None and name in ("attention_memory", "moe_matmul"):
+            if value is None and name in ("attention_memory", "moe_matmul", "moe_matmul_fp8"):
                 continue
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise ValueError(f"Efficiency.{name} is a fraction of peak and must be in (0, 1], got {value!r}")
@@ -244,7 +248,10 @@ class StepTimeModel:
     def _fold_constants(self, state_dtype_bytes: int) -> None:
         m, w, e, tp = self.model, self.weights, self.efficiency, self.tp
         mm = self.gpu.matmul_flops_per_s * e.matmul
-        moe = self.gpu.matmul_flops_per_s * (e.matmul if e.moe_matmul is None else e.moe_matmul)
+        moe_eff = e.matmul if e.moe_matmul is None else e.moe_matmul
+        if self.dtype_bytes == 1 and e.moe_matmul_fp8 is not None:
+            moe_eff = e.moe_matmul_fp8
+        moe = self.gpu.matmul_flops_per_s * moe_eff
         att = self.gpu.matmul_flops_per_s * e.attention
         mem = self.gpu.hbm_bandwidth_bytes_per_s * e.hbm
         kv_mem = mem if e.attention_memory is None else self.gpu.hbm_bandwidth_bytes_per_s * e.attention_memory

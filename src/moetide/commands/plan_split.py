@@ -43,10 +43,12 @@ from moetide.core.splits import (
 from moetide.errors import UserError
 from moetide.perf.attention import AttentionCostModel, HostKVLayout
 from moetide.perf.calibrate import offload_efficiency_for_host
+from moetide.perf.engines import DEFAULT_ENGINE_PROFILE, engine_profiles
 from moetide.perf.budget import GiB
 from moetide.perf.host_share import HOST_EXPERT_PLACES, HostPhase, host_phase, prefetch_bytes
 from moetide.perf.offload import OffloadStepModel, SeqTokens, vram_layout
 from moetide.perf.step import StepShape, StepTimeModel
+from moetide.perf.step_calibrate import step_efficiency_for_gpu
 from moetide.report import split_plan
 from moetide.specs import get_gpu, get_host, get_model
 from moetide.units import cdiv
@@ -80,6 +82,9 @@ def parse_contexts(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="NAME|CONFIG_JSON", help="preset model or HF config.json")
     parser.add_argument("--gpu", required=True, metavar="NAME|FILE", help="preset GPU or hardware file")
+    parser.add_argument("--engine-profile", default=DEFAULT_ENGINE_PROFILE, choices=engine_profiles(),
+                        help="the step model's fitted efficiency for a GPU preset (default %(default)s; roofline: "
+                             "none; docs/perf.md)")
     parser.add_argument("--cpu", default="ddr4-3200-8ch", metavar="NAME|FILE",
                         help="preset host CPU socket or hardware file (default ddr4-3200-8ch)")
     parser.add_argument("--vram-gib", type=float, default=32.0, metavar="GIB",
@@ -167,14 +172,16 @@ def build_setup(args: argparse.Namespace) -> Setup:
     kv_layout = HostKVLayout(block_size=args.block_size, blocks_per_transfer=args.blocks_per_transfer,
                              ring_bytes=args.ring_mib * MiB, ring_slots=args.ring_slots)
     try:
-        attention = AttentionCostModel(model, gpu, host, layout=kv_layout,
+        efficiency = step_efficiency_for_gpu(args.gpu, args.engine_profile)
+        attention = AttentionCostModel(model, gpu, host, layout=kv_layout, efficiency=efficiency,
                                        offload=offload_efficiency_for_host(args.cpu))
     except ValueError as exc:
         raise UserError(f"--model: {exc}") from None
     layout = vram_layout(model, vram_bytes=vram, device_kv_bytes=int(args.device_kv_gib * GiB),
                          ring_bytes=kv_layout.ring_bytes)
     offloaded = (layout.num_experts_total - layout.num_experts_resident) * layout.expert_bytes
-    return Setup(OffloadStepModel(attention, StepTimeModel(model, gpu), layout), args, host.dram_bytes - offloaded)
+    step = StepTimeModel(model, gpu, efficiency=efficiency)
+    return Setup(OffloadStepModel(attention, step, layout), args, host.dram_bytes - offloaded)
 
 
 # ---- one context ------------------------------------------------------------------------------------------

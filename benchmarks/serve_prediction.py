@@ -43,7 +43,7 @@ import urllib.request
 from serve_side_by_side import add_slice_arguments, bench, start, start_vllm, stop, wait_ready
 
 from moetide.cli import main as moetide_main
-from moetide.serve.bench_client import Target, first_model, replay
+from moetide.serve.bench_client import Target, replay, server_info
 from moetide.serve.bench_prompts import BenchSession, BenchTurn
 from moetide.serve.harness import free_port
 
@@ -85,7 +85,7 @@ def probe(url: str, target: Target, requests: int, prompt: int, output: int) -> 
     turns = tuple(BenchTurn(f"probe-{prompt}-{output}-{i}", [3 + (7 * i + j) % 250 for j in range(prompt)], output,
                             0.0, 0.0) for i in range(requests))
     before = counters(url)
-    results, _ = replay([BenchSession("probe", 0.0, turns)], "open", target)
+    results, _, _ = replay([BenchSession("probe", 0.0, turns)], "open", target)
     if not all(r.success for r in results):
         raise SystemExit("the probe load failed")
     return delta(before, counters(url))
@@ -202,7 +202,7 @@ def main() -> int:
     rounds = []
     try:
         wait_ready(url, server, 600)
-        cost = serve_cost(url, first_model(url, 30.0))
+        cost = serve_cost(url, server_info(url, 30.0).model)
         print(json.dumps({"probe": cost}), flush=True)
         served = with_serve_cost(device, cost, os.path.join(work, "device-serve.toml"))
         predicted = {"engine": predict(args, device, os.path.join(work, "replay.json")),

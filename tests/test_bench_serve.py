@@ -113,9 +113,12 @@ def test_a_replay_against_moetide_serve_finds_the_traces_reuse(server, tmp_path,
 
 def test_a_request_the_server_refuses_is_a_failure_with_its_reason(server, tmp_path, capsys):
     trace = write_mooncake(tmp_path / "t.jsonl", [(0, 600, 4, []), (0, 64, 4, [])])
-    assert main(["bench-serve", str(trace), "--url", server.url, "--json", "-"]) == 1
+    assert main(["bench-serve", str(trace), "--url", server.url, "--json", "-", "--too-long", "send"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["completed"] == 1 and "HTTP 400" in report["errors"][0] and "context length" in report["errors"][0]
+    assert main(["bench-serve", str(trace), "--url", server.url, "--json", "-"]) == 0  # by default: skipped
+    report = json.loads(capsys.readouterr().out)
+    assert (report["num_prompts"], report["completed"], report["failed"]) == (1, 1, 0)
     server.idle()
 
 
@@ -124,7 +127,7 @@ def test_no_server_is_one_clear_error(tmp_path, capsys):
     from moetide.serve.harness import free_port
 
     assert main(["bench-serve", str(trace), "--url", f"http://127.0.0.1:{free_port()}"]) == 2
-    assert "is the server up?" in capsys.readouterr().err
+    assert "connection refused; is the server up" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not (SHARED_TRACES / "mooncake").is_dir(), reason="shared traces not present")
@@ -185,7 +188,7 @@ def test_whatever_a_server_streams_every_request_gets_a_result(stream):
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         turns = tuple(BenchTurn(str(i), [5, 6, 7], 4, 0.0, 0.0) for i in range(3))
-        results, _ = replay([BenchSession("s", 0.0, turns)], "closed", Target(f"http://127.0.0.1:{httpd.server_port}",
+        results, _, _ = replay([BenchSession("s", 0.0, turns)], "closed", Target(f"http://127.0.0.1:{httpd.server_port}",
                                                                             "m"))
     finally:
         httpd.shutdown()

@@ -8,15 +8,25 @@ and capped by ``--max-input-tokens`` / ``--max-output-tokens``; times are scaled
 ``workloads.scale`` as replay's, so ``moetide replay`` with the same options models the same requests). Metrics are
 vLLM's definitions (``serve.bench_metrics``); ``--json PATH`` ('-': stdout) writes them under vLLM's names with the
 per-request arrays; ``--plot PNG`` draws TTFT per request and output tokens per second over the run. Exit status 1
-if any request failed.
+if any request failed, 130 if interrupted.
+
+Before sending, it asks the server's ``/v1/models`` for its ``max_model_len`` and says how many requests exceed it
+and what it does with them (``--too-long``: skip them, the default; truncate their prompts; fail before sending;
+or send them anyway), how many requests and sessions it sends (a closed-loop slice keeps whole sessions, so
+``--max-requests`` can send more), and how long the trace's own timing makes the run at least. While it runs, a
+status line on stderr (every second on a terminal, every 30 s otherwise) counts requests done, failed and in
+flight. Ctrl-C stops the sending and reports what finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import sys
+import threading
+import time
 
 from moetide.commands.options import (add_json_argument, add_plot_argument, add_workload_arguments, check_outputs,
                                       human_output, write_json_output)
@@ -28,7 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add = parser.add_argument
     add("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    add("--endpoint", default="/v1/completions", help="completions endpoint (default %(default)s)")
+    add("--endpoint", default="/v1/completions",
+        help="completions endpoint (default %(default)s); one ending in /chat/completions gets chat bodies")
+    add("--too-long", choices=("skip", "truncate", "fail", "send"), default="skip",
+        help="requests whose prompt and output exceed the server's max_model_len: skip them (default), truncate "
+             "their prompts to fit, fail before sending, or send them anyway (to measure the server's refusals)")
     add("--model", dest="model_name", metavar="NAME",
         help="model name to send (default: the first one the server's /v1/models lists)")
     add("--vocab-size", type=int, default=None, metavar="V",
@@ -101,35 +115,156 @@ def plot(path: str, per: dict) -> None:
     save_figure(fig, path, dpi=110)
 
 
+class StatusLine:
+    """Requests done, failed and in flight and the time elapsed, on stderr: redrawn every second on a terminal, a
+    line every 30 s otherwise, from a thread of its own (a closed-loop session can think for minutes)."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval_s = 1.0 if self.tty else 30.0
+        self.state = None
+        self._stop = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __call__(self, state) -> None:
+        self.state = state
+
+    def start(self, state) -> None:
+        self.state = state
+        self._thread.start()
+
+    def _line(self) -> str:
+        s, elapsed = self.state, time.monotonic() - self._start
+        return (f"bench-serve: {s.done:,}/{s.total:,} done, {s.failed:,} failed, {s.in_flight:,} in flight, "
+                f"{elapsed:,.0f} s")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.stream.write(("\r" + self._line()) if self.tty else self._line() + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.tty and self._thread.is_alive():
+            self.stream.write("\r" + self._line() + "\n")
+            self.stream.flush()
+
+
+def _fit_to_server(sessions, max_model_len: int | None, action: str) -> tuple[list, int]:
+    """The sessions with their too-long turns skipped or truncated (``--too-long``), and how many there were."""
+    from moetide.serve.bench_prompts import BenchSession, fit_turn
+
+    if max_model_len is None:
+        return sessions, 0
+    kept, num_long = [], 0
+    for session in sessions:
+        turns = []
+        for turn in session.turns:
+            cut = fit_turn(turn, max_model_len)
+            if cut is None:
+                turns.append(turn)
+                continue
+            num_long += 1
+            if action != "skip":
+                turns.append(cut if action == "truncate" else turn)
+        if turns:
+            kept.append(BenchSession(session.session_id, session.start_s, tuple(turns)))
+    if num_long and action == "fail":
+        raise UserError(f"{num_long} requests need more than the server's max_model_len of {max_model_len:,} tokens "
+                        f"(prompt + output); --too-long skip or truncate sends the rest, --length-scale or "
+                        f"--max-input-tokens shortens them")
+    return kept, num_long
+
+
+def _timing_floor_s(sessions, mode: str) -> float:
+    """How long the trace's own timing makes the replay at least: the last arrival (open loop), or the longest
+    session's start plus its think times (closed loop), before any server time."""
+    if mode == "open":
+        return max((t.arrival_s or 0.0 for s in sessions for t in s.turns), default=0.0)
+    return max((s.start_s + sum(t.think_time_s for t in s.turns[1:]) for s in sessions), default=0.0)
+
+
+def _preflight(args: argparse.Namespace, workload, sessions, info, model: str) -> list:
+    from moetide.report.units import duration_text
+
+    num_asked = sum(len(s.turns) for s in sessions)
+    sessions, num_long = _fit_to_server(sessions, info.max_model_len, args.too_long)
+    num_sent = sum(len(s.turns) for s in sessions)
+    if args.max_requests is not None and num_asked > args.max_requests:
+        print(f"bench-serve: --max-requests {args.max_requests} keeps whole sessions in a closed loop: "
+              f"{num_asked} requests in {workload.num_sessions} session{'' if workload.num_sessions == 1 else 's'}")
+    if num_long:
+        did = {"skip": "skipped", "truncate": "truncated to fit", "send": "sent anyway"}[args.too_long]
+        print(f"bench-serve: {num_long} of {num_asked} requests need more than the server's max_model_len of "
+              f"{info.max_model_len:,} tokens (prompt + output): {did} (--too-long)")
+    if not num_sent:
+        raise UserError(f"no request fits the server's max_model_len of {info.max_model_len:,} tokens; "
+                        f"--too-long truncate, --length-scale or --max-input-tokens makes them fit")
+    floor = _timing_floor_s(sessions, workload.mode)
+    plural = "" if len(sessions) == 1 else "s"
+    print(f"bench-serve: {num_sent} requests ({workload.mode} loop, {len(sessions)} session{plural}) from "
+          f"{workload.name} to {args.url} as {model!r}, time x{args.time_scale:g}; the trace's timing alone takes "
+          f"{duration_text(floor)} (--time-scale shortens it), the server's time comes on top")
+    return sessions
+
+
+def _failure_lines(results) -> list[str]:
+    """Failed requests grouped by reason, most common first."""
+    reasons = collections.Counter(r.error.strip()[:200] for r in results if not r.success)
+    return [f"  {count:>6} x {reason}" for reason, count in reasons.most_common()]
+
+
 def run(args: argparse.Namespace) -> int:
-    from moetide.report.progress import ProgressBar
-    from moetide.serve.bench_client import Target, first_model, replay
+    from moetide.serve.bench_client import Progress, Target, normalize_url, replay, server_info
     from moetide.serve.bench_metrics import calculate_metrics, per_request
 
     check_outputs(args)
+    url, warnings = normalize_url(args.url)
+    for warning in warnings:
+        print(f"bench-serve: {warning}", file=sys.stderr)
+    if not args.endpoint.startswith("/"):
+        raise UserError(f"--endpoint {args.endpoint}: a path on the server, e.g. /v1/completions")
+    args.url = url
     workload, sessions = _load(args)
     try:
-        model = args.model_name or first_model(args.url, args.timeout_s)
-    except (OSError, ValueError, KeyError, IndexError) as exc:
-        raise UserError(f"--url {args.url}: cannot list its models ({exc}); is the server up?") from None
-    target = Target(args.url, model, args.endpoint, args.ignore_eos, args.timeout_s)
+        info = server_info(url, min(args.timeout_s, 30.0))
+    except ConnectionRefusedError:
+        raise UserError(f"--url {url}: connection refused; is the server up, and on that port?") from None
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise UserError(f"--url {url}: cannot list its models at {url}/v1/models ({exc})") from None
+    model = args.model_name or info.model
+    target = Target(url, model, args.endpoint, args.ignore_eos, args.timeout_s)
     with human_output(args.json):
-        print(f"bench-serve: {workload.num_requests} requests ({workload.mode} loop, {workload.num_sessions} "
-              f"sessions) from {workload.name} to {args.url} as {model!r}, time x{args.time_scale:g}")
-        bar = ProgressBar("bench-serve")
-        results, duration = replay(sessions, workload.mode, target, bar)  # times are scaled in the workload
-        bar.close()
-        metrics = calculate_metrics(results, duration)
+        sessions = _preflight(args, workload, sessions, info, model)
+        if target.chat:
+            print("bench-serve: chat endpoint: each prompt goes as one user message of one word per token; the "
+                  "server's tokenizer and chat template decide its length")
+        status = StatusLine()
+        status.start(Progress(sum(len(s.turns) for s in sessions)))
+        try:
+            results, duration, interrupted = replay(sessions, workload.mode, target, status)
+        finally:
+            status.close()
+        finished = [r for r in results if r.success or r.error != "interrupted before it finished"]
+        if interrupted:
+            print(f"bench-serve: interrupted after {duration:.1f} s: {len(finished)} of {len(results)} requests "
+                  f"finished; the figures are theirs")
+        metrics = calculate_metrics(finished, duration)
         print_summary(metrics)
-        errors = [r.error for r in results if not r.success]
-        if errors:
-            print(f"{len(errors)} requests failed; first: {errors[0]}")
-    per = per_request(results)
+        failures = _failure_lines(finished)
+        if failures:
+            print("Failed requests by reason:")
+            print("\n".join(failures))
+    per = per_request(finished)
     if args.json:
         report = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "model_id": model,
                   "trace": workload.source, "num_prompts": len(results), "time_scale": args.time_scale,
-                  "length_scale": args.length_scale, **metrics, **per}
+                  "length_scale": args.length_scale, "interrupted": interrupted, **metrics, **per}
         write_json_output(args.json, json.dumps(report))
     if args.plot:
         plot(args.plot, per)
-    return 1 if errors else 0
+    if interrupted:
+        return 130
+    return 1 if failures else 0

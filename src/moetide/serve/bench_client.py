@@ -1,10 +1,13 @@
 """Send a trace's requests to an OpenAI-compatible server in real time, and time each as vLLM's benchmark does.
 
-One request is one streamed ``/v1/completions`` call (vLLM's ``async_request_openai_completions``): the clock
-starts before the request is sent; the first chunk that carries a choice is the first token (TTFT); each later one
-adds an inter-token latency; the latency is the time of the last such chunk; ``usage.completion_tokens`` (asked
-for with ``stream_options.include_usage``) is the output length. A request with no choice chunk, or any HTTP or
-connection error, is a failure with its reason.
+One request is one streamed ``/v1/completions`` call (vLLM's ``async_request_openai_completions``), or, when the
+endpoint is a chat one, one ``/v1/chat/completions`` call with the prompt as one user message (vLLM's
+``async_request_openai_chat_completions``; ``bench_prompts.prompt_text`` writes the token prompt as text, so the
+server's tokenizer decides its length). The clock starts before the request is sent; the first chunk that carries
+a token (a completion's ``text``, a chat delta's ``content``; a chat stream's role-only first delta is none) is the
+first token (TTFT); each later one adds an inter-token latency; the latency is the time of the last such chunk;
+``usage.completion_tokens`` (asked for with ``stream_options.include_usage``) is the output length. A request with
+no token chunk, or any HTTP or connection error, is a failure with its reason.
 
 Open loop: each turn is sent at its arrival time, whatever is in flight. Closed loop (agent sessions): a session
 sends its first turn at its start and each next one ``think_time_s`` after the previous completes — the trace's
@@ -23,7 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
-from moetide.serve.bench_prompts import BenchSession, BenchTurn
+from moetide.errors import UserError
+from moetide.serve.bench_prompts import BenchSession, BenchTurn, prompt_text
+
+CHAT_SUFFIX = "/chat/completions"
 
 
 @dataclass
@@ -56,9 +62,53 @@ class Target:
     def path(self) -> str:
         return urlsplit(self.url).path.rstrip("/") + self.endpoint
 
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.rstrip("/").endswith(CHAT_SUFFIX)
 
-def first_model(url: str, timeout_s: float = 30.0) -> str:
-    """The first model ``/v1/models`` lists (what vLLM's benchmark uses when no ``--model`` is given)."""
+    def body(self, turn: BenchTurn) -> str:
+        """The request body: a completion of the token prompt, or a chat turn of its text."""
+        common = {"model": self.model, "max_tokens": turn.output_tokens, "temperature": 0.0,
+                  "ignore_eos": self.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+        if self.chat:
+            return json.dumps({**common, "messages": [{"role": "user",
+                                                       "content": prompt_text(turn.prompt_token_ids)}]})
+        return json.dumps({**common, "prompt": turn.prompt_token_ids})
+
+
+def normalize_url(url: str) -> tuple[str, list[str]]:
+    """``url`` as a base URL for the OpenAI routes, and a warning for each thing taken as a person would mean it:
+    no scheme is ``http://`` (as curl reads it), a trailing ``/v1`` is dropped (the routes carry it). A scheme other
+    than http(s), or no host, is a ``UserError``."""
+    warnings = []
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+        warnings.append(f"--url {url}: no scheme; using {text}")
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https"):
+        raise UserError(f"--url {url}: scheme {parts.scheme!r} is not http or https")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        raise UserError(f"--url {url}: the port is not a number") from None
+    if not parts.hostname:
+        raise UserError(f"--url {url}: no host (e.g. http://127.0.0.1:8000)")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+        warnings.append(f"--url {url}: dropping the trailing /v1 (the routes, /v1/models and the endpoint, carry it)")
+    return f"{parts.scheme}://{parts.netloc}{path}", warnings
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    model: str  # the first model /v1/models lists (what vLLM's benchmark uses without --model)
+    max_model_len: int | None  # vLLM and moetide list it beside the model; None where a server does not
+
+
+def server_info(url: str, timeout_s: float = 30.0) -> ServerInfo:
+    """What ``/v1/models`` says of the first model; ``OSError``/``ValueError`` when it cannot be read."""
     target = Target(url, "", timeout_s=timeout_s)
     connection = target.connection()
     try:
@@ -66,17 +116,30 @@ def first_model(url: str, timeout_s: float = 30.0) -> str:
         response = connection.getresponse()
         body = response.read()
         if response.status != 200:
-            raise OSError(f"GET /v1/models answered {response.status}")
-        return json.loads(body)["data"][0]["id"]
+            raise OSError(f"GET /v1/models answered HTTP {response.status}")
+        card = json.loads(body)["data"][0]
+        length = card.get("max_model_len")
+        return ServerInfo(card["id"], length if isinstance(length, int) and length > 0 else None)
     finally:
         connection.close()
 
 
+def _token_in(chunk: dict, chat: bool) -> bool:
+    """Whether a stream chunk carries output: any choice for a completion (vLLM counts each), a delta with
+    content for a chat (its first delta carries only the role)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return False
+    if not chat:
+        return True
+    delta = choices[0].get("delta") if isinstance(choices[0], dict) else None
+    return bool(isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")))
+
+
 def send(target: Target, turn: BenchTurn) -> RequestResult:
     result = RequestResult(turn.request_id, len(turn.prompt_token_ids), turn.output_tokens)
-    body = json.dumps({"model": target.model, "prompt": turn.prompt_token_ids, "max_tokens": turn.output_tokens,
-                       "temperature": 0.0, "ignore_eos": target.ignore_eos, "stream": True,
-                       "stream_options": {"include_usage": True}})
+    body = target.body(turn)
+    chat = target.chat
     connection = target.connection()
     start = last = time.perf_counter()
     result.start_s = start
@@ -101,7 +164,7 @@ def send(target: Target, turn: BenchTurn) -> RequestResult:
                 message = error.get("message", error) if isinstance(error, dict) else error
                 result.success, result.error = False, str(message)
                 break
-            if chunk.get("choices"):
+            if _token_in(chunk, chat):
                 now = time.perf_counter()
                 if not result.success:
                     result.success, result.ttft_s = True, now - start
@@ -123,47 +186,77 @@ def send(target: Target, turn: BenchTurn) -> RequestResult:
     return result
 
 
+@dataclass
+class Progress:
+    """What a replay has done so far, read by a progress printer while the replay runs."""
+
+    total: int
+    done: int = 0
+    failed: int = 0
+    in_flight: int = 0
+
+
 def replay(sessions: list[BenchSession], mode: str, target: Target,
-           progress: Callable[[int, int], None] | None = None) -> tuple[list[RequestResult], float]:
-    """Send everything; returns the results (in trace order) and the benchmark's duration in seconds."""
+           progress: Callable[[Progress], None] | None = None,
+           stop: threading.Event | None = None) -> tuple[list[RequestResult], float, bool]:
+    """Send everything; returns the results (in trace order), the benchmark's duration in seconds, and whether it
+    was interrupted. Ctrl-C (or ``stop`` set) stops sending: what finished is kept, what was in flight or never
+    sent is a failure that says so."""
     turns = [turn for session in sessions for turn in session.turns]
     results: dict[str, RequestResult] = {}
     lock = threading.Lock()
+    stop = stop or threading.Event()
+    state = Progress(len(turns))
     start = time.perf_counter()
 
-    def record(result: RequestResult) -> None:
+    def one(turn: BenchTurn) -> None:
         with lock:
+            state.in_flight += 1
+        result = send(target, turn)
+        with lock:
+            state.in_flight -= 1
+            if stop.is_set() and turn.request_id not in results and not result.success:
+                return  # cut off by the stop, not by the server: reported as not finished below
             results[result.request_id] = result
+            state.done += 1
+            state.failed += not result.success
             if progress is not None:
-                progress(len(results), len(turns))
-
-    def sleep_until(offset_s: float) -> None:
-        delay = start + offset_s - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
+                progress(state)
 
     def run_session(session: BenchSession) -> None:
-        sleep_until(session.start_s)
+        if stop.wait(max(0.0, start + session.start_s - time.perf_counter())):
+            return
         for i, turn in enumerate(session.turns):
-            if i and turn.think_time_s > 0:
-                time.sleep(turn.think_time_s)
-            record(send(target, turn))
+            if i and turn.think_time_s > 0 and stop.wait(turn.think_time_s):
+                return
+            if stop.is_set():
+                return
+            one(turn)
 
     threads = []
-    if mode == "open":
-        for turn in sorted(turns, key=lambda t: t.arrival_s):
-            sleep_until(turn.arrival_s)
-            threads.append(threading.Thread(target=lambda t=turn: record(send(target, t)), daemon=True))
-            threads[-1].start()
-    else:
-        for session in sessions:
-            threads.append(threading.Thread(target=run_session, args=(session,), daemon=True))
-            threads[-1].start()
-    for thread in threads:
-        thread.join()
+    interrupted = False
+    try:
+        if mode == "open":
+            for turn in sorted(turns, key=lambda t: t.arrival_s):
+                if stop.wait(max(0.0, start + turn.arrival_s - time.perf_counter())):
+                    break
+                threads.append(threading.Thread(target=one, args=(turn,), daemon=True))
+                threads[-1].start()
+        else:
+            for session in sessions:
+                threads.append(threading.Thread(target=run_session, args=(session,), daemon=True))
+                threads[-1].start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)
+    except KeyboardInterrupt:
+        interrupted = True
+        stop.set()
     duration = time.perf_counter() - start
-    missing = RequestResult("", 0, 0, error="never sent (its session stopped early)")
-    return [results.get(turn.request_id) or replace(missing, request_id=turn.request_id,
-                                                                prompt_len=len(turn.prompt_token_ids),
-                                                                expected_output_len=turn.output_tokens)
-            for turn in turns], duration
+    why = "interrupted before it finished" if interrupted or stop.is_set() else "never sent (its session stopped early)"
+    missing = RequestResult("", 0, 0, error=why)
+    with lock:
+        return [results.get(turn.request_id) or replace(missing, request_id=turn.request_id,
+                                                        prompt_len=len(turn.prompt_token_ids),
+                                                        expected_output_len=turn.output_tokens)
+                for turn in turns], duration, interrupted or stop.is_set()

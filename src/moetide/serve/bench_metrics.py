@@ -4,9 +4,10 @@ Over successful requests: TTFT per request; TPOT = (latency - TTFT) / (output to
 than one output token; ITL = every gap between consecutive streamed chunks, pooled over requests; e2e = latency.
 Throughputs divide by the whole benchmark's duration: requests, output tokens, input plus output tokens per second.
 ``max_output_tokens_per_s`` and ``max_concurrent_requests`` bucket token times and request spans by whole seconds
-from the first send, as vLLM does. Means, medians, population standard deviations and percentiles (linear
-interpolation, numpy's default) in milliseconds, under vLLM's JSON names (``mean_ttft_ms``, ``p99_itl_ms``, ...).
-Pure standard library.
+from the first send, as vLLM does; the peak is at least the mean output rate (a run shorter than a second has one
+partial bucket, whose count would read below the mean). Means, medians, population standard deviations and
+percentiles (linear interpolation, numpy's default) in milliseconds, under vLLM's JSON names (``mean_ttft_ms``,
+``p99_itl_ms``, ...). Pure standard library.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def calculate_metrics(results: list[RequestResult], duration_s: float,
                "total_input_tokens": total_input, "total_output_tokens": total_output,
                "request_throughput": len(done) / duration_s, "output_throughput": total_output / duration_s,
                "total_token_throughput": (total_input + total_output) / duration_s,
-               "max_output_tokens_per_s": max_tokens_per_s, "max_concurrent_requests": max_concurrent}
+               "max_output_tokens_per_s": max(max_tokens_per_s, total_output / duration_s),
+               "max_concurrent_requests": max_concurrent}
     for name, values in zip(METRICS, (ttfts, tpots, itls, e2els)):
         metrics.update(_summary(name, values, percentiles))
     return metrics

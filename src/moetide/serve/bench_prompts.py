@@ -22,6 +22,8 @@ from moetide.workloads.base import Workload
 
 FIRST_TOKEN_ID = 3
 DEFAULT_VOCAB_SIZE = 259
+# words for a chat prompt's text: one per token id, short lower-case syllables that BPE vocabularies keep whole
+_WORDS = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"] + [c + v + "n" for c in "bdfgklmprst" for v in "aeiou"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +83,21 @@ def bench_sessions(workload: Workload, seed: int, vocab_size: int = DEFAULT_VOCA
             for turn in session.turns)
         sessions.append(BenchSession(session.session_id, session.start_s, turns))
     return sessions
+
+
+def prompt_text(token_ids: Sequence[int]) -> str:
+    """A chat prompt's text for token ids: one word per id, so equal token blocks are equal text and a server's
+    prefix cache still finds the trace's reuse. Its length in the server's tokens is the tokenizer's, near one per
+    word; the server's ``usage.prompt_tokens`` is what the metrics count."""
+    return " ".join(_WORDS[t % len(_WORDS)] for t in token_ids)
+
+
+def fit_turn(turn: BenchTurn, max_model_len: int) -> BenchTurn | None:
+    """The turn cut to fit ``max_model_len`` (prompt + output): the prompt keeps its leading tokens (so its shared
+    blocks stay shared), and the output is cut only when it alone does not leave one prompt token; None when the
+    turn already fits."""
+    if len(turn.prompt_token_ids) + turn.output_tokens <= max_model_len:
+        return None
+    output = min(turn.output_tokens, max_model_len - 1)
+    return BenchTurn(turn.request_id, turn.prompt_token_ids[:max_model_len - output], output, turn.arrival_s,
+                     turn.think_time_s)

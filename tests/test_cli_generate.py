@@ -28,7 +28,7 @@ def test_json_output_matches_the_engine_and_decodes_with_the_tokenizer(tiny_chec
     out = tmp_path / "out.json"
     assert generate(model, "--prompt", "Prefix caching keeps", "--max-tokens", "6", "--ignore-eos",
                     "--kv-budget-mib", "1", "--json", str(out)) == 0
-    printed = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     [entry] = report["outputs"]
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
@@ -40,7 +40,7 @@ def test_json_output_matches_the_engine_and_decodes_with_the_tokenizer(tiny_chec
     assert entry["finish_reason"] == "length"
     assert {"prefix_evictions", "preemptions", "experts_offloaded", "prefix_hit_tokens", "steps",
             "recomputed_tokens"} <= set(report["stats"])
-    assert printed[0] == json.dumps(entry["text"]) and printed[1].startswith("steps 6, prefix evictions 0")
+    assert printed.startswith(entry["text"] + "\nsteps 6, prefix evictions 0")  # the text as it is, not a literal
 
 
 def test_prompts_file_under_a_tight_budget_reports_the_counters(tiny_checkpoint, tmp_path, capsys):
@@ -167,3 +167,34 @@ def test_routing_out_counts_every_token_top_k_times_per_layer(tiny_checkpoint, t
         for layers in layers_routed.values():
             layers.clear()
     assert profiles[0] == profiles[1] and profiles[0][0] != profiles[0][1]
+
+
+def test_a_moved_line_is_reported_in_words(tiny_checkpoint, tmp_path, capsys):
+    """24 prompts sharing a prefix in a KV cache of two blocks: under vllm none fits, under vamp all finish by
+    giving one expert's memory to the KV cache, and the report says so in words."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"You are a careful assistant. Answer briefly. Question {i}: what is a prefix "
+                               f"cache?\n" for i in range(24)))
+    common = ("--prompts-file", str(prompts), "--max-tokens", "8", "--kv-cache-memory", "32KiB")
+    assert generate(tiny_checkpoint("qwen3_moe"), *common, "--policy", "vllm") == 1
+    err = capsys.readouterr().err
+    assert "every request failed: none of the 24 requests fits the KV cache of 32 KiB (raise --kv-cache-memory, " \
+           "or give --kv-host-memory)" in err
+    assert generate(tiny_checkpoint("qwen3_moe"), *common, "--policy", "vamp") == 0
+    out = capsys.readouterr().out
+    assert out.count("--- prompt ") == 24 and "[failed" not in out
+    [line] = [x for x in out.splitlines() if x.startswith("the weights/KV line moved: ")]
+    assert line.startswith("the weights/KV line moved: 1 expert is served from host memory (12.5% of "
+                           "routed-expert bytes), and the KV cache went from 2 to ")
+    assert int(line.split(" to ")[-1].split()[0]) > 2
+
+
+def test_every_request_failing_with_a_host_tier_says_which_budgets_to_raise(tiny_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text((" ".join(["the scheduler compares the cost"] * 20) + "\n") * 2)
+    rc = generate(tiny_checkpoint("mixtral"), "--prompts-file", str(prompts), "--max-tokens", "4",
+                  "--kv-cache-memory", "32KiB", "--kv-host-memory", "8KiB", "--block-size", "2",
+                  "--max-offload-ratio", "0")
+    err = capsys.readouterr().err
+    assert rc == 1 and "none of the 2 requests fits the KV cache of 32 KiB and 8 KiB of host KV" in err
+    assert "(raise --kv-cache-memory or --kv-host-memory)" in err

@@ -44,7 +44,7 @@ def test_every_request_failed_is_exit_1(tiny_checkpoint, capsys):
     rc = generate(tiny_checkpoint("mixtral"), "--prompt", prompt, "--max-tokens", "4", "--kv-cache-memory", "32KiB",
                   "--block-size", "2", "--max-offload-ratio", "0")
     out, err = capsys.readouterr()
-    assert rc == 1 and "[failed: never fits]" in out
+    assert rc == 1 and "[failed: it never fits the KV cache]" in out
     assert "every request failed" in err and "--kv-cache-memory" in err
 
 

@@ -113,6 +113,13 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request_and_frees_its_blocks
 
 
 def test_a_client_that_leaves_before_a_whole_answer_aborts_it_too(server, client):
+    import gc
+    import logging
+
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("asyncio").addHandler(handler)
     before = num_aborted(server)
     host, port = server.url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port))
@@ -124,6 +131,11 @@ def test_a_client_that_leaves_before_a_whole_answer_aborts_it_too(server, client
     connection.close()
     server.idle()
     assert num_aborted(server) == before + 1
+    time.sleep(0.3)
+    gc.collect()  # an unread future's exception is logged, with its traceback, when the future is collected
+    time.sleep(0.2)
+    logging.getLogger("asyncio").removeHandler(handler)
+    assert not [m for m in logged if "never retrieved" in m], logged
 
 
 def test_sigterm_lets_the_request_in_flight_finish_then_exits_by_the_signal(tiny_checkpoint, tmp_path):

@@ -8,8 +8,10 @@ comes from the model directory (local files only). ``--json OUT`` writes::
                "steps", ...,
                "kv_host_blocks", "split_policy", "split": {"cpu_blocks", "streamed_blocks", "cpu_s", ...}}}
 
-and stdout gets one line per prompt plus a one-line summary of the counters (a second one for host KV). The exit
-code is 1 when every request failed (none fits the KV cache), 0 otherwise. A prompt whose length plus
+and stdout gets each continuation as text (under a ``--- prompt i: finish reason ---`` line when there are
+several), a sentence saying how far the weights/KV line moved when a policy moved it, and a one-line summary of the
+counters (a second one for host KV). The exit code is 1 when every request failed (none fits the KV cache), 0
+otherwise. A prompt whose length plus
 ``--max-tokens`` passes ``--max-model-len`` (default: config.json's ``max_position_embeddings``) is refused before
 anything runs, as vLLM refuses it.
 torch and transformers are imported only when the verb runs.
@@ -214,9 +216,13 @@ def run(args: argparse.Namespace) -> int:
                       top_k=engine.parts.model.config.num_experts_per_tok, model=str(args.model))
     failed = sum(out["finish_reason"] == "failed" for out in outputs)
     if failed == len(outputs):
-        print(f"moetide generate: every request failed: {'it does' if failed == 1 else 'none of them does'} not "
-              f"fit the KV cache of {bytes_text(args.kv_cache_memory)} (raise --kv-cache-memory, or give "
-              f"--kv-host-memory)", file=sys.stderr)
+        host = args.kv_host_memory
+        budget = bytes_text(args.kv_cache_memory) + (f" and {bytes_text(host)} of host KV" if host else "")
+        hint = "raise --kv-cache-memory or --kv-host-memory" if host else ("raise --kv-cache-memory, or give "
+                                                                            "--kv-host-memory")
+        what = "the request does not fit" if failed == 1 else f"none of the {failed} requests fits"
+        print(f"moetide generate: every request failed: {what} the KV cache of {budget} ({hint})",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -232,9 +238,19 @@ def _emit(json_path: str | None, report: dict) -> None:
 
 
 def _print_report(report: dict) -> None:
-    for out in report["outputs"]:
-        print(json.dumps(out["text"]) + ("" if out["finish_reason"] != "failed" else "  [failed: never fits]"))
+    outputs = report["outputs"]
+    for i, out in enumerate(outputs):
+        head = f"--- prompt {i}: {out['finish_reason']} ---" if len(outputs) > 1 else None
+        if head:
+            print(head)
+        print(out["text"] if out["finish_reason"] != "failed" else "[failed: it never fits the KV cache]")
     stats = report["stats"]
+    if stats["experts_offloaded"] or stats["kv_blocks"] != stats["kv_blocks_at_start"]:
+        experts = stats["experts_offloaded"]
+        noun = "expert is" if experts == 1 else "experts are"
+        print(f"the weights/KV line moved: {experts} {noun} served from host memory "
+              f"({stats['offloaded_ratio']:.1%} of routed-expert bytes), and the KV "
+              f"cache went from {stats['kv_blocks_at_start']:,} to {stats['kv_blocks']:,} blocks")
     print(f"steps {stats['steps']}, prefix evictions {stats['prefix_evictions']} blocks, preemptions "
           f"{stats['preemptions']}, experts offloaded {stats['experts_offloaded']} (regions reclaimed "
           f"{stats['expert_reclaims']}; staged {stats['experts_staged']}, computed on the host "

@@ -69,6 +69,7 @@ class EngineStats:
     experts_on_host: int = 0  # offloaded experts computed from their host copies instead (``cold_experts="cpu"``)
     offloaded_ratio: float = 0.0
     kv_blocks: int = 0
+    kv_blocks_at_start: int = 0  # the pool's size when the call began: it differs from kv_blocks when the line moved
     prefix_hit_tokens: int = 0  # tokens found in the prefix cache when a request was (re)admitted
     recomputed_tokens: int = 0  # tokens computed again after a preemption
     failed_requests: int = 0
@@ -318,7 +319,7 @@ class Engine:
                     self.abort_request(request_id)
                 raise UserError(f"prompt {i}: {exc}") from None
         requests = [self._requests[request_id] for request_id in ids]
-        stats, failed = EngineStats(), set()
+        stats, failed = EngineStats(kv_blocks_at_start=self.scheduler.kv.pool.num_blocks), set()
         self._stats = stats
         counts0 = self._lifetime_counts()
         provider = self.parts.experts

@@ -320,3 +320,11 @@ async def _unless_disconnected(raw: Request, awaitable) -> object:
     finally:
         if not task.done():
             task.cancel()
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Read a cancelled gather's outcome: its children's ``CancelledError`` is expected, and a future whose
+    exception nobody reads is logged with a traceback when it is collected."""
+    if not task.cancelled():
+        task.exception()

@@ -89,6 +89,18 @@ def test_chat_applies_the_template_and_equals_the_engine_on_its_tokens(server, c
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
 
 
+def test_content_parts_are_joined_as_vllm_joins_them_and_a_non_text_part_is_refused(server, client):
+    parts = [{"type": "text", "text": "What keeps"}, {"type": "text", "text": "a prefix?"}]
+    ask = dict(model=server.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    joined = client.chat.completions.create(messages=[{"role": "user", "content": parts}], **ask)
+    plain = client.chat.completions.create(messages=[{"role": "user", "content": "What keeps\na prefix?"}], **ask)
+    assert joined.choices[0].message.content == plain.choices[0].message.content
+    assert joined.usage.prompt_tokens == plain.usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: a part of type 'image_url'"):
+        client.chat.completions.create(messages=[{"role": "user", "content": [parts[0], image]}], **ask)
+
+
 def test_concurrent_requests_queue_and_batch_and_answer_as_alone(server, client):
     """Three at once with two sequences a step: one waits in the scheduler's queue, then joins the batch."""
     alone = {p: client.completions.create(model=server.model, prompt=p, max_tokens=16, temperature=0,

@@ -11,10 +11,11 @@ FastAPI, uvicorn and torch are imported only when the verb runs.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from moetide.commands.generate import add_engine_arguments, build_engine, load_tokenizer, max_model_len, read_config
-from moetide.commands.options import add_max_model_len, checkpoint_dir, flush_warnings
+from moetide.commands.options import add_max_model_len, bytes_text, checkpoint_dir, flush_warnings
 from moetide.errors import UserError, read_json
 
 
@@ -73,6 +74,45 @@ def serve_config(args: argparse.Namespace):
                        default_top_p=float(generation.get("top_p", 1.0)))
 
 
+def check_chat_template(tokenizer, template: str | None, flag: str | None) -> str:
+    """Render the chat template on a one-message conversation at start, so a broken one fails the server, not
+    every chat request; returns where the template comes from (for the start-up log), or why there is none."""
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        return "none: /v1/chat/completions answers 400 until the server is started with --chat-template FILE"
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+    except Exception as exc:  # jinja's syntax and render errors
+        where = f"--chat-template {flag}" if flag else "the tokenizer's chat template"
+        raise UserError(f"{where}: it fails on a one-message conversation: {type(exc).__name__}: {exc}") from None
+    return f"--chat-template {flag}" if flag else "the tokenizer's"
+
+
+def kv_capacity_tokens(engine, can_offload: bool) -> int:
+    """The most tokens one sequence can hold: every KV block of the pool (device and host), with what the offload
+    cap could still add when the policy moves the line, less a request's state blocks."""
+    parts, kv = engine.parts, engine.parts.scheduler.kv
+    blocks = kv.pool.num_blocks
+    if can_offload:
+        residency = parts.residency
+        blocks += parts.expert_line.blocks_gained(residency.max_num_offloaded - residency.num_offloaded)
+    return max(blocks - kv.num_state_blocks_per_request, 0) * kv.block_size
+
+
+def check_kv_fits(engine, args: argparse.Namespace, max_model_len: int) -> int:
+    """vLLM's start-up check: refuse a KV cache that cannot hold one ``max_model_len`` sequence, with the
+    numbers and the longest length it could serve; returns the capacity in tokens."""
+    from moetide.core.pressure import OFFLOADING_POLICIES
+
+    capacity = kv_capacity_tokens(engine, args.policy.lower() in OFFLOADING_POLICIES)
+    if capacity < max_model_len:
+        raise UserError(f"the KV cache holds at most {capacity:,} tokens of one sequence (--kv-cache-memory "
+                        f"{bytes_text(args.kv_cache_memory)}), less than --max-model-len {max_model_len:,}: raise "
+                        f"--kv-cache-memory, or serve --max-model-len {capacity:,} or less")
+    return capacity
+
+
 def build_app(args: argparse.Namespace):
     """The FastAPI app and its engine loop (not started: the app's lifespan starts and stops it)."""
     from moetide.serve.app import create_app
@@ -81,7 +121,15 @@ def build_app(args: argparse.Namespace):
 
     config = serve_config(args)
     tokenizer = load_tokenizer(args.model)
+    template = check_chat_template(tokenizer, config.chat_template, args.chat_template)
     engine = build_engine(args)
+    capacity = check_kv_fits(engine, args, config.max_model_len)
+    kv = engine.parts.scheduler.kv
+    print(f"moetide serve: model {config.model_name} ({config.model_dir}); max_model_len {config.max_model_len:,}; "
+          f"KV cache {kv.pool.num_blocks:,} blocks of {kv.block_size} tokens ({bytes_text(args.kv_cache_memory)}"
+          f"{f' + {bytes_text(args.kv_host_memory)} on the host' if args.kv_host_memory else ''}; one sequence "
+          f"at most {capacity:,} tokens); policy {args.policy} (max offload ratio {args.max_offload_ratio:g}); "
+          f"chat template: {template}", file=sys.stderr)
     loop = EngineLoop(engine)
     metrics = ServerMetrics(config.model_name, lambda: loop.metrics,
                             lambda: (loop.num_steps, loop.step_wall_s, loop.step_cpu_s))

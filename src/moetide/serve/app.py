@@ -130,7 +130,7 @@ class _Api:
         template = self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ServeError("this model's tokenizer has no chat template: start the server with --chat-template")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [_text_message(m.model_dump(exclude_none=True), i) for i, m in enumerate(body.messages)]
         try:
             text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                       add_generation_prompt=body.add_generation_prompt)
@@ -301,6 +301,23 @@ class _Head:
         items = [{"index": i, "text": c.text.text, "logprobs": None, "finish_reason": c.finish_reason,
                   "stop_reason": c.text.stopped_by} for i, c in enumerate(choices)]
         return {**self._base("text_completion"), "choices": items, "usage": self.usage(choices)}
+
+
+def _text_message(message: dict, index: int) -> dict:
+    """A message whose ``content`` is a list of parts (what the openai client and most UIs send) with its text
+    parts joined by newlines, as vLLM joins them for a template that takes a string; a part that is not text is
+    refused (this server serves text models)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ServeError(f"messages[{index}].content[{j}]: a part of type {kind!r}; this model takes text parts "
+                             f"only ({{\"type\": \"text\", \"text\": ...}})", param="messages")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _sse(payload: dict) -> str:

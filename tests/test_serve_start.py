@@ -64,3 +64,54 @@ def test_without_any_chat_template_the_log_says_what_chat_will_answer(tiny_check
 
     assert check_chat_template(NoTemplate(), None, None).startswith(
         "none: /v1/chat/completions answers 400 until the server is started with --chat-template")
+
+
+def test_a_body_past_the_limit_is_413_and_prompts_are_tokenized_off_the_event_loop(tiny_checkpoint, monkeypatch):
+    """A 10 MB prompt is refused before anything parses it (413, an OpenAI error body); an accepted prompt is
+    tokenized on a worker thread, so the event loop keeps serving other requests meanwhile."""
+    import asyncio
+    import json
+    import urllib.error
+    import urllib.request
+
+    import moetide.commands.serve as serve_command
+    from moetide.commands.serve import serve_in_thread
+
+    on_loop: list[bool] = []
+    load = serve_command.load_tokenizer
+
+    def recording_tokenizer(model):
+        tokenizer = load(model)
+        encode = tokenizer.encode
+
+        def recorded(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:
+                on_loop.append(False)
+            return encode(*args, **kwargs)
+
+        tokenizer.encode = recorded
+        return tokenizer
+
+    monkeypatch.setattr(serve_command, "load_tokenizer", recording_tokenizer)
+    live = serve_in_thread(tiny_checkpoint("qwen3_moe"), "--threads", "1", "--max-model-len", "512")
+    try:
+        def post(body: bytes) -> tuple[int, dict]:
+            request = urllib.request.Request(live.url + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    return response.status, json.loads(response.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        status, doc = post(json.dumps({"prompt": "x " * 5_000_000, "max_tokens": 1}).encode())
+        assert status == 413 and doc["error"]["type"] == "RequestTooLargeError"
+        assert "larger than this server's limit of 1,048,576 bytes (--max-request-bytes)" in doc["error"]["message"]
+        assert on_loop == []  # refused before any tokenizing
+        status, doc = post(json.dumps({"prompt": "hello there", "max_tokens": 2}).encode())
+        assert status == 200 and on_loop and not any(on_loop)
+    finally:
+        live.stop()

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from moetide.commands.generate import add_engine_arguments, build_engine, load_tokenizer, max_model_len, read_config
-from moetide.commands.options import add_max_model_len, bytes_text, checkpoint_dir, flush_warnings
+from moetide.commands.options import (add_max_model_len, add_memory_option, bytes_text, checkpoint_dir,
+                                      flush_warnings)
 from moetide.errors import UserError, read_json
 
 
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_max_model_len(parser, "the model's max_position_embeddings")
     add("--chat-template", metavar="FILE|TEMPLATE",
         help="Jinja chat template for /v1/chat/completions (default: the tokenizer's)")
+    add_memory_option(parser, "--max-request-bytes", None,
+                      "answer 413 to a request body larger than this (default: 64 B per token of --max-model-len, "
+                      "at least 1MiB)")
     add("--max-num-queued-reqs", type=int, metavar="N",
         help="answer 503 while N requests are in flight (default: no bound; requests wait in the queue)")
     add("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -67,8 +71,12 @@ def serve_config(args: argparse.Namespace):
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     generation = _generation_defaults(args.model)
+    body_limit = args.max_request_bytes if args.max_request_bytes is not None else max(1 << 20, 64 * limit)
+    if not body_limit >= 1024:
+        raise UserError(f"--max-request-bytes must be at least 1KiB, got {args.max_request_bytes:g}")
     return ServeConfig(model_name=args.served_model_name or args.model, model_dir=str(checkpoint_dir(args.model)),
                        max_model_len=limit, max_num_queued_reqs=args.max_num_queued_reqs,
+                       max_request_bytes=int(body_limit),
                        chat_template=read_chat_template(args.chat_template),
                        default_temperature=float(generation.get("temperature", 1.0)),
                        default_top_p=float(generation.get("top_p", 1.0)))
@@ -86,7 +94,9 @@ def check_chat_template(tokenizer, template: str | None, flag: str | None) -> st
     except Exception as exc:  # jinja's syntax and render errors
         where = f"--chat-template {flag}" if flag else "the tokenizer's chat template"
         raise UserError(f"{where}: it fails on a one-message conversation: {type(exc).__name__}: {exc}") from None
-    return f"--chat-template {flag}" if flag else "the tokenizer's"
+    if not flag:
+        return "the tokenizer's"
+    return f"--chat-template {flag}" if Path(flag).is_file() else "--chat-template (a template given inline)"
 
 
 def kv_capacity_tokens(engine, can_offload: bool) -> int:

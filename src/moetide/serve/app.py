@@ -43,6 +43,7 @@ class ServeConfig:
     chat_template: str | None = None  # None: the tokenizer's own
     default_temperature: float = 1.0  # vLLM's, unless generation_config.json says otherwise
     default_top_p: float = 1.0
+    max_request_bytes: int = 1 << 20  # a request body past this is answered 413 (BodyLimit)
 
 
 @dataclass
@@ -100,14 +101,67 @@ def create_app(loop: EngineLoop, tokenizer, config: ServeConfig, metrics: Server
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        prompts = [api.encode(p) for p in completion_prompts(body)]
+        # tokenized on a worker thread: a long prompt does not hold up the requests the event loop serves meanwhile
+        prompts = await asyncio.to_thread(lambda: [api.encode(p) for p in completion_prompts(body)])
         return await api.respond(body, prompts, body.max_tokens, raw, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
-        return await api.respond(body, [api.chat_prompt(body)], body.requested_max_tokens(), raw, chat=True)
+        prompt = await asyncio.to_thread(api.chat_prompt, body)
+        return await api.respond(body, [prompt], body.requested_max_tokens(), raw, chat=True)
 
-    return app
+    return BodyLimit(app, config.max_request_bytes)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body past ``max_bytes`` (by its Content-Length, or counted as it streams in) is
+    answered 413 with an OpenAI error body before anything parses it, so one huge prompt cannot take the server's
+    memory or time."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _drain(receive)  # read and drop it, so the client gets the answer rather than a broken pipe
+            return await self._refuse(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await _drain(receive)
+            await self._refuse(send)
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps(error_body(f"the request body is larger than this server's limit of {self.max_bytes:,} "
+                                     f"bytes (--max-request-bytes)", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _drain(receive) -> None:
+    """Read the rest of a request body and keep none of it."""
+    while True:
+        message = await receive()
+        if message.get("type") != "http.request" or not message.get("more_body"):
+            return
 
 
 class _Api:

@@ -502,3 +502,16 @@ def test_a_host_file_written_before_kernels_were_recorded_still_loads(tmp_path, 
     bare = tmp_path / "bare.toml"  # a hand-written host file: no [measured] at all
     bare.write_text(OLD_HOST_FILE.split("[offload_efficiency]")[0])
     assert calibration_kernels(str(bare)) == {} and calibration_kernels("ddr4-3200-8ch") == {}
+
+
+def test_an_out_path_that_cannot_be_written_is_refused_before_measuring():
+    """A read-only place (sysfs here, where not even root creates files) is one error line at once, not after the
+    seconds of measuring whose results it would then lose."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", "import sys; from moetide.cli import main; sys.exit(main())",
+                             "calibrate", "--out", "/sys/host.toml"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == "moetide calibrate: error: --out /sys/host.toml: cannot write there: " \
+                                    "Permission denied"

@@ -233,12 +233,17 @@ def test_plot_throughput_panel_has_busy_seconds_and_time_in_hours(tmp_path, monk
     monkeypatch.setattr(plt, "close", figures.append)
 
     class Run:
-        ttft, tpot, kv_usage, offload_usage = [1.0], [0.01], [(0.0, 0.1), (400_000.0, 0.2)], []
+        ttft, tpot, kv_usage = [1.0], [0.01], [(0.0, 0.1), (400_000.0, 0.2)]
+        offload_usage, preemption_usage = [(0.0, 0.0), (400_000.0, 0.05)], [(0.0, 0), (400_000.0, 7)]
 
     result = {"metrics": {"request_throughput_per_s": 0.1, "completed": 10, "busy_s": 20.0},
               "config": {"workload": {"name": "w"}, "model": "m", "tp": 1, "gpu": "g"}}
     plots.plot_runs({"vllm": (result, Run)}, tmp_path / "p.png")
-    ax_cdf, ax_bar, ax_tpot, ax_kv = figures[0].axes
-    assert ax_kv.get_xlabel() == "simulated time (h)" and max(ax_kv.lines[0].get_xdata()) == pytest.approx(111.1, 0.01)
+    ax_cdf, ax_bar, ax_tpot, ax_line, ax_preempt = figures[0].axes
+    assert ax_line.get_xlabel() == "simulated time (h)"
+    assert max(ax_line.lines[0].get_xdata()) == pytest.approx(111.1, 0.01)
+    # the line on its own axis, in percent of expert bytes; preemptions on the other
+    assert list(ax_line.lines[0].get_ydata()) == [0.0, 5.0] and ax_line.get_ylim()[1] == pytest.approx(6.25)
+    assert list(ax_preempt.lines[0].get_ydata()) == [0, 7] and ax_preempt.get_ylabel() == "preemptions so far"
     assert [t.get_text() for t in ax_bar.get_legend().get_texts()] == ["per second", "per busy second"]
     assert [round(p.get_height(), 3) for p in ax_bar.patches] == [0.1, 0.5]

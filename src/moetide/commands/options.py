@@ -196,6 +196,21 @@ def check_toml_output(flag: str, path: Path, kind: str, example: str) -> None:
         raise UserError(f"{flag} {path}: is a directory; give a file name such as {path / example}")
     if not path.parent.is_dir():
         raise UserError(f"{flag} {path}: directory {path.parent} does not exist")
+    _probe_write(flag, path)
+
+
+def _probe_write(flag: str, path: Path) -> None:
+    """Open the file for appending (and remove it again if it was not there): permissions are not the only thing
+    that refuses a write (a read-only mount, a pseudo file system, root's own limits), and a run that measures first
+    must not find out after."""
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot write there: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def write_text_file(flag: str, path: Path, text: str) -> None:

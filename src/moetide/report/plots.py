@@ -82,9 +82,10 @@ def plot_runs(runs: Mapping[str, tuple[dict, MetricsCollector]], path: Path) -> 
     """One figure comparing runs (a single run is a comparison of one)."""
     plt = require_matplotlib()
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    ax_cdf, ax_bar, ax_tpot, ax_kv = axes.flat
+    ax_cdf, ax_bar, ax_tpot, ax_line = axes.flat
+    ax_preempt = ax_line.twinx()
     labels = _labels(runs)
-    end_s = max((t for _, (_, m) in runs.items() for t, _ in m.kv_usage), default=0.0)
+    end_s = max((t for _, (_, m) in runs.items() for t, _ in m.offload_usage), default=0.0)
     divisor, unit = duration_unit(end_s)
     for index, (name, (_, metrics)) in enumerate(runs.items()):
         style = LINE_STYLES[index % len(LINE_STYLES)]
@@ -92,21 +93,30 @@ def plot_runs(runs: Mapping[str, tuple[dict, MetricsCollector]], path: Path) -> 
             ax_cdf.plot(*_cdf(metrics.ttft), ls=style, label=labels[name])
         if metrics.tpot:
             ax_tpot.plot(*_cdf(metrics.tpot), ls=style, label=labels[name])
-        if metrics.kv_usage:
-            line, = ax_kv.plot([t / divisor for t, _ in metrics.kv_usage], [u for _, u in metrics.kv_usage],
-                               ls=style, label=f"{labels[name]}: KV used")
-            if any(r for _, r in metrics.offload_usage):  # the line's other side: experts offloaded to host
-                ax_kv.plot([t / divisor for t, _ in metrics.offload_usage], [r for _, r in metrics.offload_usage],
-                           ls=style, lw=0.8, alpha=0.6, color=line.get_color(),
-                           label=f"{labels[name]}: offloaded expert share")
+        color = f"C{index}"
+        if metrics.offload_usage:  # the line: expert bytes given to the KV cache, on their own scale
+            ax_line.plot([t / divisor for t, _ in metrics.offload_usage],
+                         [100 * r for _, r in metrics.offload_usage], ls="-", color=color,
+                         label=f"{labels[name]}: expert bytes given to KV")
+        if metrics.preemption_usage:
+            ax_preempt.plot([t / divisor for t, _ in metrics.preemption_usage],
+                            [n for _, n in metrics.preemption_usage], ls=":", lw=1.2, color=color,
+                            marker=".", markevery=max(len(metrics.preemption_usage) // 12, 1),
+                            label=f"{labels[name]}: preemptions so far")
     _throughput(ax_bar, runs)
     ax_cdf.set(xscale="log", xlabel="TTFT (s, modeled)", ylabel="share of requests", title="TTFT CDF")
     ax_tpot.set(xscale="log", xlabel="TPOT (s, modeled)", ylabel="share of requests", title="TPOT CDF")
-    ax_kv.set(xlabel=f"simulated time ({unit})", ylabel="share", title="KV blocks used and experts offloaded",
-              ylim=(0, 1.05))
-    for ax in (ax_cdf, ax_tpot, ax_kv):
+    top = max((100 * r for _, (_, m) in runs.items() for _, r in m.offload_usage), default=0.0)
+    ax_line.set(xlabel=f"simulated time ({unit})", ylabel="expert bytes given to the KV cache (%)",
+                title="the line moving (solid, left) and preemptions (dotted, right)", ylim=(0, max(top * 1.25, 1)))
+    ax_preempt.set(ylabel="preemptions so far")
+    ax_preempt.set_ylim(bottom=0)
+    for ax in (ax_cdf, ax_tpot):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    ax_line.grid(alpha=0.3)
+    handles = [h for ax in (ax_line, ax_preempt) for h in ax.get_legend_handles_labels()[0]]
+    ax_line.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="center right")
     first = next(iter(runs.values()))[0]["config"]
     fig.suptitle(f"{first['workload']['name']} | {first['model']} on {first['tp']} x {first['gpu']} (modeled)")
     fig.tight_layout()

@@ -95,6 +95,7 @@ class MetricsCollector:
         self.usage_every = 1
         self.kv_usage: list[tuple[float, float]] = []  # (time, used share of the pool)
         self.offload_usage: list[tuple[float, float]] = []  # (time, offloaded share of routed-expert bytes)
+        self.preemption_usage: list[tuple[float, int]] = []  # (time, preemptions so far)
         self.offloaded_ratio_max = 0.0
         self.staged_bytes = 0.0
         self.offloads = 0
@@ -160,7 +161,8 @@ class MetricsCollector:
         self.cached_prompt_tokens += request.num_cached_prompt_tokens or 0
         self.recomputed_tokens += request.num_recomputed_tokens
 
-    def step(self, now_s: float, duration_s: float, used_share: float, offloaded_ratio: float = 0.0) -> None:
+    def step(self, now_s: float, duration_s: float, used_share: float, offloaded_ratio: float = 0.0,
+             preemptions: int = 0) -> None:
         self.steps += 1
         self.busy_s += duration_s
         if offloaded_ratio > self.offloaded_ratio_max:
@@ -168,9 +170,11 @@ class MetricsCollector:
         if self.steps % self.usage_every == 0:
             self.kv_usage.append((now_s, used_share))
             self.offload_usage.append((now_s, offloaded_ratio))
+            self.preemption_usage.append((now_s, preemptions))
             if len(self.kv_usage) >= self.MAX_USAGE_SAMPLES:
                 self.kv_usage = self.kv_usage[::2]
                 self.offload_usage = self.offload_usage[::2]
+                self.preemption_usage = self.preemption_usage[::2]
                 self.usage_every *= 2
 
     def to_dict(self) -> dict[str, object]:

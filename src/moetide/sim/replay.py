@@ -138,7 +138,8 @@ class Replay:
             self.metrics.finished(request, self.now_s)
             self._turn_done(request)
         pool = self.scheduler.kv.pool
-        self.metrics.step(self.now_s, duration, pool.num_used_blocks / max(pool.num_blocks, 1), self.offloaded_ratio())
+        self.metrics.step(self.now_s, duration, pool.num_used_blocks / max(pool.num_blocks, 1), self.offloaded_ratio(),
+                          self.scheduler.num_preemptions)
 
     def _decode_run(self) -> int:
         """Run the decode steps the scheduler certifies as identical, up to the next send; same times and
@@ -153,7 +154,7 @@ class Replay:
         events, metrics, step_time_s = self._events, self.metrics, self.step_time_s
         pool = sched.kv.pool
         used_share = pool.num_used_blocks / max(pool.num_blocks, 1)
-        offloaded = self.offloaded_ratio()
+        offloaded, preemptions = self.offloaded_ratio(), self.scheduler.num_preemptions
         host_kv, bs = self.host_kv, sched.kv.block_size
         seqs = [] if host_kv is None else host_kv.seqs(sched.kv, [(r.request_id, r.num_computed_tokens + 1)
                                                                  for r in running])
@@ -171,7 +172,7 @@ class Replay:
                 duration = step_time_s(num_seqs, num_seqs, num_seqs, kv_read, kv_read)
             self.now_s += duration
             ends.append(self.now_s)
-            metrics.step(self.now_s, duration, used_share, offloaded)
+            metrics.step(self.now_s, duration, used_share, offloaded, preemptions)
             kv_read += num_seqs
             k += 1
         metrics.decode_run(running, ends)
@@ -190,7 +191,7 @@ class Replay:
         num_tokens = num_decode + chunk
         kv_read = sum(r.num_computed_tokens for r in decoders) + num_decode
         events, metrics, step_time_s = self._events, self.metrics, self.step_time_s
-        offloaded = self.offloaded_ratio()
+        offloaded, preemptions = self.offloaded_ratio(), self.scheduler.num_preemptions
         pool = sched.kv.pool
         k = 0
         ends: list[float] = []
@@ -202,7 +203,7 @@ class Replay:
                                    kv_read + chunk * start + chunk * (chunk + 1) // 2)
             self.now_s += duration
             ends.append(self.now_s)
-            metrics.step(self.now_s, duration, pool.num_used_blocks / max(pool.num_blocks, 1), offloaded)
+            metrics.step(self.now_s, duration, pool.num_used_blocks / max(pool.num_blocks, 1), offloaded, preemptions)
             kv_read += num_decode
             k += 1
         metrics.decode_run(decoders, ends)

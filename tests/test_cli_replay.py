@@ -115,3 +115,20 @@ def test_vllm_015_defaults(tmp_path, capsys):
         assert result["config"]["scheduler_reserve_full_isl"] is False
         assert result["config"]["prefix_cache_retention_interval"] is None
         assert "vLLM 0.15's v1 rules (admission on the first chunk" in capsys.readouterr().out
+
+
+def test_a_moved_line_is_reported_in_words(capsys):
+    """vLLM 0.15's first-chunk admission into 2 GiB of KV: vamp moves the line and the report says how far, with
+    the counters of the table it sits under; vllm's report has no such sentence."""
+    common = ["replay", "--model", "qwen3-next-80b-a3b", "--gpu", "h100-nvl", "--tp", "2", "--kv-cache-memory",
+              "2GiB", "--vllm-version", "0.15", "--sessions", "8"]
+    assert main([*common, "--policy", "vamp", "--json", "-"]) == 0
+    metrics = json.loads(capsys.readouterr().out)["metrics"]
+    assert main([*common, "--policy", "vamp"]) == 0
+    out = capsys.readouterr().out
+    [line] = [x for x in out.splitlines() if x.startswith("the weights/KV line moved: ")]
+    assert metrics["offloaded_ratio_max"] > 0
+    assert f"up to {metrics['offloaded_ratio_max']:.1%} of the routed-expert bytes" in line
+    assert f"({metrics['offloads']:,} offloads, {metrics['reclaims']:,} regions given back)" in line
+    assert main([*common, "--policy", "vllm"]) == 0
+    assert "the weights/KV line moved" not in capsys.readouterr().out

@@ -277,6 +277,10 @@ def print_summary(result: dict) -> None:
         *host_kv_rows(config, metrics),
         ["simulated duration", duration_text(metrics["duration_s"])],
     ], align="<>"))
+    if metrics["offloaded_ratio_max"] > 0:
+        print(f"\nthe weights/KV line moved: up to {metrics['offloaded_ratio_max']:.1%} of the routed-expert bytes went "
+              f"to the KV cache ({metrics['offloads']:,} offloads, {metrics['reclaims']:,} regions given back), and "
+              f"{metrics['staged_bytes'] / 2**30:,.1f} GiB of expert weights were staged from host memory for it")
 
 
 def host_kv_rows(config: dict, metrics: dict) -> list[list[str]]:

@@ -198,3 +198,17 @@ def test_every_request_failing_with_a_host_tier_says_which_budgets_to_raise(tiny
     err = capsys.readouterr().err
     assert rc == 1 and "none of the 2 requests fits the KV cache of 32 KiB and 8 KiB of host KV" in err
     assert "(raise --kv-cache-memory or --kv-host-memory)" in err
+
+
+@pytest.mark.parametrize(("max_tokens", "reason", "ran"), [(71, "length", True), (72, "failed", False)])
+def test_a_request_that_can_never_be_held_fails_before_any_step(tiny_checkpoint, capsys, max_tokens, reason, ran):
+    """32 KiB of device KV and 8 KiB of host KV in 2-token blocks hold 40 blocks, 80 tokens of one sequence; a
+    10-token prompt with 71 output tokens needs 80 of them (the last token is sampled, never stored) and runs; with
+    72 it can never be held and fails before any step (it used to run 71 steps first)."""
+    rc = generate(tiny_checkpoint("mixtral"), "--prompt", "the scheduler compares the cost", "--max-tokens",
+                  str(max_tokens), "--ignore-eos", "--kv-cache-memory", "32KiB", "--kv-host-memory", "8KiB",
+                  "--block-size", "2", "--max-offload-ratio", "0", "--json", "-")
+    report = json.loads(capsys.readouterr().out)
+    [out] = report["outputs"]
+    assert len(out["prompt_token_ids"]) == 10 and out["finish_reason"] == reason
+    assert (rc, report["stats"]["steps"] > 0, len(out["token_ids"])) == ((0, True, 71) if ran else (1, False, 0))

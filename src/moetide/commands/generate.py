@@ -10,8 +10,9 @@ comes from the model directory (local files only). ``--json OUT`` writes::
 
 and stdout gets each continuation as text (under a ``--- prompt i: finish reason ---`` line when there are
 several), a sentence saying how far the weights/KV line moved when a policy moved it, and a one-line summary of the
-counters (a second one for host KV). The exit code is 1 when every request failed (none fits the KV cache), 0
-otherwise. A prompt whose length plus
+counters (a second one for host KV). A request whose prompt and output the KV cache can never hold (with what the
+offload cap could add under an offloading policy) fails before any step runs. The exit code is 1 when every
+request failed (none fits the KV cache), 0 otherwise. A prompt whose length plus
 ``--max-tokens`` passes ``--max-model-len`` (default: config.json's ``max_position_embeddings``) is refused before
 anything runs, as vLLM refuses it.
 torch and transformers are imported only when the verb runs.
@@ -179,6 +180,19 @@ def max_model_len(args: argparse.Namespace, config: dict) -> int | None:
     return args.max_model_len
 
 
+def kv_capacity_tokens(engine, policy: str) -> int:
+    """The most tokens one sequence can hold: every KV block of the pool (device and host), with what the offload
+    cap could still add when the policy moves the line, less a request's state blocks."""
+    from moetide.core.pressure import OFFLOADING_POLICIES
+
+    parts, kv = engine.parts, engine.parts.scheduler.kv
+    blocks = kv.pool.num_blocks
+    if policy.lower() in OFFLOADING_POLICIES:
+        residency = parts.residency
+        blocks += parts.expert_line.blocks_gained(residency.max_num_offloaded - residency.num_offloaded)
+    return max(blocks - kv.num_state_blocks_per_request, 0) * kv.block_size
+
+
 def check_lengths(texts: list[str], prompt_ids: list[list[int]], max_tokens: int, limit: int | None) -> None:
     for text, ids in zip(texts, prompt_ids):
         if not ids:
@@ -203,10 +217,20 @@ def run(args: argparse.Namespace) -> int:
     flush_warnings()
     if args.routing_out:
         engine.parts.experts.record_totals()
-    result = engine.generate(prompt_ids, args.max_tokens, temperature=args.temperature, seed=args.seed)
-    outputs = [dict(prompt=text, prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids,
-                    text=tokenizer.decode(out.token_ids, skip_special_tokens=True), finish_reason=out.finish_reason)
-               for text, out in zip(texts, result.outputs)]
+    # a request whose prompt and output can never be held fails now, not after the steps it would run first (the
+    # last output token is sampled, never written to the KV cache)
+    capacity = kv_capacity_tokens(engine, args.policy)
+    fits = [len(ids) + args.max_tokens - 1 <= capacity for ids in prompt_ids]
+    result = engine.generate([ids for ids, ok in zip(prompt_ids, fits) if ok], args.max_tokens,
+                             temperature=args.temperature, seed=args.seed)
+    ran = iter(result.outputs)
+    outputs = []
+    for text, ids, ok in zip(texts, prompt_ids, fits):
+        out = next(ran) if ok else None
+        token_ids = out.token_ids if out else []
+        outputs.append(dict(prompt=text, prompt_token_ids=out.prompt_token_ids if out else ids, token_ids=token_ids,
+                            text=tokenizer.decode(token_ids, skip_special_tokens=True),
+                            finish_reason=out.finish_reason if out else "failed"))
     report = dict(outputs=outputs, stats=dataclasses.asdict(result.stats))
     if engine.costs is not None:
         report["vamp_costs"] = engine.costs.as_dict()

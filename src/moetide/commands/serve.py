@@ -14,7 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from moetide.commands.generate import add_engine_arguments, build_engine, load_tokenizer, max_model_len, read_config
+from moetide.commands.generate import (add_engine_arguments, build_engine, kv_capacity_tokens, load_tokenizer,
+                                       max_model_len, read_config)
 from moetide.commands.options import (add_max_model_len, add_memory_option, bytes_text, checkpoint_dir,
                                       flush_warnings)
 from moetide.errors import UserError, read_json
@@ -99,23 +100,10 @@ def check_chat_template(tokenizer, template: str | None, flag: str | None) -> st
     return f"--chat-template {flag}" if Path(flag).is_file() else "--chat-template (a template given inline)"
 
 
-def kv_capacity_tokens(engine, can_offload: bool) -> int:
-    """The most tokens one sequence can hold: every KV block of the pool (device and host), with what the offload
-    cap could still add when the policy moves the line, less a request's state blocks."""
-    parts, kv = engine.parts, engine.parts.scheduler.kv
-    blocks = kv.pool.num_blocks
-    if can_offload:
-        residency = parts.residency
-        blocks += parts.expert_line.blocks_gained(residency.max_num_offloaded - residency.num_offloaded)
-    return max(blocks - kv.num_state_blocks_per_request, 0) * kv.block_size
-
-
 def check_kv_fits(engine, args: argparse.Namespace, max_model_len: int) -> int:
     """vLLM's start-up check: refuse a KV cache that cannot hold one ``max_model_len`` sequence, with the
     numbers and the longest length it could serve; returns the capacity in tokens."""
-    from moetide.core.pressure import OFFLOADING_POLICIES
-
-    capacity = kv_capacity_tokens(engine, args.policy.lower() in OFFLOADING_POLICIES)
+    capacity = kv_capacity_tokens(engine, args.policy)
     if capacity < max_model_len:
         raise UserError(f"the KV cache holds at most {capacity:,} tokens of one sequence (--kv-cache-memory "
                         f"{bytes_text(args.kv_cache_memory)}), less than --max-model-len {max_model_len:,}: raise "

@@ -217,7 +217,7 @@ def _failure_lines(results) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moetide.serve.bench_client import Progress, Target, normalize_url, replay, server_info
+    from moetide.serve.bench_client import INTERRUPTED, Progress, Target, normalize_url, replay, server_info
     from moetide.serve.bench_metrics import calculate_metrics, per_request
 
     check_outputs(args)
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
             results, duration, interrupted = replay(sessions, workload.mode, target, status)
         finally:
             status.close()
-        finished = [r for r in results if r.success or r.error != "interrupted before it finished"]
+        finished = [r for r in results if r.success or r.error != INTERRUPTED]
         if interrupted:
             print(f"bench-serve: interrupted after {duration:.1f} s: {len(finished)} of {len(results)} requests "
                   f"finished; the figures are theirs")

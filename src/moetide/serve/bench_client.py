@@ -30,6 +30,7 @@ from moetide.errors import UserError
 from moetide.serve.bench_prompts import BenchSession, BenchTurn, prompt_text
 
 CHAT_SUFFIX = "/chat/completions"
+INTERRUPTED = "interrupted before it finished"  # the error of a request a stop cut off (not the server's doing)
 
 
 @dataclass
@@ -253,7 +254,7 @@ def replay(sessions: list[BenchSession], mode: str, target: Target,
         interrupted = True
         stop.set()
     duration = time.perf_counter() - start
-    why = "interrupted before it finished" if interrupted or stop.is_set() else "never sent (its session stopped early)"
+    why = INTERRUPTED if interrupted or stop.is_set() else "never sent (its session stopped early)"
     missing = RequestResult("", 0, 0, error=why)
     with lock:
         return [results.get(turn.request_id) or replace(missing, request_id=turn.request_id,

@@ -11,6 +11,7 @@ FastAPI, uvicorn and torch are imported only when the verb runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from moetide.commands.generate import (add_engine_arguments, build_engine, kv_ca
 from moetide.commands.options import (add_max_model_len, add_memory_option, bytes_text, checkpoint_dir,
                                       flush_warnings)
 from moetide.errors import UserError, read_json
+
+API_KEY_ENV = "MOETIDE_API_KEY"  # vLLM reads VLLM_API_KEY the same way
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_memory_option(parser, "--max-request-bytes", None,
                       "answer 413 to a request body larger than this (default: 64 B per token of --max-model-len, "
                       "at least 1MiB)")
+    add("--api-key", metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every /v1 route (default: $MOETIDE_API_KEY, else none); "
+             "/health and /metrics stay open")
     add("--max-num-queued-reqs", type=int, metavar="N",
         help="answer 503 while N requests are in flight (default: no bound; requests wait in the queue)")
     add("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -75,8 +81,11 @@ def serve_config(args: argparse.Namespace):
     body_limit = args.max_request_bytes if args.max_request_bytes is not None else max(1 << 20, 64 * limit)
     if not body_limit >= 1024:
         raise UserError(f"--max-request-bytes must be at least 1KiB, got {args.max_request_bytes:g}")
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and (not key.strip() or any(c.isspace() for c in key)):
+        raise UserError("--api-key must be a non-empty key without spaces")
     return ServeConfig(model_name=args.served_model_name or args.model, model_dir=str(checkpoint_dir(args.model)),
-                       max_model_len=limit, max_num_queued_reqs=args.max_num_queued_reqs,
+                       max_model_len=limit, max_num_queued_reqs=args.max_num_queued_reqs, api_key=key,
                        max_request_bytes=int(body_limit),
                        chat_template=read_chat_template(args.chat_template),
                        default_temperature=float(generation.get("temperature", 1.0)),
@@ -127,7 +136,10 @@ def build_app(args: argparse.Namespace):
           f"KV cache {kv.pool.num_blocks:,} blocks of {kv.block_size} tokens ({bytes_text(args.kv_cache_memory)}"
           f"{f' + {bytes_text(args.kv_host_memory)} on the host' if args.kv_host_memory else ''}; one sequence "
           f"at most {capacity:,} tokens); policy {args.policy} (max offload ratio {args.max_offload_ratio:g}); "
-          f"chat template: {template}", file=sys.stderr)
+          f"chat template: {template}; API key: {'required' if config.api_key else 'none'}", file=sys.stderr)
+    if config.api_key is None and args.host in ("0.0.0.0", "::", ""):
+        print(f"moetide serve: warning: listening on every interface ({args.host}) without an API key: anyone who "
+              f"can reach port {args.port} can use the model (--api-key or ${API_KEY_ENV})", file=sys.stderr)
     loop = EngineLoop(engine)
     metrics = ServerMetrics(config.model_name, lambda: loop.metrics,
                             lambda: (loop.num_steps, loop.step_wall_s, loop.step_cpu_s))
@@ -143,7 +155,8 @@ def serve_in_thread(model: str, *argv: str):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     template = [] if "--chat-template" in argv else ["--chat-template", CHAT_TEMPLATE]
-    args = parser.parse_args(["--model", str(model), "--port", str(free_port()), *template, *argv])
+    args = parser.parse_args(["--model", str(model), "--port", str(free_port()), "--host", "127.0.0.1", *template,
+                              *argv])
     app, loop = build_app(args)
     return run_in_thread(app, loop, args)
 

@@ -12,12 +12,13 @@ freed before the next step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -44,6 +45,7 @@ class ServeConfig:
     default_temperature: float = 1.0  # vLLM's, unless generation_config.json says otherwise
     default_top_p: float = 1.0
     max_request_bytes: int = 1 << 20  # a request body past this is answered 413 (BodyLimit)
+    api_key: str | None = field(default=None, repr=False)  # every /v1 route needs it (ApiKey); never printed
 
 
 @dataclass
@@ -110,7 +112,28 @@ def create_app(loop: EngineLoop, tokenizer, config: ServeConfig, metrics: Server
         prompt = await asyncio.to_thread(api.chat_prompt, body)
         return await api.respond(body, [prompt], body.requested_max_tokens(), raw, chat=True)
 
-    return BodyLimit(app, config.max_request_bytes)
+    limited = BodyLimit(app, config.max_request_bytes)
+    return limited if config.api_key is None else ApiKey(limited, config.api_key)
+
+
+class ApiKey:
+    """ASGI middleware: with an API key, every ``/v1`` route needs ``Authorization: Bearer <key>``, or it is
+    answered 401 with an OpenAI error body before the body is parsed (vLLM's ``--api-key``); ``/health`` and
+    ``/metrics`` stay open, as in vLLM. The comparison takes the same time whatever the key sent."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self._expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == "/v1" or path.startswith("/v1/")):
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected):
+            return await self.app(scope, receive, send)
+        await _drain(receive)
+        await _send_error(send, "Incorrect or missing API key: send the server's key as 'Authorization: Bearer "
+                                "<key>'", HTTPStatus.UNAUTHORIZED)
 
 
 class BodyLimit:
@@ -145,11 +168,16 @@ class BodyLimit:
             await self._refuse(send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps(error_body(f"the request body is larger than this server's limit of {self.max_bytes:,} "
-                                     f"bytes (--max-request-bytes)", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await _send_error(send, f"the request body is larger than this server's limit of {self.max_bytes:,} bytes "
+                                f"(--max-request-bytes)", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+
+
+async def _send_error(send, message: str, status: HTTPStatus) -> None:
+    """An OpenAI error body sent straight from a middleware, before any route ran."""
+    body = json.dumps(error_body(message, status)).encode()
+    await send({"type": "http.response.start", "status": int(status),
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class _TooLarge(Exception):

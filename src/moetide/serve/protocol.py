@@ -27,7 +27,8 @@ class ServeError(Exception):
 
 def error_body(message: str, status: HTTPStatus, param: str | None = None) -> dict:
     """OpenAI's error shape, with vLLM's ``type`` names (``BadRequestError``, ``NotFoundError``, ...)."""
-    kind = {HTTPStatus.BAD_REQUEST: "BadRequestError", HTTPStatus.NOT_FOUND: "NotFoundError",
+    kind = {HTTPStatus.BAD_REQUEST: "BadRequestError", HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+            HTTPStatus.NOT_FOUND: "NotFoundError",
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
             HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError"}.get(status, "InternalServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": int(status)}}

@@ -186,3 +186,22 @@ def test_a_port_in_use_is_one_clear_error_before_the_engine_is_built(tiny_checkp
         assert main(["serve", "--model", str(tiny_checkpoint("qwen3_moe")), "--host", "127.0.0.1",
                      "--port", str(port)]) == 2
     assert f"--port {port}: cannot listen there" in capsys.readouterr().err
+
+
+def test_metrics_say_no_block_is_held_and_the_invariants_hold_once_requests_left(server, client):
+    stream = client.completions.create(model=server.model, prompt="hello", max_tokens=MAX_MODEL_LEN - 8,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    with urllib.request.urlopen(server.url + "/metrics") as response:
+        during = response.read().decode()
+    stream.close()
+    server.idle()
+    with urllib.request.urlopen(server.url + "/metrics") as response:
+        after = response.read().decode()
+
+    def value(text: str, name: str) -> float:
+        return float(next(line for line in text.splitlines() if line.startswith(name + "{")).split()[-1])
+
+    assert value(during, "moetide_kv_blocks_held") > 0 and value(during, "moetide_pool_invariants_ok") == 1
+    assert value(after, "moetide_kv_blocks_held") == 0 and value(after, "moetide_pool_invariants_ok") == 1

@@ -105,6 +105,7 @@ class EngineMetrics:
     kv_host_blocks_used: int
     experts_staged: int
     experts_on_host: int
+    kv_blocks_held: int = 0  # blocks some request holds (device and host); 0 once every request has left
 
 
 @dataclass
@@ -300,7 +301,8 @@ class Engine:
             num_preemptions=sched.num_preemptions, prefix_query_tokens=self.num_prefix_query_tokens,
             prefix_hit_tokens=self.num_prefix_hit_tokens, offloaded_ratio=self.residency.offloaded_ratio,
             experts_offloaded=self.residency.num_offloaded, kv_host_blocks=host_total, kv_host_blocks_used=host_used,
-            experts_staged=provider.stager.num_staged, experts_on_host=provider.num_host_computed)
+            experts_staged=provider.stager.num_staged, experts_on_host=provider.num_host_computed,
+            kv_blocks_held=pool.num_used_blocks)
 
     # ---- the batch API: the same loop, run to completion -----------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float | None = None,

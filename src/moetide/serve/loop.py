@@ -124,6 +124,23 @@ class EngineLoop:
             self._commands.put(("call", (fn, future)))
         return future
 
+    def audit(self, timeout_s: float = 5.0) -> bool:
+        """Whether the pool's and the KV manager's invariants hold, checked on the engine thread between steps
+        (an admin reading for ``/metrics``); False also when the engine does not answer within ``timeout_s``."""
+        def check(engine: Engine) -> bool:
+            kv = engine.scheduler.kv
+            try:
+                kv.pool.check_invariants()
+                kv.check_invariants()
+            except AssertionError:
+                return False
+            return True
+
+        try:
+            return bool(self.call(check).result(timeout=timeout_s))
+        except Exception:  # stopped, or busy past the timeout: not known to hold
+            return False
+
     # ---- the engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
         try:

@@ -16,7 +16,10 @@ dashboard built for vLLM reads moetide unchanged:
   copies, per layer that routed to them); ``moetide_engine_steps``, ``moetide_engine_step_seconds`` and
   ``moetide_engine_step_cpu_seconds`` (steps run, their wall and engine-thread CPU seconds) and
   ``moetide_server_thread_cpu_seconds`` (CPU seconds of the HTTP event-loop thread): on a server pinned to one
-  core the two threads share it, and these say how much of each step's time the HTTP side took.
+  core the two threads share it, and these say how much of each step's time the HTTP side took;
+  ``moetide_kv_blocks_held`` (blocks some request holds: 0 once every request has left) and
+  ``moetide_pool_invariants_ok`` (1 if the block pool's and the KV manager's invariants held at the scrape, checked
+  on the engine thread between steps): what a soak reads to show nothing leaked.
 
 Where the numbers differ from vLLM's for the same traffic: a request whose client left is counted in
 ``request_success{finished_reason="abort"}`` (vLLM's frontend abort records no finished stats; counting it lets an
@@ -57,8 +60,8 @@ class _EngineCollector:
     """Exports the levels and lifetime counters of the latest ``EngineMetrics`` at each scrape."""
 
     def __init__(self, read: Callable[[], EngineMetrics], labels: list[str],
-                 steps: Callable[[], tuple[int, float, float]]) -> None:
-        self.read, self.labels, self.steps = read, labels, steps
+                 steps: Callable[[], tuple[int, float, float]], audit: Callable[[], bool | None]) -> None:
+        self.read, self.labels, self.steps, self.audit = read, labels, steps, audit
 
     def collect(self):
         m = self.read()
@@ -86,6 +89,12 @@ class _EngineCollector:
         yield gauge("moetide_experts_offloaded", "Experts served from their host copies.", m.experts_offloaded)
         yield gauge("moetide_kv_host_blocks", "Host KV tier capacity in blocks (0: no host tier).", m.kv_host_blocks)
         yield gauge("moetide_kv_host_blocks_used", "Host KV blocks held by running requests.", m.kv_host_blocks_used)
+        yield gauge("moetide_kv_blocks_held", "KV blocks some request holds (0 once every request has left).",
+                    m.kv_blocks_held)
+        audited = self.audit()
+        if audited is not None:
+            yield gauge("moetide_pool_invariants_ok", "1 if the block pool's invariants held when scraped.",
+                        float(audited))
         yield counter("moetide_experts_staged", "Offloaded experts copied into a staging buffer (per layer routed).",
                       m.experts_staged)
         yield counter("moetide_experts_on_host", "Offloaded experts computed from their host copies (per layer).",
@@ -106,7 +115,8 @@ class ServerMetrics:
                  steps: Callable[[], tuple[int, float, float]]) -> None:
         self.registry = CollectorRegistry()
         labels = [model_name, "0"]
-        self.registry.register(_EngineCollector(read, labels, steps))
+        self.invariants_ok: bool | None = None  # set by the /metrics route from the engine loop's audit
+        self.registry.register(_EngineCollector(read, labels, steps, lambda: self.invariants_ok))
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
             return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*labels)

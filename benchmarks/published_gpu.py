@@ -10,7 +10,7 @@ are what ``--fit`` fits the profile's coefficients on (``FIT_FIELDS``, a search 
 scale, each source table weighing alike); the ``check`` points are never fitted on. ``--fit`` prints the fitted
 table for ``src/moetide/perf/engines.toml`` and its errors. Every modeled figure is the roofline's, not a
 measurement; the measurements are others', with their sources in the data file. Offline, about a second a profile
-(``--fit``: a few minutes).
+(``--fit``: about ten seconds).
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -72,7 +71,7 @@ def test_the_right_key_works_and_health_and_metrics_stay_open(server):
 
 
 def test_the_key_from_the_environment_and_never_in_the_log(tiny_checkpoint, tmp_path):
-    from moetide.serve.harness import free_port
+    from moetide.serve.harness import free_port, wait_until_up
 
     port = free_port()
     command = [sys.executable, "-c", "import sys; from moetide.cli import main; sys.exit(main())", "serve",
@@ -82,14 +81,7 @@ def test_the_key_from_the_environment_and_never_in_the_log(tiny_checkpoint, tmp_
                                env={**os.environ, "MOETIDE_API_KEY": KEY})
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health").close()
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline
-                time.sleep(0.1)
+        wait_until_up(url, process)
         for key in ("wrong", KEY):
             request = urllib.request.Request(url + "/v1/completions", data=json.dumps(
                 {"prompt": "hi", "max_tokens": 2}).encode(), headers={"Content-Type": "application/json",

@@ -139,7 +139,7 @@ def test_a_client_that_leaves_before_a_whole_answer_aborts_it_too(server, client
 
 
 def test_sigterm_lets_the_request_in_flight_finish_then_exits_by_the_signal(tiny_checkpoint, tmp_path):
-    from moetide.serve.harness import CHAT_TEMPLATE, free_port
+    from moetide.serve.harness import CHAT_TEMPLATE, free_port, wait_until_up
 
     port = free_port()
     command = [sys.executable, "-c", "import sys; from moetide.cli import main; sys.exit(main())", "serve",
@@ -148,14 +148,7 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_by_the_signal(tiny
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health").close()
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, process.stdout.read().decode()
-                time.sleep(0.1)
+        wait_until_up(url, process)
         body = json.dumps({"prompt": "hello", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
                            "stream": True}).encode()
         response = urllib.request.urlopen(urllib.request.Request(

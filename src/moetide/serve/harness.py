@@ -14,6 +14,22 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+def wait_until_up(url: str, process, timeout_s: float = 60.0) -> None:
+    """Poll ``url``/health until it answers, while ``process`` (a ``subprocess.Popen`` of ``moetide serve``) runs;
+    ``RuntimeError`` with its output so far when it exits or the time runs out."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health").close()
+            return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {url} did not come up") from None
+            time.sleep(0.1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -346,26 +346,26 @@ class StepTimeModel:
         cached = self._memo.get(num_tokens)
         if cached is None:
             assert self._layer_probs is not None
-            num_moe = len(self._layer_probs)
-            cached = 0.0
-            for probs in self._layer_probs:
-                distinct = expected_distinct_experts_from_probs(num_tokens, probs)
-                c = (num_tokens + self._pad * distinct) * self._expert_c / num_moe
-                m = distinct * self._expert_m / num_moe
-                cached += c if c > m else m
+            cached = sum(self._expert_layer_s(num_tokens, expected_distinct_experts_from_probs(num_tokens, probs))
+                         for probs in self._layer_probs)
             self._memo[num_tokens] = cached
         return cached
+
+    def _expert_layer_s(self, num_tokens: int, distinct: float) -> float:
+        """One MoE layer's routed-expert roofline when its T tokens touch ``distinct`` experts (the padded grouped
+        GEMM against the distinct experts' bytes); ``step_time_s`` inlines the same for uniform routing."""
+        num_moe = self.model.num_moe_layers
+        c = (num_tokens + self._pad * distinct) * self._expert_c / num_moe
+        m = distinct * self._expert_m / num_moe
+        return c if c > m else m
 
     # ---- explanation --------------------------------------------------------------------------------------
 
     def moe_layer_terms(self, num_tokens: int) -> dict[str, float]:
         """One MoE layer under uniform routing: its routed experts' roofline and its fixed time, in seconds (what
         vLLM's ``benchmark_moe.py`` times as one fused-MoE call)."""
-        num_moe = self.model.num_moe_layers
         distinct = self._num_experts * (1.0 - self._miss ** num_tokens)
-        c = (num_tokens + self._pad * distinct) * self._expert_c / num_moe
-        m = distinct * self._expert_m / num_moe
-        return {"experts_s": max(c, m), "moe_layer_s": self.efficiency.moe_layer_s}
+        return {"experts_s": self._expert_layer_s(num_tokens, distinct), "moe_layer_s": self.efficiency.moe_layer_s}
 
     def distinct_experts_per_layer(self, num_tokens: int) -> list[float]:
         m = self.model

@@ -72,7 +72,7 @@ def metrics(port: int) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            out[name.split("{")[0] + ("{" + name.split("{", 1)[1] if "finished_reason" in name else "")] = float(value)
+            out[name if "finished_reason" in name else name.split("{")[0]] = float(value)  # one series a name else
     return out
 
 

@@ -41,7 +41,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from moetide.core.pressure import NEEDS_VAMP_PARAMS, POLICIES, VampParams  # noqa: E402
+from moetide.core.pressure import POLICIES, VampParams, policy_entry  # noqa: E402
 from moetide.engine.runner import Engine  # noqa: E402
 from moetide.engine.testmodel import TinyModelArgs, make_test_model  # noqa: E402
 from moetide.perf.attention import HostKVLayout  # noqa: E402
@@ -216,7 +216,7 @@ def run_replay(checkpoint, policy: str, host_kv: bool = False) -> tuple[Decision
 
 def build_engine(checkpoint, policy: str, clock=None, steps: FixedSteps | None = None,
                  host_kv: bool = False) -> Engine:
-    params = {"params": fixed_vamp_params(steps or FixedSteps())} if policy in NEEDS_VAMP_PARAMS else None
+    params = {"params": fixed_vamp_params(steps or FixedSteps())} if policy_entry(policy).needs_costs else None
     return Engine(checkpoint, kv_budget_bytes=KV_BLOCKS * BLOCK_BYTES, page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE,
                   max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
                   max_offload_ratio=MAX_OFFLOAD_RATIO, ignore_eos=True, policy=policy, policy_params=params,

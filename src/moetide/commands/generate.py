@@ -182,12 +182,12 @@ def max_model_len(args: argparse.Namespace, config: dict) -> int | None:
 
 def kv_capacity_tokens(engine, policy: str) -> int:
     """The most tokens one sequence can hold: every KV block of the pool (device and host), with what the offload
-    cap could still add when the policy moves the line, less a request's state blocks."""
-    from moetide.core.pressure import OFFLOADING_POLICIES
+    cap could still add when the policy offloads experts, less a request's state blocks."""
+    from moetide.core.pressure import policy_entry
 
     parts, kv = engine.parts, engine.parts.scheduler.kv
     blocks = kv.pool.num_blocks
-    if policy.lower() in OFFLOADING_POLICIES:
+    if policy_entry(policy).offloads_experts:
         residency = parts.residency
         blocks += parts.expert_line.blocks_gained(residency.max_num_offloaded - residency.num_offloaded)
     return max(blocks - kv.num_state_blocks_per_request, 0) * kv.block_size

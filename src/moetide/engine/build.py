@@ -35,7 +35,7 @@ from moetide.core.blocks import BlockPool, HostTier
 from moetide.core.expert_line import ArenaLayout, ExpertLine
 from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
 from moetide.core.kv_manager import KVCacheManager
-from moetide.core.pressure import NEEDS_VAMP_PARAMS, PressurePolicy, get_policy, start_offload
+from moetide.core.pressure import PressurePolicy, VampParams, get_policy, policy_entry, start_offload
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.engine.attention import PagedAttentionBackend
@@ -181,20 +181,26 @@ def _policy(policy: str | PressurePolicy, params: dict[str, object], config: Eng
     parameters are given, and the step record they read (the runner feeds it after each step)."""
     if not isinstance(policy, str):
         return policy, None
-    steps = None
-    if policy.lower() in NEEDS_VAMP_PARAMS and "params" not in params:
-        if residency.max_num_offloaded == 0:
-            raise UserError(f"--policy {policy} moves experts out of HBM: give it room with --max-offload-ratio "
-                            f"(e.g. 0.15); at {config.max_offload_ratio} it can offload no expert")
+    try:
+        entry = policy_entry(policy)
+    except ValueError as exc:
+        raise UserError(f"--policy {policy}: {exc}") from None
+    if entry.needs_costs and "params" not in params and residency.max_num_offloaded == 0:
+        raise UserError(f"--policy {policy} moves experts out of HBM: give it room with --max-offload-ratio "
+                        f"(e.g. 0.15); at {config.max_offload_ratio} it can offload no expert")
+    steps: list[EngineStepStats] = []
+
+    def priced() -> VampParams:
         layout, top_k = provider.layout, getattr(model.config, "num_experts_per_tok", 1)
         # the routed experts were moved out of the model: top_k of them per token and layer are active
         active = sum(p.numel() for p in model.parameters()) + len(layout.moe_layer_ids) * layout.numel * top_k
-        steps = EngineStepStats(provider, residency, costs or measure_costs(provider, active), experts_per_token=top_k)
-        params = {**params, "params": engine_vamp_params(steps, block_size=config.block_size,
-                                                         chunk_tokens=config.max_num_batched_tokens,
-                                                         horizon_s=config.vamp_horizon_s)}
+        steps.append(EngineStepStats(provider, residency, costs or measure_costs(provider, active),
+                                     experts_per_token=top_k))
+        return engine_vamp_params(steps[0], block_size=config.block_size, chunk_tokens=config.max_num_batched_tokens,
+                                  horizon_s=config.vamp_horizon_s)
+
     try:
-        return get_policy(policy, **params), steps
+        return get_policy(policy, costs=priced, **params), (steps[0] if steps else None)
     except (ValueError, TypeError) as exc:
         raise UserError(f"--policy {policy}: {exc}") from None
 

@@ -15,7 +15,7 @@ from moetide.core.blocks import BlockPool
 from moetide.core.kv_manager import DEVICE_PREFIXES, KVCacheManager
 from moetide.core.expert_line import ByteLayout, ExpertLine, staging_room_bytes
 from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
-from moetide.core.pressure import NEEDS_VAMP_PARAMS, OFFLOADING_POLICIES, VampParams, get_policy, start_offload
+from moetide.core.pressure import VampParams, get_policy, policy_entry, start_offload
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
@@ -142,7 +142,14 @@ class ReplayConfig:
         if self.prefix_cache_retention_interval not in (None, 0):
             raise ValueError(f"ReplayConfig.prefix_cache_retention_interval: 0 or none are modeled, got "
                              f"{self.prefix_cache_retention_interval}")
+        self._policy_entry()
         self._check_host_kv()
+
+    def _policy_entry(self):
+        try:
+            return policy_entry(self.policy)
+        except ValueError as exc:
+            raise ValueError(f"ReplayConfig.policy: {exc}") from None
 
     def _check_host_kv(self) -> None:
         if not (math.isfinite(self.kv_host_gib) and self.kv_host_gib >= 0):
@@ -175,7 +182,7 @@ class ReplayConfig:
         if self.dtype == "float32":
             raise ValueError("ReplayConfig.kv_host_gib with ReplayConfig.dtype float32: the host tier's split is "
                              "modeled for a GPU beside a CPU, not for a CPU device; use a GPU")
-        if self.policy.lower() in NEEDS_VAMP_PARAMS:
+        if self._policy_entry().moves_line:
             raise ValueError(f"ReplayConfig.kv_host_gib with ReplayConfig.policy {self.policy}: a moving expert line "
                              "beside a host KV tier is not modeled yet (docs/writescope.md, Replay); use vllm or "
                              "static-offload")
@@ -245,8 +252,8 @@ def build_replay(
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers,
                                     mix_tau_s=config.vamp_horizon_s * STAGING_MIX_HORIZONS,
                                     reference_step=reference_decode(config, step_model),
-                                    track_mix=config.policy.lower() in NEEDS_VAMP_PARAMS)
-    policy = _policy(config, lambda: vamp_coefficients or vamp_params(config, step_model, step_time))
+                                    track_mix=policy_entry(config.policy).needs_costs)
+    policy = get_policy(config.policy, costs=lambda: vamp_coefficients or vamp_params(config, step_model, step_time))
     start_offload(policy, line)
     scheduler = Scheduler(scheduler_config, kv, policy, expert_line=line)
     replay = Replay(workload, scheduler, step_time, progress=progress,
@@ -269,18 +276,9 @@ def resolve_dtype(dtype: str, gpu: HardwareSpec) -> str:
 
 def _staging_room(residency: ExpertResidency, config: ReplayConfig) -> int:
     """Device bytes the staging buffers need beside the KV budget, when the policy can offload."""
-    if config.policy.lower() not in OFFLOADING_POLICIES:
+    if not policy_entry(config.policy).offloads_experts:
         return 0
     return staging_room_bytes(residency.config, residency.max_num_offloaded)
-
-
-def _policy(config: ReplayConfig, coefficients: Callable[[], VampParams]):
-    if config.policy.lower() not in NEEDS_VAMP_PARAMS:
-        try:
-            return get_policy(config.policy)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-    return get_policy(config.policy, params=coefficients())
 
 
 def run_replay(

@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--policies", default="writescope", help=f"comma-separated, from {', '.join(SPLIT_POLICIES)}; or 'all'")
     add("--threads", type=int, default=1, help="torch threads per thread (the CPU worker has its own)")
     add("--seed", type=int, default=0)
-    add("--split-host", default=None, metavar="NAME|FILE",
+    add("--cpu", default=None, metavar="NAME|FILE",
         help="host preset or `moetide calibrate` file the split policy prices the CPU with (default: the engine's)")
     add("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -91,6 +91,7 @@ def run_worker(args: argparse.Namespace) -> dict:
 
     from moetide.engine.loader import load_model
     from moetide.engine.runner import Engine
+    from moetide.specs import get_gpu, host_for
     from moetide.engine.storage import KVLayout
     from moetide.perf.budget import cdiv
 
@@ -105,10 +106,11 @@ def run_worker(args: argparse.Namespace) -> dict:
     if host_mib is None:
         host_mib = max(1.0, 1.05 * (blocks * block_bytes - args.device_kv_mib * MiB) / MiB)
     start = time.perf_counter()
-    engine = Engine(model, kv_budget_mib=args.device_kv_mib, kv_host_mib=host_mib, split_policy=args.worker,
+    engine = Engine(model, kv_cache_memory=int(args.device_kv_mib * 2**20), kv_host_memory=int(host_mib * 2**20),
+                    split_policy=args.worker,
                     block_size=args.block_size, max_num_seqs=args.num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, ignore_eos=True,
-                    **({"split_host": args.split_host} if args.split_host else {}))
+                    **({"cpu": args.cpu} if args.cpu else {}))
     build_s = time.perf_counter() - start
     rng = random.Random(args.seed)
     vocab = engine.parts.model.config.vocab_size
@@ -122,7 +124,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     line = dict(
         bench=BENCHMARK, policy=args.worker, num_seqs=args.num_seqs, prompt_tokens=args.prompt_tokens,
         decode_steps=args.decode_tokens, threads=args.threads, block_size=args.block_size,
-        split_host=engine.config.split_host,
+        cpu=host_for(engine.config.cpu, get_gpu(engine.config.split_gpu)),
         kv_bytes_per_token=bytes_per_token, kv_tokens_planned=total_tokens,
         kv_tokens_held=split.get("peak_kv_tokens", 0),
         device_kv_bytes=device_blocks * block_bytes, host_kv_bytes=engine.host_kv.nbytes,

@@ -54,7 +54,7 @@ def main() -> int:
         return 0
     turns = sorted((t for s in bench_sessions(workload, seed=args.seed + 1) for t in s.turns),
                    key=lambda t: t.arrival_s)
-    engine = Engine(args.model, kv_budget_mib=args.kv_cache_memory_mib, block_size=args.block_size,
+    engine = Engine(args.model, kv_cache_memory=int(args.kv_cache_memory_mib * 2**20), block_size=args.block_size,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     model = StepTimeModel(get_model(args.model), get_gpu(args.device), dtype_bytes=4, kv_dtype_bytes=4,
                           efficiency=step_efficiency_for_gpu(args.device))

@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def moetide_peer(model: str):
     from moetide.engine.runner import Engine
 
-    engine = Engine(model, kv_budget_mib=256, ignore_eos=True)
+    engine = Engine(model, kv_cache_memory=256 * 2**20, ignore_eos=True)
     return lambda prompts, n: [o.token_ids for o in engine.generate(prompts, n).outputs]
 
 

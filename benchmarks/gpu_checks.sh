@@ -41,10 +41,10 @@ step make-model "$PY" -m moetide.cli make-test-model --arch qwen3_moe --out "$MO
     --experts 16 --top-k 2
 DEVICE=cuda
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || DEVICE=cpu
-step bench-engine "$PY" -m moetide.cli bench-engine --model "$MODEL" --device "$DEVICE" --kv-budget-mib 64
+step bench-engine "$PY" -m moetide.cli bench-engine --model "$MODEL" --device "$DEVICE" --kv-cache-memory 64MiB
 printf 'The scheduler compares the cost of evicting a prefix\n%.0s' 1 2 3 4 5 6 7 8 > "$OUT/prompts.txt"
 step generate-vamp "$PY" -m moetide.cli generate --model "$MODEL" --device "$DEVICE" --prompts-file \
-    "$OUT/prompts.txt" --max-tokens 32 --ignore-eos --kv-budget-mib 0.25 --policy vamp-reclaim \
+    "$OUT/prompts.txt" --max-tokens 32 --ignore-eos --kv-cache-memory 256KiB --policy vamp-reclaim \
     --vamp-horizon-s 0.5 --json "$OUT/generate-vamp.json"
 for mode in fetch cpu; do
     step "generate-cold-$mode" "$PY" -m moetide.cli generate --model "$MODEL" --device "$DEVICE" --prompts-file \

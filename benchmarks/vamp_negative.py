@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from moetide.sim.setup import ReplayConfig, run_replay  # noqa: E402
 from moetide.workloads.generator import GeneratorConfig, LogNormal, generate_agent_sessions  # noqa: E402
 
-PAPER_SETUP = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_budget_gib=8.02,
+PAPER_SETUP = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_cache_memory=int(8.02 * 2**30),
                            max_offload_ratio=0.15, vllm_version="0.15")
 
 

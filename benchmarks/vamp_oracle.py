@@ -33,8 +33,9 @@ from moetide.sim.setup import ReplayConfig, run_replay  # noqa: E402
 from moetide.workloads import load_workload  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "weka_claude_code" / "weka_cc_traces_compact.jsonl.gz"
-PAPER = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_budget_gib=8.02, max_offload_ratio=0.15,
-                     vllm_version="0.15")
+PAPER_KV_GIB = 8.02
+PAPER = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_cache_memory=int(PAPER_KV_GIB * 2**30),
+                     max_offload_ratio=0.15, vllm_version="0.15")
 
 
 def figures(result: dict) -> dict:
@@ -65,7 +66,7 @@ def load_reused(path: Path) -> dict[tuple, dict]:
             continue
         try:
             key = (int(row["seed"]), float(row["session_rate"]), int(row["sessions"]),
-                   float(row.get("kv_budget_gib", PAPER.kv_budget_gib)), row["run"])
+                   float(row.get("kv_budget_gib", PAPER_KV_GIB)), row["run"])
         except (KeyError, TypeError, ValueError):
             sys.exit(f"vamp_oracle: {path}:{number}: a run line needs seed, session_rate and sessions")
         reused[key] = {k: v for k, v in row.items() if k not in ("seed", "session_rate", "sessions", "kv_budget_gib",
@@ -96,7 +97,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2")
     parser.add_argument("--vamp-horizon-s", type=float, default=PAPER.vamp_horizon_s)
     parser.add_argument("--ratios", default="0.0375,0.075,0.1125,0.15", help="static-offload ratios (the oracle)")
-    parser.add_argument("--kv-budgets", default=f"{PAPER.kv_budget_gib:g}", metavar="GIB,...",
+    parser.add_argument("--kv-budgets", default=f"{PAPER_KV_GIB:g}", metavar="GIB,...",
                         help="KV budgets per GPU to replay every run at; the summary compares means over them")
     parser.add_argument("--reuse", type=Path, metavar="JSONL",
                         help="take vllm's and the fixed ratios' figures from an earlier run's output")
@@ -124,7 +125,7 @@ def main() -> None:
                         line["reused"] = str(args.reuse)
                     else:
                         result, _ = run_replay(workload, replace(config, policy=policy, seed=seed,
-                                                                 kv_budget_gib=budget))
+                                                                 kv_cache_memory=int(budget * 2**30)))
                         draws.append(figures(result))
                     print(json.dumps({**line, **draws[-1]}), flush=True)
                 out[name] = mean_figures(draws)

@@ -38,7 +38,7 @@ from moetide.specs import get_model  # noqa: E402
 from moetide.workloads import Workload, load_workload  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "weka_claude_code" / "weka_cc_traces_compact.jsonl.gz"
-PAPER_SETUP = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_budget_gib=8.02,
+PAPER_SETUP = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_cache_memory=int(8.02 * 2**30),
                            max_offload_ratio=0.15, vllm_version="0.15")
 # arXiv 2609.13537 (via a public summary): vLLM, VAMP
 PAPER = {"kv_pool_gib": (8.02, 18.5), "prefix_hit_rate": (0.0019, 0.898), "preemptions_per_1k_turns": (562.7, 0.18),
@@ -51,7 +51,7 @@ def runs(seed: int) -> dict[str, ReplayConfig]:
     return {"vllm": replace(base, policy="vllm"), "vamp": replace(base, policy="vamp"),
             "vamp+apc": replace(base, policy="vamp", enable_prefix_caching=True),
             "vllm+apc": replace(base, policy="vllm", enable_prefix_caching=True),
-            "vllm@18.5": replace(base, policy="vllm", gpu="h200", kv_budget_gib=18.5)}
+            "vllm@18.5": replace(base, policy="vllm", gpu="h200", kv_cache_memory=int(18.5 * 2**30))}
 
 
 def scale_think_times(workload: Workload, scale: float) -> Workload:
@@ -65,7 +65,7 @@ def scale_think_times(workload: Workload, scale: float) -> Workload:
 def figures(result: dict, config: ReplayConfig, turns: int) -> dict:
     m = result["metrics"]
     routed = weights_per_gpu(get_model(config.model), tp=config.tp).routed_expert_bytes
-    return {"kv_pool_gib": config.kv_budget_gib + m["offloaded_ratio_max"] * routed / GIB,
+    return {"kv_pool_gib": config.kv_cache_memory / GIB + m["offloaded_ratio_max"] * routed / GIB,
             "prefix_hit_rate": m["prefix_hit_rate"], "preemptions_per_1k_turns": 1000 * m["preemptions"] / turns,
             "ttft_p90_s": m["ttft_s"]["p90"], "tpot_mean_s": m["tpot_s"]["mean"], "tpot_p50_s": m["tpot_s"]["p50"],
             "request_throughput_per_s": m["request_throughput_per_s"],

@@ -39,7 +39,7 @@ def args_for(model: str, gpu: str, host: str, experts: str, density: float, *fla
              **extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     plan_split.add_arguments(parser)
-    argv = ["--model", model, "--gpu", gpu, "--cpu", host, "--vram-gib", "32", "--host-experts", experts,
+    argv = ["--model", model, "--gpu", gpu, "--cpu", host, "--gpu-memory", "32GiB", "--host-experts", experts,
             "--sparse-density", str(density), *flags]
     for flag, value in extra.items():
         argv += [f"--{flag.replace('_', '-')}", value]

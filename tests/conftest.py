@@ -78,7 +78,7 @@ def mixtral_engine(tiny_checkpoint):
     from engine_parity import BLOCK_SIZE, PAGE_BYTES
     from moetide.engine.runner import Engine
 
-    return Engine(tiny_checkpoint("mixtral"), kv_budget_bytes=4 * PAGE_BYTES, page_bytes=PAGE_BYTES,
+    return Engine(tiny_checkpoint("mixtral"), kv_cache_memory=4 * PAGE_BYTES, page_bytes=PAGE_BYTES,
                   block_size=BLOCK_SIZE, max_offload_ratio=0.5, ignore_eos=True)
 
 

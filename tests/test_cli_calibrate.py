@@ -86,7 +86,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("calibrate") / "host.toml"
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        rc = main(["calibrate", "--quick", "--threads", "1", "--json", "--out", str(out)])
+        rc = main(["calibrate", "--quick", "--threads", "1", "--json", "-", "--out", str(out)])
     assert rc == 0 and stderr.getvalue() == ""
     return json.loads(stdout.getvalue()), out
 
@@ -136,7 +136,7 @@ def test_quick_run_file_loads_back(quick_run):
 def test_plan_split_accepts_the_quick_file(quick_run, capsys):
     _, out = quick_run  # --vram-gib 80 and one sequence: the file's dram_bytes is this (maybe small) machine's
     rc, stdout, err = run_cli(capsys, "plan-split", "--model", "qwen3-30b-a3b", "--gpu", "a100-80gb", "--cpu",
-                              str(out), "--vram-gib", "80", "--batch", "1", "--context", "8k,64k", "--json")
+                              str(out), "--gpu-memory", "80GiB", "--batch", "1", "--context", "8k,64k", "--json", "-")
     assert rc == 0 and err == ""
     assert json.loads(stdout)["cpu"] == get_host(str(out)).name
 
@@ -209,7 +209,7 @@ def test_cli_text_output_and_file(monkeypatch, tmp_path, capsys):
 
 def test_cli_json_names_each_samples_kernel(monkeypatch, capsys):
     monkeypatch.setattr(calibrate_cmd, "calibrate", lambda **kw: synthetic())
-    rc, stdout, err = run_cli(capsys, "calibrate", "--json")
+    rc, stdout, err = run_cli(capsys, "calibrate", "--json", "-")
     assert rc == 0 and err == ""
     doc = json.loads(stdout)
     assert doc["attention_kernel"] == {"flash": FLASH_KERNEL, "native": NATIVE_KERNEL}
@@ -357,7 +357,7 @@ def test_plan_split_models_cpu_attention_with_the_files_fitted_factors(tmp_path,
         path = tmp_path / f"h{share}.toml"
         path.write_text(text.replace("cpu_memory = 0.25", f"cpu_memory = {share}", 1))
         rc, stdout, err = run_cli(capsys, "plan-split", "--model", "qwen3-30b-a3b", "--gpu", "a100-80gb", "--cpu",
-                                  str(path), "--vram-gib", "80", "--batch", "1", "--context", "64k", "--json")
+                                  str(path), "--gpu-memory", "80GiB", "--batch", "1", "--context", "64k", "--json", "-")
         assert rc == 0, err
         times[share] = json.loads(stdout)["rows"][0]["step_time_s"]["cpu-all"]
     assert times["0.09"] > 2 * times["0.9"]
@@ -497,7 +497,7 @@ def test_a_host_file_written_before_kernels_were_recorded_still_loads(tmp_path, 
     assert (eff.cpu_memory, eff.cpu_compute, eff.cpu_sync_s) == (0.168, 0.594, 8.4e-05)
     assert calibration_kernels(str(path)) == {"flash": FLASH_KERNEL}
     rc, stdout, err = run_cli(capsys, "plan-split", "--model", "qwen3-30b-a3b", "--gpu", "a100-80gb", "--cpu",
-                              str(path), "--vram-gib", "80", "--batch", "1", "--context", "8k", "--json")
+                              str(path), "--gpu-memory", "80GiB", "--batch", "1", "--context", "8k", "--json", "-")
     assert rc == 0 and err == ""
     bare = tmp_path / "bare.toml"  # a hand-written host file: no [measured] at all
     bare.write_text(OLD_HOST_FILE.split("[offload_efficiency]")[0])

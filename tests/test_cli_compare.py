@@ -15,7 +15,7 @@ def small_trace(tmp_path):
 
 def test_compare_writes_one_run_per_policy(tmp_path, capsys):
     out = tmp_path / "cmp.json"
-    args = ["compare", str(small_trace(tmp_path)), "--kv-budget-gib", "0.5", "--max-offload-ratio", "0.02",
+    args = ["compare", str(small_trace(tmp_path)), "--kv-cache-memory", "0.5GiB", "--max-offload-ratio", "0.02",
             "--policies", "vllm,static-offload", "--json", str(out)]
     assert main(args) == 0
     result = json.loads(out.read_text())
@@ -32,8 +32,8 @@ def test_compare_writes_one_run_per_policy(tmp_path, capsys):
 
 def test_sweep_runs_each_cap(tmp_path):
     out = tmp_path / "sweep.json"
-    args = ["sweep", str(small_trace(tmp_path)), "--kv-budget-gib", "0.5", "--policy", "static-offload",
-            "--max-offload-ratio", "0,0.02", "--json", str(out)]
+    args = ["sweep", str(small_trace(tmp_path)), "--kv-cache-memory", "0.5GiB", "--policy", "static-offload",
+            "--max-offload-ratios", "0,0.02", "--json", str(out)]
     assert main(args) == 0
     runs = json.loads(out.read_text())["runs"]
     assert list(runs) == ["0", "0.02"]
@@ -44,7 +44,7 @@ def test_sweep_runs_each_cap(tmp_path):
 def test_bad_lists_are_one_clear_error(tmp_path, capsys):
     trace = str(small_trace(tmp_path))
     assert main(["compare", trace, "--policies", "vllm,vllm"]) == 2
-    assert main(["sweep", trace, "--max-offload-ratio", "0,2"]) == 2
+    assert main(["sweep", trace, "--max-offload-ratios", "0,2"]) == 2
     assert main(["compare", trace, "--policies", "vllm,lru"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and "distinct" in err[0] and "[0, 1]" in err[1] and "unknown policy 'lru'" in err[2]

@@ -27,14 +27,14 @@ def test_json_output_matches_the_engine_and_decodes_with_the_tokenizer(tiny_chec
     model = tiny_checkpoint("qwen3_moe")
     out = tmp_path / "out.json"
     assert generate(model, "--prompt", "Prefix caching keeps", "--max-tokens", "6", "--ignore-eos",
-                    "--kv-budget-mib", "1", "--json", str(out)) == 0
+                    "--kv-cache-memory", "1MiB", "--json", str(out)) == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     [entry] = report["outputs"]
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     assert entry["prompt"] == "Prefix caching keeps"
     assert entry["prompt_token_ids"] == tokenizer.encode("Prefix caching keeps")
-    engine = Engine(model, kv_budget_mib=1, ignore_eos=True)
+    engine = Engine(model, kv_cache_memory=1 * 2**20, ignore_eos=True)
     assert entry["token_ids"] == engine.generate([entry["prompt_token_ids"]], 6).outputs[0].token_ids
     assert entry["text"] == tokenizer.decode(entry["token_ids"], skip_special_tokens=True)
     assert entry["finish_reason"] == "length"
@@ -49,7 +49,7 @@ def test_prompts_file_under_a_tight_budget_reports_the_counters(tiny_checkpoint,
              "The scheduler compares the cost of preempting a request", "Numbers matter too: 0 1 2 3 4 5 6 7"]
     prompts.write_text("\n".join(lines) + "\n")
     rc = generate(tiny_checkpoint("mixtral"), "--prompts-file", str(prompts), "--max-tokens", "24",
-                  "--ignore-eos", "--kv-budget-mib", str(16 / 1024), "--block-size", "4", "--max-offload-ratio",
+                  "--ignore-eos", "--kv-cache-memory", "16KiB", "--block-size", "4", "--max-offload-ratio",
                   "0.25", "--static-offload", "--max-num-batched-tokens", "32", "--json", "-")
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
@@ -62,19 +62,19 @@ def test_prompts_file_under_a_tight_budget_reports_the_counters(tiny_checkpoint,
 def test_sampling_is_seeded(tiny_checkpoint, capsys):
     def texts(seed: str) -> list[str]:
         assert generate(tiny_checkpoint("mixtral"), "--prompt", "Mixture", "--max-tokens", "10", "--ignore-eos",
-                        "--temperature", "1.0", "--seed", seed, "--kv-budget-mib", "1", "--json", "-") == 0
+                        "--temperature", "1.0", "--seed", seed, "--kv-cache-memory", "1MiB", "--json", "-") == 0
         return [o["token_ids"] for o in json.loads(capsys.readouterr().out)["outputs"]]
 
     assert texts("3") == texts("3") != texts("4")
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--kv-budget-mib", "0.001"], "holds no KV block"),
+    (["--kv-cache-memory", "0.001MiB"], "holds no KV block"),
     (["--policy", "nope"], "unknown policy"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--prompt", "  "], "the prompt is empty"),
     (["--prompts-file", "/no/such/file"], "cannot read"),
-    (["--static-offload", "--max-offload-ratio", "0"], "static_offload needs max_offload_ratio"),
+    (["--static-offload", "--max-offload-ratio", "0"], "--static-offload needs --max-offload-ratio > 0"),
     (["--policy", "vamp", "--max-offload-ratio", "0"], "give it room with --max-offload-ratio"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, capsys, extra, message):
@@ -92,8 +92,9 @@ def test_missing_model_dir_is_a_user_error(tmp_path, capsys):
 
 
 def test_bench_engine_prints_one_json_line_per_batch_size(tiny_checkpoint, capsys):
-    rc = main(["bench-engine", "--model", str(tiny_checkpoint("mixtral")), "--threads", "1", "--kv-budget-mib", "1",
-               "--batch-sizes", "1", "3", "--prompt-tokens", "6", "--decode-tokens", "3", "--repeats", "2",
+    rc = main(["bench-engine", "--model", str(tiny_checkpoint("mixtral")), "--threads", "1",
+               "--kv-cache-memory", "1MiB",
+               "--batch-sizes", "1,3", "--prompt-tokens", "6", "--decode-tokens", "3", "--repeats", "2",
                "--warmup", "0"])
     assert rc == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -108,7 +109,7 @@ def test_vamp_runs_from_the_cli_under_a_tight_budget(tiny_checkpoint, tmp_path, 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The scheduler compares the cost of evicting a prefix\n" * 3 + "Linear attention keeps\n")
     rc = generate(tiny_checkpoint("mixtral"), "--prompts-file", str(prompts), "--max-tokens", "24", "--ignore-eos",
-                  "--kv-budget-mib", str(32 / 1024), "--block-size", "4", "--policy", "vamp-reclaim",
+                  "--kv-cache-memory", "32KiB", "--block-size", "4", "--policy", "vamp-reclaim",
                   "--vamp-horizon-s", "0.01", "--max-num-batched-tokens", "32", "--json", "-")
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
@@ -120,7 +121,7 @@ def test_vamp_runs_from_the_cli_under_a_tight_budget(tiny_checkpoint, tmp_path, 
     record = tmp_path / "first.json"
     record.write_text(json.dumps(report))
     rc = generate(tiny_checkpoint("mixtral"), "--prompts-file", str(prompts), "--max-tokens", "24", "--ignore-eos",
-                  "--kv-budget-mib", str(32 / 1024), "--block-size", "4", "--policy", "vamp-reclaim",
+                  "--kv-cache-memory", "32KiB", "--block-size", "4", "--policy", "vamp-reclaim",
                   "--vamp-horizon-s", "0.01", "--max-num-batched-tokens", "32", "--json", "-",
                   "--vamp-costs", str(record))
     assert rc == 0
@@ -154,7 +155,7 @@ def test_routing_out_counts_every_token_top_k_times_per_layer(tiny_checkpoint, t
     for run, offload in enumerate([[], ["--static-offload", "--max-offload-ratio", "0.125"]]):
         out = tmp_path / f"routing{run}.json"
         assert generate(tiny_checkpoint("qwen3_moe"), "--prompt", "Mixture of experts", "--max-tokens", "5",
-                        "--ignore-eos", "--kv-budget-mib", "1", "--routing-out", str(out), "--json", "-",
+                        "--ignore-eos", "--kv-cache-memory", "1MiB", "--routing-out", str(out), "--json", "-",
                         *offload) == 0
         stats = json.loads(capsys.readouterr().out)["stats"]
         profile = json.loads(out.read_text())

@@ -40,7 +40,7 @@ def test_decode_qwen3_30b_on_h100(capsys):
 
 
 def test_hybrid_tp2_with_prefill(capsys):
-    rc, out, _ = run_cli(capsys, "--model", "qwen3-next-80b-a3b", "--gpu", "h200", "--tp", "2", "--batch", "64",
+    rc, out, _ = run_cli(capsys, "--model", "qwen3-next-80b-a3b", "--gpu", "h200", "-tp", "2", "--batch", "64",
                          "--context", "32768", "--prefill-tokens", "8192")
     assert rc == 0
     assert "Decode step: 64 sequences at context 32,768" in out and "Prefill step: one sequence, 8,192" in out
@@ -51,7 +51,7 @@ def test_hybrid_tp2_with_prefill(capsys):
 
 
 def test_json_has_exact_figures(capsys):
-    rc, out, _ = run_cli(capsys, "--json", "--model", "qwen3-30b-a3b", "--gpu", "h100", "--batch", "8",
+    rc, out, _ = run_cli(capsys, "--json", "-", "--model", "qwen3-30b-a3b", "--gpu", "h100", "--batch", "8",
                          "--context", "1000", "--prefill-tokens", "2048")
     doc = json.loads(out)
     assert rc == 0 and doc["modeled"] is True
@@ -70,11 +70,11 @@ def test_batch_that_does_not_fit_is_reported_not_refused(capsys):
 
 def test_weights_that_do_not_fit_exit_2(capsys):
     rc, out, err = run_cli(capsys, "--model", "qwen3-next-80b-a3b", "--gpu", "a100-40gb")
-    assert_one_line_error(rc, out, err, "does not fit on a100-40gb", "148.41 GiB", "--tp")
+    assert_one_line_error(rc, out, err, "does not fit on a100-40gb", "148.41 GiB", "--tensor-parallel-size")
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    (["--tp", "3"], "--tp"),
+    (["--tensor-parallel-size", "3"], "--tensor-parallel-size"),
     (["--batch", "0"], "--batch"),
     (["--context", "-1"], "--context"),
     (["--prefill-tokens", "0"], "--prefill-tokens"),
@@ -92,7 +92,8 @@ def test_unknown_model(capsys):
 
 
 def test_engine_profile_roofline_gives_the_plain_roofline(capsys):
-    rc, out, _ = run_cli(capsys, "--json", "--model", "qwen3-30b-a3b", "--gpu", "h100", "--engine-profile", "roofline")
+    rc, out, _ = run_cli(capsys, "--json", "-", "--model", "qwen3-30b-a3b", "--gpu", "h100",
+                         "--engine-profile", "roofline")
     doc = json.loads(out)
     step = StepTimeModel(get_model("qwen3-30b-a3b"), get_gpu("h100"), efficiency=Efficiency())
     assert rc == 0 and doc["engine_profile"] == "roofline"

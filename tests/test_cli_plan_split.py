@@ -89,9 +89,9 @@ def test_fixed_batch_and_host_capacity(capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--context", "8k,lots"], "--context: 'lots' is not a positive token count"),
     (["--context", "8k,,16k"], "--context: expected a comma-separated list"),
-    (["--fixed-ratio", "2"], "--fixed-ratio"),
-    (["--vram-gib", "200"], "exceeds"),
-    (["--vram-gib", "4"], "raise --vram-gib"),
+    (["--split-fixed-ratio", "2"], "--split-fixed-ratio"),
+    (["--gpu-memory", "200GiB"], "exceeds"),
+    (["--gpu-memory", "4GiB"], "raise --gpu-memory"),
 ])
 def test_bad_input_is_one_line(capsys, argv, needle):
     rc, out, err = run_cli(capsys, "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", *argv)
@@ -101,7 +101,7 @@ def test_bad_input_is_one_line(capsys, argv, needle):
 
 def test_tuned_fixed_ratio_is_no_worse(capsys):
     base = ["--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--context", "8k,128k"]
-    half, tuned = json_doc(capsys, *base), json_doc(capsys, *base, "--fixed-ratio", "tuned")
+    half, tuned = json_doc(capsys, *base), json_doc(capsys, *base, "--split-fixed-ratio", "tuned")
     assert tuned["fixed_ratio"] != 0.5
     assert tuned["geomean_speedup"]["fixed-ratio"] < half["geomean_speedup"]["fixed-ratio"]
 
@@ -140,15 +140,16 @@ def test_json_path_convention(capsys, tmp_path):
     from_file = json.loads(path.read_text())
     rc, out, err = run_cli(capsys, *base, "--json", "-")
     assert rc == 0 and err == "" and json.loads(out) == from_file  # '-': stdout, JSON only
-    rc, out, _ = run_cli(capsys, *base, "--json")  # the old bare spelling: stdout
-    assert json.loads(out) == from_file
+    with pytest.raises(SystemExit):  # --json takes a PATH in every verb
+        run_cli(capsys, *base, "--json")
+    assert "argument --json: expected one argument" in capsys.readouterr().err
     rc, out, err = run_cli(capsys, *base, "--json", str(tmp_path / "no" / "x.json"))
     assert rc == 2 and out == "" and "does not exist" in err
 
 
 def test_a_saved_document_renders_as_the_run_did(capsys, tmp_path):
     """The table is made from the JSON document alone: what ``--json`` saved prints the run's text again."""
-    base = ["--model", "qwen3-30b-a3b", "--gpu", "a100-40gb", "--vram-gib", "32", "--context", "8k,1m"]
+    base = ["--model", "qwen3-30b-a3b", "--gpu", "a100-40gb", "--gpu-memory", "32GiB", "--context", "8k,1m"]
     path = tmp_path / "out.json"
     rc, out, _ = run_cli(capsys, *base, "--json", str(path))
     assert rc == 0

@@ -53,7 +53,7 @@ def test_model_from_config_json(tmp_path, capsys):
 
 
 def test_json_output_has_exact_figures(capsys):
-    rc, out, _ = run_cli(capsys, "--json", "--model", "qwen3-next-80b-a3b", "--host", "ddr4-3200-8ch")
+    rc, out, _ = run_cli(capsys, "--json", "-", "--model", "qwen3-next-80b-a3b", "--cpu", "ddr4-3200-8ch")
     doc = json.loads(out)
     assert rc == 0 and sorted(doc) == ["dtype_bytes", "hosts", "models"]
     derived = doc["models"][0]["derived"]
@@ -64,7 +64,7 @@ def test_json_output_has_exact_figures(capsys):
 
 
 def test_json_default_is_everything_and_dtype_bytes_scales(capsys):
-    _, out, _ = run_cli(capsys, "--json", "--dtype-bytes", "1")
+    _, out, _ = run_cli(capsys, "--json", "-", "--dtype-bytes", "1")
     doc = json.loads(out)
     assert [len(doc[k]) for k in ("models", "gpus", "hosts")] == [4, 10, 4]
     mixtral = next(m for m in doc["models"] if m["name"] == "mixtral-8x7b")
@@ -85,7 +85,7 @@ def test_unsupported_model_type_is_one_line_exit_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--gpu", "b200"], "valid names: h200, h100-sxm"),
-    (["--host", "ddr3"], "valid names: ddr4-3200-8ch"),
+    (["--cpu", "ddr3"], "valid names: ddr4-3200-8ch"),
     (["--model", "llama"], "valid names: qwen3-next-80b-a3b"),
     (["--dtype-bytes", "0"], "--dtype-bytes must be a positive integer"),
 ])

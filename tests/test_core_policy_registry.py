@@ -57,11 +57,11 @@ def test_costs_are_asked_only_by_a_policy_that_needs_them():
 
 def test_the_replay_prices_a_newly_registered_policy(priced):
     workload = generate_agent_sessions(num_sessions=4, seed=1)
-    built = build_replay(workload, ReplayConfig(policy=priced, kv_budget_gib=2.0))
+    built = build_replay(workload, ReplayConfig(policy=priced, kv_cache_memory=2 * 2**30))
     policy = built.replay.scheduler.policy
     assert isinstance(policy, PricedVllm) and isinstance(policy.params, VampParams)
     assert policy.params.block_size == built.config.block_size
-    plain = build_replay(workload, ReplayConfig(policy="vllm", kv_budget_gib=2.0))
+    plain = build_replay(workload, ReplayConfig(policy="vllm", kv_cache_memory=2 * 2**30))
     assert built.budget.kv_budget_bytes == plain.budget.kv_budget_bytes  # --kv-cache-memory is the KV's own
     assert built.budget.staging_room_bytes > 0 == plain.budget.staging_room_bytes  # it offloads: staging room
     built.replay.run()
@@ -72,7 +72,7 @@ def test_the_engine_prices_a_newly_registered_policy(priced, tiny_checkpoint):
     pytest.importorskip("torch")
     from moetide.engine.runner import Engine
 
-    engine = Engine(tiny_checkpoint("mixtral"), policy=priced, kv_budget_bytes=2**20, max_offload_ratio=0.25,
+    engine = Engine(tiny_checkpoint("mixtral"), policy=priced, kv_cache_memory=2**20, max_offload_ratio=0.25,
                     costs={"prefill_s_per_token": 3e-6, "copy_s_per_expert": 1e-6, "expert_call_s": 2e-5})
     policy = engine.parts.scheduler.policy
     assert isinstance(policy, PricedVllm) and isinstance(policy.params, VampParams)

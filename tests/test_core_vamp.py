@@ -332,7 +332,7 @@ def test_plain_vamp_is_exact_under_the_decode_fast_path():
     results = []
     for fast in (False, True):
         built = build_replay(generate_agent_sessions(2, num_sessions=5),
-                             ReplayConfig(kv_budget_gib=3.0, policy="vamp", vamp_horizon_s=30.0))
+                             ReplayConfig(kv_cache_memory=3 * 2**30, policy="vamp", vamp_horizon_s=30.0))
         assert not built.replay.scheduler.policy.reads_every_step
         built.replay.fast_forward = fast
         metrics = built.replay.run()

@@ -136,8 +136,8 @@ def test_dtype_auto_is_the_devices_and_an_explicit_one_must_match(tmp_path, tiny
     path = tmp_path / "cpu.toml"
     path.write_text(DEVICE_TOML)
     workload = generate_agent_sessions(0, config=GeneratorConfig(num_sessions=2))
-    fp32 = build_replay(workload, ReplayConfig(model=tiny_config, gpu=str(path), kv_budget_gib=1.0))
-    bf16 = build_replay(workload, ReplayConfig(model=tiny_config, gpu="h100", kv_budget_gib=1.0))
+    fp32 = build_replay(workload, ReplayConfig(model=tiny_config, gpu=str(path), kv_cache_memory=1 * 2**30))
+    bf16 = build_replay(workload, ReplayConfig(model=tiny_config, gpu="h100", kv_cache_memory=1 * 2**30))
     assert fp32.config.dtype == "float32" and bf16.config.dtype == "bfloat16"
     assert fp32.budget.block_bytes == 2 * bf16.budget.block_bytes  # 4-byte KV
     assert fp32.budget.weights_bytes_per_gpu == 2 * bf16.budget.weights_bytes_per_gpu
@@ -230,7 +230,7 @@ def test_request_overhead_is_charged_at_each_send(tmp_path, tiny_config):
     ttft = {}
     for path in (plain, charged):
         result, _ = run_replay(load_workload(trace, seed=0), ReplayConfig(model=tiny_config, gpu=str(path),
-                                                                          kv_budget_gib=0.5))
+                                                                          kv_cache_memory=int(0.5 * 2**30)))
         ttft[path] = result["metrics"]["ttft_s"]["p50"]
     assert ttft[charged] - ttft[plain] == pytest.approx(0.004 + 300 * 1e-5, rel=1e-9)
     assert Efficiency().request_overhead_s == 0.0  # the presets charge nothing

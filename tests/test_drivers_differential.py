@@ -200,9 +200,9 @@ def run_replay(checkpoint, policy: str, host_kv: bool = False) -> tuple[Decision
     ring = -(-HostKVLayout().ring_bytes // BLOCK_BYTES) if host_kv else 0
     config = ReplayConfig(model=str(checkpoint / "config.json"), policy=policy, block_size=BLOCK_SIZE,
                           max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
-                          kv_budget_gib=(KV_BLOCKS + ring) * BLOCK_BYTES / 2**30,
+                          kv_cache_memory=(KV_BLOCKS + ring) * BLOCK_BYTES,
                           max_offload_ratio=MAX_OFFLOAD_RATIO,
-                          kv_host_gib=HOST_BLOCKS * BLOCK_BYTES / 2**30 if host_kv else 0.0)
+                          kv_host_memory=HOST_BLOCKS * BLOCK_BYTES if host_kv else 0)
     built = build_replay(replay_workload(), config, vamp_coefficients=fixed_vamp_params(steps))
     device_blocks = built.host_kv.num_device_blocks if host_kv else built.budget.num_blocks
     assert device_blocks == KV_BLOCKS, "the replay's budget is not the engine's: fix the test's arithmetic"
@@ -217,10 +217,10 @@ def run_replay(checkpoint, policy: str, host_kv: bool = False) -> tuple[Decision
 def build_engine(checkpoint, policy: str, clock=None, steps: FixedSteps | None = None,
                  host_kv: bool = False) -> Engine:
     params = {"params": fixed_vamp_params(steps or FixedSteps())} if policy_entry(policy).needs_costs else None
-    return Engine(checkpoint, kv_budget_bytes=KV_BLOCKS * BLOCK_BYTES, page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE,
+    return Engine(checkpoint, kv_cache_memory=KV_BLOCKS * BLOCK_BYTES, page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE,
                   max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
                   max_offload_ratio=MAX_OFFLOAD_RATIO, ignore_eos=True, policy=policy, policy_params=params,
-                  clock=clock, kv_host_bytes=HOST_BLOCKS * BLOCK_BYTES if host_kv else 0)
+                  clock=clock, kv_host_memory=HOST_BLOCKS * BLOCK_BYTES if host_kv else 0)
 
 
 def run_engine(checkpoint, policy: str, times: list[float], host_kv: bool = False) -> DecisionLog:
@@ -312,7 +312,7 @@ def test_start_offload_matches(checkpoint, policy):
     once offloaded none for ``static-offload``: only ``sim/setup.py`` read ``offload_at_start``.)"""
     config = ReplayConfig(model=str(checkpoint / "config.json"), policy=policy, block_size=BLOCK_SIZE,
                           max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
-                          kv_budget_gib=KV_BLOCKS * BLOCK_BYTES / 2**30, max_offload_ratio=MAX_OFFLOAD_RATIO)
+                          kv_cache_memory=KV_BLOCKS * BLOCK_BYTES, max_offload_ratio=MAX_OFFLOAD_RATIO)
     built = build_replay(replay_workload(), config, vamp_coefficients=fixed_vamp_params(FixedSteps()))
     engine = build_engine(checkpoint, policy)
     replay_start = start_entry(built.replay.scheduler, built.expert_line.residency)
@@ -326,7 +326,7 @@ def test_expert_ledgers_agree(checkpoint):
     """Both expert lines, before any offload: the KV blocks that offloading n experts adds, for n up to the cap."""
     config = ReplayConfig(model=str(checkpoint / "config.json"), policy="vllm", block_size=BLOCK_SIZE,
                           max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS,
-                          kv_budget_gib=KV_BLOCKS * BLOCK_BYTES / 2**30, max_offload_ratio=MAX_OFFLOAD_RATIO)
+                          kv_cache_memory=KV_BLOCKS * BLOCK_BYTES, max_offload_ratio=MAX_OFFLOAD_RATIO)
     replay_line = build_replay(replay_workload(), config).expert_line
     engine_line = build_engine(checkpoint, "vllm").parts.expert_line
     cap = replay_line.residency.max_num_offloaded

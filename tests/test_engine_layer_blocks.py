@@ -51,7 +51,7 @@ def wide_checkpoint(tmp_path_factory, torch_one_thread):
 
 def run(checkpoint, **engine_args):
     """(tokens, the arena's bytes) after the prompts decode 12 tokens together."""
-    engine = Engine(checkpoint, kv_budget_mib=4, ignore_eos=True, **engine_args)
+    engine = Engine(checkpoint, kv_cache_memory=4 * 2**20, ignore_eos=True, **engine_args)
     tokens = [o.token_ids for o in engine.generate(PROMPTS, 12).outputs]
     return tokens, engine.storage.data.clone()
 
@@ -151,7 +151,7 @@ def test_the_moe_block_announces_the_routing_it_ran(torch_one_thread):
 
 
 def test_an_offloaded_expert_keeps_its_layer_on_the_announced_path(wide_checkpoint, monkeypatch):
-    engine = Engine(wide_checkpoint("mixtral"), kv_budget_mib=4, ignore_eos=True, max_offload_ratio=0.5)
+    engine = Engine(wide_checkpoint("mixtral"), kv_cache_memory=4 * 2**20, ignore_eos=True, max_offload_ratio=0.5)
     engine.parts.expert_line.offload(((0, 1),))
     assert engine.parts.experts.resident_weights(0) is None
     assert engine.parts.experts.resident_weights(1) is not None
@@ -225,7 +225,7 @@ def test_a_layer_keeps_its_checked_weights_until_one_moves(wide_checkpoint):
     """``DecoderLayer.native_attention_args`` and ``SparseMoE.native_args`` check a layer once and keep the result;
     a weight that moves (a new tensor behind the parameter, or a new parameter) is checked again, so no stale
     pointer reaches the kernels, and the generations are unchanged by it."""
-    engine = Engine(wide_checkpoint("qwen3_moe"), kv_budget_mib=4, ignore_eos=True)
+    engine = Engine(wide_checkpoint("qwen3_moe"), kv_cache_memory=4 * 2**20, ignore_eos=True)
     first = engine.generate(PROMPTS, 6)
     for prompt in PROMPTS:
         engine.add_request(prompt, SamplingParams(6, 0.0))

@@ -225,7 +225,8 @@ def test_native_decode_attention_returns_the_split_merges_log_sum_exp():
 @needs_native
 def test_the_split_backend_attends_host_blocks_in_place_at_decode(tiny_checkpoint, monkeypatch):
     recorded = count_calls(monkeypatch, "paged_decode_attention")
-    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_budget_bytes=PAGE_BYTES, kv_host_mib=1, split_policy="cpu-all",
+    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_cache_memory=PAGE_BYTES, kv_host_memory=2**20,
+                    split_policy="cpu-all",
                     page_bytes=PAGE_BYTES, block_size=4)
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6, 7]], 6)
     calls = [kwargs.get("lse") is not None for kwargs in recorded["paged_decode_attention"]]
@@ -267,7 +268,7 @@ def test_the_engine_takes_the_native_kernels_at_decode(tiny_checkpoint, monkeypa
     ``run_attention``, nor the whole stack in ``run_layers``), over the three decode steps."""
     recorded = count_calls(monkeypatch, "run_moe", "moe_experts", "paged_decode_attention", "run_attention",
                            "run_layers")
-    Engine(tiny_checkpoint("qwen3_moe"), kv_budget_mib=4).generate([[1, 2, 3], [4, 5, 6, 7]], 4)
+    Engine(tiny_checkpoint("qwen3_moe"), kv_cache_memory=4 * 2**20).generate([[1, 2, 3], [4, 5, 6, 7]], 4)
     calls = {name: len(kwargs) for name, kwargs in recorded.items()}
     assert calls == {"run_moe": 2 * 4, "moe_experts": 0, "paged_decode_attention": 3 * 3, "run_attention": 0,
                      "run_layers": 0}
@@ -287,7 +288,7 @@ def test_disabled_native_kernels_leave_the_torch_paths(without_native):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
 def test_without_native_kernels_a_tight_budget_still_matches_transformers(arch, tiny_checkpoint, hf_reference,
                                                                            without_native):
-    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
+    engine = Engine(tiny_checkpoint(arch), kv_cache_memory=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
                     static_offload=True, **TIGHT)
     result = engine.generate(parity_prompts(), MAX_TOKENS)
     assert [o.token_ids for o in result.outputs] == hf_reference(arch)

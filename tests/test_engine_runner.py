@@ -56,7 +56,7 @@ def assert_complete(result) -> None:
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_roomy_budget_matches_transformers(arch, tiny_checkpoint, hf_reference):
-    engine = Engine(tiny_checkpoint(arch), kv_budget_mib=4, ignore_eos=True)
+    engine = Engine(tiny_checkpoint(arch), kv_cache_memory=4 * 2**20, ignore_eos=True)
     result = engine.generate(parity_prompts(), MAX_TOKENS)
     assert [o.token_ids for o in result.outputs] == hf_reference(arch)
     assert_complete(result)
@@ -68,7 +68,7 @@ def test_roomy_budget_matches_transformers(arch, tiny_checkpoint, hf_reference):
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_tight_budget_with_static_offload_matches_transformers(arch, tiny_checkpoint, hf_reference):
-    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
+    engine = Engine(tiny_checkpoint(arch), kv_cache_memory=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
                     static_offload=True, **TIGHT)
     offloaded_at_start = engine.residency.num_offloaded
     result = engine.generate(parity_prompts(), MAX_TOKENS)
@@ -90,7 +90,7 @@ def test_cold_experts_computed_from_host_copies_match_transformers(arch, tiny_ch
     """``cold_experts="cpu"``: offloaded experts with few routed rows run from their host copies (rows there and
     back), the rest are staged; both happen (a limit of 2 rows splits prefill chunks from decode steps) and
     neither changes a token."""
-    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
+    engine = Engine(tiny_checkpoint(arch), kv_cache_memory=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
                     static_offload=True, cold_experts="cpu", cold_expert_max_rows=2, **TIGHT)
     result = engine.generate(parity_prompts(), MAX_TOKENS)
     assert [o.token_ids for o in result.outputs] == hf_reference(arch)
@@ -101,14 +101,14 @@ def test_cold_experts_computed_from_host_copies_match_transformers(arch, tiny_ch
                                                                           provider.stager.num_staged)
     check_books(engine)
     with pytest.raises(UserError, match="cold_experts"):
-        Engine(tiny_checkpoint(arch), kv_budget_mib=4, cold_experts="gpu")
+        Engine(tiny_checkpoint(arch), kv_cache_memory=4 * 2**20, cold_experts="gpu")
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_offload_by_policy_action_matches_transformers(arch, tiny_checkpoint, hf_reference):
     """The path a VAMP policy takes: ``OffloadExperts`` returned on pressure, carried out by the expert line."""
     policy = OffloadOnPressure(max_offloads=2)
-    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=POLICY_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.5,
+    engine = Engine(tiny_checkpoint(arch), kv_cache_memory=POLICY_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.5,
                     policy=policy, **TIGHT)
     policy.residency = engine.residency
     blocks_at_start = engine.scheduler.kv.pool.num_blocks
@@ -128,7 +128,7 @@ def test_offload_by_policy_action_matches_transformers(arch, tiny_checkpoint, hf
 def test_blocks_larger_than_pages_match_transformers(arch, block_size, tiny_checkpoint, hf_reference):
     """4 KiB pages: a 12 KiB qwen3_moe block spans 3 pages, an 8 KiB qwen3_next block 2 (and its 17 KiB of
     linear state 3 blocks); converting a 24 KiB expert completes groups that straddle its neighbours."""
-    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=6 * 4096, page_bytes=4096, block_size=block_size,
+    engine = Engine(tiny_checkpoint(arch), kv_cache_memory=6 * 4096, page_bytes=4096, block_size=block_size,
                     max_offload_ratio=0.5, static_offload=True, max_num_batched_tokens=64, ignore_eos=True)
     assert engine.storage.arena.config.pages_per_block > 1
     result = engine.generate(parity_prompts(), MAX_TOKENS)
@@ -139,14 +139,14 @@ def test_blocks_larger_than_pages_match_transformers(arch, block_size, tiny_chec
 
 
 def test_routing_statistics_reach_the_residency(tiny_checkpoint):
-    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1, ignore_eos=True)
+    engine = Engine(tiny_checkpoint("mixtral"), kv_cache_memory=1 * 2**20, ignore_eos=True)
     engine.generate(parity_prompts()[:2], 4)
     hotness = [engine.residency.hotness(m, e) for m in range(2) for e in range(4)]
     assert sum(hotness) > 0 and all(h >= 0 for h in hotness)
 
 
 def test_prefix_cache_persists_across_generate_calls(tiny_checkpoint, hf_reference):
-    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_budget_mib=1, block_size=4, ignore_eos=True)
+    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_cache_memory=1 * 2**20, block_size=4, ignore_eos=True)
     prompts = parity_prompts()
     first = engine.generate(prompts[:1], MAX_TOKENS)
     again = engine.generate(prompts[:1], MAX_TOKENS)
@@ -155,7 +155,7 @@ def test_prefix_cache_persists_across_generate_calls(tiny_checkpoint, hf_referen
 
 
 def test_sampling_is_seeded_and_independent_of_the_batch(tiny_checkpoint):
-    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1, ignore_eos=True)
+    engine = Engine(tiny_checkpoint("mixtral"), kv_cache_memory=1 * 2**20, ignore_eos=True)
     prompts = parity_prompts()[:3]
     a = engine.generate(prompts, 12, temperature=1.0, seed=7)
     b = engine.generate(prompts, 12, temperature=1.0, seed=7)
@@ -168,7 +168,7 @@ def test_sampling_is_seeded_and_independent_of_the_batch(tiny_checkpoint):
 
 
 def test_an_eos_token_stops_a_request(tiny_checkpoint, hf_reference):
-    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1)
+    engine = Engine(tiny_checkpoint("mixtral"), kv_cache_memory=1 * 2**20)
     assert engine.parts.eos_token_ids == {0}  # config.json's eos_token_id
     reference = hf_reference("mixtral")[0]
     stop = reference[5]
@@ -178,7 +178,7 @@ def test_an_eos_token_stops_a_request(tiny_checkpoint, hf_reference):
 
 
 def test_a_request_that_can_never_fit_fails_alone(tiny_checkpoint):
-    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_bytes=PAGE_BYTES, **TIGHT)  # 16 blocks: 64 tokens
+    engine = Engine(tiny_checkpoint("mixtral"), kv_cache_memory=PAGE_BYTES, **TIGHT)  # 16 blocks: 64 tokens
     result = engine.generate([[5] * 100, [6] * 3], 4)
     assert [o.finish_reason for o in result.outputs] == ["failed", "length"]
     assert result.outputs[0].token_ids == [] and len(result.outputs[1].token_ids) == 4
@@ -186,12 +186,13 @@ def test_a_request_that_can_never_fit_fails_alone(tiny_checkpoint):
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    (dict(kv_budget_bytes=100, page_bytes=PAGE_BYTES), "holds no KV block"),
-    (dict(), "needs a KV budget"),
-    (dict(kv_budget_mib=1, policy="no-such-policy"), "unknown policy"),
-    (dict(kv_budget_mib=1, block_size=0), "block_size must be a positive integer"),
-    (dict(kv_budget_mib=1, static_offload=True, max_offload_ratio=0.0), "static_offload needs max_offload_ratio"),
-    (dict(kv_budget_mib=1, device="tpu"), "device must be one of"),
+    (dict(kv_cache_memory=100, page_bytes=PAGE_BYTES), "holds no KV block"),
+    (dict(kv_cache_memory=-1), "kv_cache_memory must be a whole number of bytes"),
+    (dict(kv_cache_memory=1 * 2**20, policy="no-such-policy"), "unknown policy"),
+    (dict(kv_cache_memory=1 * 2**20, block_size=0), "block_size must be a positive whole number"),
+    (dict(kv_cache_memory=1 * 2**20, static_offload=True, max_offload_ratio=0.0),
+     "static_offload needs EngineConfig.max_offload_ratio"),
+    (dict(kv_cache_memory=1 * 2**20, device="tpu"), "device must be one of"),
 ])
 def test_bad_options_are_user_errors(tiny_checkpoint, options, message):
     with pytest.raises(UserError, match=message):
@@ -200,10 +201,10 @@ def test_bad_options_are_user_errors(tiny_checkpoint, options, message):
 
 def test_missing_model_dir_and_hybrid_prefix_caching_are_user_errors(tmp_path, tiny_checkpoint):
     with pytest.raises(UserError, match="not a checkpoint directory"):
-        Engine(tmp_path / "nope", kv_budget_mib=1)
+        Engine(tmp_path / "nope", kv_cache_memory=1 * 2**20)
     with pytest.raises(UserError, match="prefix caching is not supported for hybrid"):
-        Engine(tiny_checkpoint("qwen3_next"), kv_budget_mib=1, enable_prefix_caching=True)
-    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1)
+        Engine(tiny_checkpoint("qwen3_next"), kv_cache_memory=1 * 2**20, enable_prefix_caching=True)
+    engine = Engine(tiny_checkpoint("mixtral"), kv_cache_memory=1 * 2**20)
     with pytest.raises(UserError, match="outside the vocabulary"):
         engine.generate([[1, 2, 10**6]], 2)
     with pytest.raises(UserError, match="empty"):
@@ -215,7 +216,7 @@ def test_missing_model_dir_and_hybrid_prefix_caching_are_user_errors(tmp_path, t
 def test_cuda_tight_budget_matches_transformers(arch, tiny_checkpoint, hf_reference):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    engine = Engine(tiny_checkpoint(arch), kv_budget_bytes=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
+    engine = Engine(tiny_checkpoint(arch), kv_cache_memory=STATIC_PAGES[arch] * PAGE_BYTES, max_offload_ratio=0.25,
                     static_offload=True, device="cuda", **TIGHT)
     assert engine.parts.experts.stager.host.is_pinned()
     result = engine.generate(parity_prompts(), MAX_TOKENS)

@@ -30,7 +30,7 @@ from moetide.errors import UserError  # noqa: E402
 from engine_parity import BLOCK_SIZE, MAX_TOKENS, PAGE_BYTES, TIGHT, check_books, parity_prompts  # noqa: E402
 
 DEVICE_PAGES = 3  # a few device blocks: every sequence but the first few spills to host
-SPILL = dict(TIGHT, kv_budget_bytes=DEVICE_PAGES * PAGE_BYTES, kv_host_mib=1)
+SPILL = dict(TIGHT, kv_cache_memory=DEVICE_PAGES * PAGE_BYTES, kv_host_memory=1 * 2**20)
 
 
 def balanced_costs(device_tokens: int, num_queries: int) -> SplitCosts:
@@ -104,7 +104,7 @@ def test_split_backend_equals_paged_for_any_split(tiny_checkpoint, share):
     """Sequences of 3-40 tokens whose blocks mix device and host ids at random: a prefill step writes them, then
     a step of decodes and prefill chunks attends them. The split backend (CPU in place / streamed cut at random,
     or all to one side) gives the paged backend's output (all-device tables, same K/V) to fp32 rounding."""
-    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_budget_bytes=64 * PAGE_BYTES, kv_host_mib=1,
+    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_cache_memory=64 * PAGE_BYTES, kv_host_memory=1 * 2**20,
                     page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE)
     storage, host, layout = engine.storage, engine.host_kv, engine.storage.kv_layout
     rng = random.Random(7 if share is None else int(share))
@@ -216,7 +216,7 @@ def test_everything_on_the_host_with_perf_costs_matches_transformers(arch, tiny_
     checkpoint = tiny_checkpoint(arch)
     block_bytes = KVLayout.of(load_model(checkpoint), BLOCK_SIZE).block_bytes
     host_bytes = 60 * block_bytes + (68 * 1024 if arch == "qwen3_next" else 0)
-    engine = Engine(checkpoint, kv_budget_bytes=0, kv_host_mib=host_bytes / 2**20, **TIGHT)
+    engine = Engine(checkpoint, kv_cache_memory=0, kv_host_memory=host_bytes, **TIGHT)
     assert engine.storage.arena.num_kv_blocks == 0
     result = engine.generate(parity_prompts(), MAX_TOKENS)
     assert [o.token_ids for o in result.outputs] == hf_reference(arch)
@@ -242,9 +242,9 @@ def test_a_host_kv_bound_and_prefix_eviction_keep_parity(tiny_checkpoint, hf_ref
     block_bytes = KVLayout.of(load_model(checkpoint), BLOCK_SIZE).block_bytes
     free_engine, free = run_spilled(checkpoint, "writescope", split_costs=balanced_costs)
     bound_engine, bound = run_spilled(checkpoint, "writescope", split_costs=balanced_costs,
-                                      kv_host_active_bytes=4 * block_bytes)
+                                      kv_host_active_memory=4 * block_bytes)
     evict_engine, evict = run_spilled(checkpoint, "writescope", split_costs=balanced_costs,
-                                      evict_device_prefixes=True)
+                                      device_prefixes="evict")
     for result in (free, bound, evict):
         assert [o.token_ids for o in result.outputs] == hf_reference("qwen3_moe")
     assert free.stats.host_bound_waits == 0 < bound.stats.host_bound_waits
@@ -263,12 +263,12 @@ def test_host_hits_copied_to_device_blocks_keep_parity(tiny_checkpoint, monkeypa
     checkpoint = tiny_checkpoint("qwen3_moe")
     block_bytes = KVLayout.of(load_model(checkpoint), BLOCK_SIZE).block_bytes
     prompts = parity_prompts()
-    reference = Engine(checkpoint, **{**TIGHT, "kv_budget_bytes": 512 * PAGE_BYTES})
+    reference = Engine(checkpoint, **{**TIGHT, "kv_cache_memory": 512 * PAGE_BYTES})
     first = reference.generate(prompts, 8)
     second = [p + o.token_ids for p, o in zip(prompts, first.outputs)]
     expected = reference.generate(second, 8)
     engine = Engine(checkpoint, split_policy="writescope", split_costs=balanced_costs,
-                    kv_host_active_bytes=8 * block_bytes, **{**SPILL, "kv_budget_bytes": 6 * PAGE_BYTES})
+                    kv_host_active_memory=8 * block_bytes, **{**SPILL, "kv_cache_memory": 6 * PAGE_BYTES})
     assert [o.token_ids for o in engine.generate(prompts, 8).outputs] == [o.token_ids for o in first.outputs]
     result = engine.generate(second, 8)
     assert [o.token_ids for o in result.outputs] == [o.token_ids for o in expected.outputs]
@@ -276,7 +276,7 @@ def test_host_hits_copied_to_device_blocks_keep_parity(tiny_checkpoint, monkeypa
     check_books(engine)
     monkeypatch.setattr(Engine, "_copy_promoted", lambda self, pairs: None)
     engine = Engine(checkpoint, split_policy="writescope", split_costs=balanced_costs,
-                    kv_host_active_bytes=8 * block_bytes, **{**SPILL, "kv_budget_bytes": 6 * PAGE_BYTES})
+                    kv_host_active_memory=8 * block_bytes, **{**SPILL, "kv_cache_memory": 6 * PAGE_BYTES})
     engine.generate(prompts, 8)
     assert [o.token_ids for o in engine.generate(second, 8).outputs] != [o.token_ids for o in expected.outputs]
 
@@ -287,12 +287,12 @@ def test_host_hits_copied_to_device_blocks_keep_parity(tiny_checkpoint, monkeypa
 def test_generate_cli_with_host_kv(tiny_checkpoint, capsys):
     model = tiny_checkpoint("qwen3_moe")
     rc = main(["generate", "--model", str(model), "--threads", "1", "--prompt", "Prefix caching keeps the blocks",
-               "--max-tokens", "12", "--ignore-eos", "--kv-budget-mib", "0", "--kv-host-mib", "1",
+               "--max-tokens", "12", "--ignore-eos", "--kv-cache-memory", "0MiB", "--kv-host-memory", "1MiB",
                "--block-size", "4", "--split-policy", "fixed-ratio", "--split-fixed-ratio", "0.5", "--json", "-"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     [entry] = report["outputs"]
-    engine = Engine(model, kv_budget_mib=1, block_size=4, ignore_eos=True)
+    engine = Engine(model, kv_cache_memory=1 * 2**20, block_size=4, ignore_eos=True)
     assert entry["token_ids"] == engine.generate([entry["prompt_token_ids"]], 12).outputs[0].token_ids
     stats = report["stats"]
     assert stats["split_policy"] == "fixed-ratio" and stats["kv_host_blocks"] > 0
@@ -300,12 +300,12 @@ def test_generate_cli_with_host_kv(tiny_checkpoint, capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--kv-host-mib", "-1"], "--kv-host-mib must be >= 0"),
-    (["--kv-host-mib", "0.0001"], "holds no KV block"),
-    (["--kv-host-mib", "1", "--split-fixed-ratio", "2"], "split_fixed_ratio is a CPU share"),
-    (["--kv-host-mib", "1", "--split-host", "no-such-host"], "no-such-host"),
-    (["--kv-host-active-mib", "1"], "kv_host_active_bytes bounds host KV: set kv_host_bytes too"),
-    (["--kv-host-mib", "1", "--kv-host-active-mib", "2"], "kv_host_active_bytes must be an integer in (0, "),
+    (["--kv-host-memory", "0.0001MiB"], "holds no KV block"),
+    (["--kv-host-memory", "1MiB", "--split-fixed-ratio", "2"], "--split-fixed-ratio must be in [0, 1]"),
+    (["--kv-host-memory", "1MiB", "--cpu", "no-such-host"], "no-such-host"),
+    (["--kv-host-active-memory", "1MiB"], "--kv-host-active-memory bounds a host KV tier: give --kv-host-memory too"),
+    (["--kv-host-memory", "1MiB", "--kv-host-active-memory", "2MiB"],
+     "--kv-host-active-memory must be in (0, --kv-host-memory = 1048576] bytes"),
 ])
 def test_bad_host_kv_options_are_one_line_errors(tiny_checkpoint, capsys, args, message):
     model = str(tiny_checkpoint("mixtral"))
@@ -334,7 +334,7 @@ def test_cuda_spilled_kv_matches_transformers(policy, tiny_checkpoint, hf_refere
 
 
 def test_perf_costs_read_a_calibrated_host_file(tiny_checkpoint, tmp_path):
-    """``--split-host FILE``: the file's host figures and its fitted ``[offload_efficiency]`` set the CPU side."""
+    """``--cpu FILE``: the file's host figures and its fitted ``[offload_efficiency]`` set the CPU side."""
     from moetide.engine.split_plan import PerfSplitCosts
 
     host = tmp_path / "host.toml"

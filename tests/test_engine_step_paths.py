@@ -78,7 +78,7 @@ def test_stacked_views_are_withheld_while_a_routed_expert_is_staged(mixtral_engi
 def test_padding_slots_holding_nan_bytes_never_reach_the_output(tiny_checkpoint):
     """Every KV byte starts as 0xFF (a NaN pattern, as recycled pages may hold); three sequences prefill, then
     decode together, padded to the longest context: each output equals the reference and is finite."""
-    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_bytes=8 * PAGE_BYTES, page_bytes=PAGE_BYTES,
+    engine = Engine(tiny_checkpoint("mixtral"), kv_cache_memory=8 * PAGE_BYTES, page_bytes=PAGE_BYTES,
                     block_size=BLOCK_SIZE, ignore_eos=True)
     storage, backend, layout = engine.storage, engine.parts.attention, engine.storage.kv_layout
     ids = storage.arena.kv_block_ids()

@@ -146,8 +146,8 @@ def test_offload_beyond_the_cap_changes_nothing(mixtral_engine):
 
 def test_a_fully_offloaded_layer_generates_like_a_resident_one(tiny_checkpoint):
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
-    resident = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1, ignore_eos=True).generate(prompts, 8)
-    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1, ignore_eos=True, max_offload_ratio=0.5)
+    resident = Engine(tiny_checkpoint("mixtral"), kv_cache_memory=1 * 2**20, ignore_eos=True).generate(prompts, 8)
+    engine = Engine(tiny_checkpoint("mixtral"), kv_cache_memory=1 * 2**20, ignore_eos=True, max_offload_ratio=0.5)
     engine.parts.expert_line.offload(tuple((0, e) for e in range(4)))  # every expert of layer 0 staged
     offloaded = engine.generate(prompts, 8)
     assert offloaded.outputs == resident.outputs
@@ -156,7 +156,8 @@ def test_a_fully_offloaded_layer_generates_like_a_resident_one(tiny_checkpoint):
 
 
 def test_linear_state_survives_a_round_trip_through_scattered_blocks(tiny_checkpoint):
-    engine = Engine(tiny_checkpoint("qwen3_next"), kv_budget_mib=1, block_size=BLOCK_SIZE, page_bytes=PAGE_BYTES)
+    engine = Engine(tiny_checkpoint("qwen3_next"), kv_cache_memory=2**20, block_size=BLOCK_SIZE,
+                    page_bytes=PAGE_BYTES)
     store = engine.parts.linear_states
     layout, storage = store.layout, engine.storage
     assert store.num_blocks > 1, "the test needs a state spread over several blocks"
@@ -187,7 +188,8 @@ def test_state_blocks_are_the_pool_blocks_until_a_layer_gathers_them(tiny_checkp
     points into that scratch, so bytes written through either are what the other reads and ``commit`` keeps."""
     import ctypes
 
-    engine = Engine(tiny_checkpoint("qwen3_next"), kv_budget_mib=1, block_size=BLOCK_SIZE, page_bytes=PAGE_BYTES)
+    engine = Engine(tiny_checkpoint("qwen3_next"), kv_cache_memory=2**20, block_size=BLOCK_SIZE,
+                    page_bytes=PAGE_BYTES)
     store, storage = engine.parts.linear_states, engine.storage
     ids = storage.arena.kv_block_ids()
     tables = [ids[1::2][: store.num_blocks], ids[0::2][: store.num_blocks][::-1]]
@@ -233,11 +235,11 @@ def test_host_copy_packs_experts_like_their_pages_and_takes_them_out_of_the_mode
 def test_cuda_staging_uses_pinned_memory_and_a_copy_stream(tiny_checkpoint):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    engine = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1, device="cuda", max_offload_ratio=0.5,
+    engine = Engine(tiny_checkpoint("mixtral"), kv_cache_memory=1 * 2**20, device="cuda", max_offload_ratio=0.5,
                     ignore_eos=True)
     stager = engine.parts.experts.stager
     assert stager.host.is_pinned() and stager.copy_stream is not None
     engine.parts.expert_line.offload(tuple((0, e) for e in range(4)))
-    cpu = Engine(tiny_checkpoint("mixtral"), kv_budget_mib=1, ignore_eos=True)
+    cpu = Engine(tiny_checkpoint("mixtral"), kv_cache_memory=1 * 2**20, ignore_eos=True)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
     assert engine.generate(prompts, 8).outputs == cpu.generate(prompts, 8).outputs

@@ -40,7 +40,7 @@ COSTS = {"prefill_s_per_token": 3e-6, "copy_s_per_expert": 1e-6, "expert_call_s"
 
 def vamp_engine(checkpoint, arch: str, policy: str = "vamp", clock: StepClock | None = None, costs=COSTS,
                 **options) -> Engine:
-    options = {**TIGHT, "kv_budget_bytes": POLICY_PAGES[arch] * PAGE_BYTES, "max_offload_ratio": 0.5,
+    options = {**TIGHT, "kv_cache_memory": POLICY_PAGES[arch] * PAGE_BYTES, "max_offload_ratio": 0.5,
                "vamp_horizon_s": 0.05, **options}
     return Engine(checkpoint(arch), policy=policy, clock=clock or StepClock(0.01), costs=costs, **options)
 
@@ -173,7 +173,7 @@ def test_vamp_needs_room_to_offload(tiny_checkpoint):
 def test_reclaim_room_counts_device_blocks_only(tiny_checkpoint):
     """With host KV in the same pool, vamp-reclaim's watermark looks at the arena's blocks: a roomy host tier is
     no reason to give device KV back to the experts."""
-    engine = vamp_engine(tiny_checkpoint, "mixtral", policy="vamp-reclaim", kv_host_mib=1)
+    engine = vamp_engine(tiny_checkpoint, "mixtral", policy="vamp-reclaim", kv_host_memory=1 * 2**20)
     pool, arena = engine.scheduler.kv.pool, engine.storage.arena
     free, total = engine.parts.expert_line.kv_room(pool)
     assert total == len(arena.kv_block_ids()) < pool.num_blocks

@@ -49,7 +49,8 @@ def one_error(capsys, rc, verb, *needles):
 
 
 def test_replay_tp_that_splits_no_heads_is_one_line(capsys):
-    one_error(capsys, main(["replay", "--tp", "3"]), "replay", "--tp", "does not divide num_attention_heads")
+    one_error(capsys, main(["replay", "--tensor-parallel-size", "3"]), "replay", "--tensor-parallel-size",
+              "does not divide num_attention_heads")
 
 
 def test_a_closed_stdout_ends_quietly():
@@ -122,7 +123,7 @@ def test_compare_without_json_prints_the_finished_runs(tmp_path, monkeypatch, ca
 def test_sweep_keeps_the_finished_runs(tmp_path, monkeypatch, capsys):
     _fail_on_call(monkeypatch, 2, KeyboardInterrupt())
     out = tmp_path / "s.json"
-    rc = main(["sweep", str(small_trace(tmp_path)), "--policy", "static-offload", "--max-offload-ratio", "0,0.02",
+    rc = main(["sweep", str(small_trace(tmp_path)), "--policy", "static-offload", "--max-offload-ratios", "0,0.02",
                "--json", str(out)])
     assert rc == 130
     assert list(json.loads((tmp_path / "s.json.partial").read_text())["runs"]) == ["0"]

@@ -28,17 +28,17 @@ def test_a_size_without_meaning_is_refused(capsys):
         parse_bytes("-1GiB")
 
 
-def test_old_spelling_gives_the_same_bytes_and_warns_once(tmp_path, capsys, monkeypatch):
-    from moetide.commands import options
-
-    monkeypatch.setattr(options, "_WARNED", set())  # a fresh process: no earlier test has warned
-    trace = small_trace(tmp_path)
-    assert main(["replay", str(trace), "--kv-budget-gib", "4", "--json", str(tmp_path / "old.json")]) == 0
-    assert main(["replay", str(trace), "--kv-budget-gib", "4", "--json", str(tmp_path / "old2.json")]) == 0
-    err = capsys.readouterr().err
-    assert err.count("--kv-budget-gib is deprecated") == 1  # once per process
-    assert main(["replay", str(trace), "--kv-cache-memory", "4GiB", "--json", str(tmp_path / "new.json")]) == 0
-    assert (tmp_path / "old.json").read_bytes() == (tmp_path / "new.json").read_bytes()
+@pytest.mark.parametrize(("argv", "replacement"), [
+    (["replay", "--kv-budget-gib", "4"], "use --kv-cache-memory SIZE (e.g. 8GiB)"),
+    (["generate", "--model", "x", "--kv-host-mib=4"], "use --kv-host-memory SIZE (e.g. 64MiB)"),
+    (["replay", "--fixed-ratio", "0.5"], "use --split-fixed-ratio"),
+    (["perf", "--tp", "2"], "use --tensor-parallel-size (or -tp)"),
+])
+def test_a_removed_spelling_names_its_replacement(capsys, argv, replacement):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"moetide {argv[0]}: error: {argv[-2 if '=' not in argv[-1] else -1].split('=')[0]} "
+                                f"was removed in 0.2.0: {replacement} (CHANGELOG.md)"]
 
 
 def test_split_fixed_ratio_is_one_name_in_both_drivers(capsys):

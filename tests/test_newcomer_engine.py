@@ -66,7 +66,7 @@ def test_model_as_config_json_and_sizes_with_units(tiny_checkpoint, tmp_path, ca
     out = tmp_path / "a.json"
     assert generate(model / "config.json", "--prompt", "hi", "--max-tokens", "3", "--ignore-eos",
                     "--kv-cache-memory", "1MiB", "--json", str(out)) == 0
-    assert generate(model, "--prompt", "hi", "--max-tokens", "3", "--ignore-eos", "--kv-budget-mib", "1",
+    assert generate(model, "--prompt", "hi", "--max-tokens", "3", "--ignore-eos", "--kv-cache-memory", "1MiB",
                     "--json", str(tmp_path / "b.json")) == 0
     capsys.readouterr()
     assert json.loads(out.read_text())["outputs"] == json.loads((tmp_path / "b.json").read_text())["outputs"]
@@ -80,5 +80,8 @@ def test_engine_option_group_is_importable_for_other_verbs():
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     args = parser.parse_args(["--model", "m", "--kv-cache-memory", "2MiB", "--kv-host-memory", "1MiB"])
-    assert (args.kv_cache_memory, args.kv_host_memory, args.max_num_batched_tokens) == (2**21, 2**20, 8192)
+    assert (args.kv_cache_memory, args.kv_host_memory, args.max_num_batched_tokens) == (2**21, 2**20, None)
+    from moetide.engine.build import EngineConfig  # None: the engine's resolution of vLLM's default
+
+    assert EngineConfig(kv_cache_memory=2**21).max_num_batched_tokens == 8192
     assert callable(build_engine)

@@ -101,7 +101,7 @@ def test_vram_layout_adds_up_and_refuses_what_does_not_fit():
             + lay.num_experts_resident * lay.expert_bytes)
     assert used <= 32 * GiB < used + lay.expert_bytes  # as many whole experts as fit
     assert lay.num_experts_total == 32 * 8 and 0.7 < lay.offloaded_expert_fraction < 0.8
-    with pytest.raises(UserError, match="raise --vram-gib"):
+    with pytest.raises(UserError, match="raise --gpu-memory"):
         vram_layout(a.model, vram_bytes=32 * GiB, device_kv_bytes=40 * GiB, ring_bytes=256 * MiB)
 
 

@@ -88,11 +88,11 @@ def test_mla_latent_is_whole_on_every_gpu():
 
 def test_user_kv_budget():
     model, h100 = get_model("qwen3-30b-a3b"), get_gpu("h100")
-    budget = memory_budget(model, h100, kv_budget_gib=10)
+    budget = memory_budget(model, h100, kv_cache_memory=10 * GiB)
     assert budget.kv_budget_bytes == 10 * GiB and budget.kv_budget_from_user
     assert budget.num_blocks == 10 * GiB // 1_572_864 == 6_826
     with pytest.raises(UserError, match=r"KV budget 30.00 GiB per GPU does not fit beside the weights"):
-        kv_budget_bytes(model, h100, kv_budget_gib=30)  # 56.87 + 1.78 + 30 > 80 GiB
+        kv_budget_bytes(model, h100, kv_cache_memory=30 * GiB)  # 56.87 + 1.78 + 30 > 80 GiB
 
 
 def test_weights_that_do_not_fit_are_one_clear_error():
@@ -100,13 +100,14 @@ def test_weights_that_do_not_fit_are_one_clear_error():
         memory_budget(get_model("qwen3-next-80b-a3b"), get_gpu("a100-40gb"))
     message = str(info.value)
     assert "\n" not in message
-    for needle in ("148.41 GiB per GPU", "36.00 GiB is usable", "0.9 x 40.00 GiB", "--tp", "more memory"):
+    for needle in ("148.41 GiB per GPU", "36.00 GiB is usable", "0.9 x 40.00 GiB", "--tensor-parallel-size",
+                   "more memory"):
         assert needle in message
 
 
 def test_pool_too_small_for_one_hybrid_request():
     with pytest.raises(UserError, match="fewer than one request needs"):
-        memory_budget(get_model("qwen3-next-80b-a3b"), get_gpu("h200"), tp=2, kv_budget_gib=0.01)
+        memory_budget(get_model("qwen3-next-80b-a3b"), get_gpu("h200"), tp=2, kv_cache_memory=int(0.01 * GiB))
 
 
 def test_arguments_out_of_range():

@@ -160,7 +160,7 @@ def test_replay_with_cold_experts_on_the_cpu_stages_less(tmp_path):
     from moetide.cli import main
 
     workload = generate_agent_sessions(4, num_sessions=6)
-    config = ReplayConfig(policy="static-offload", kv_budget_gib=4.0, max_offload_ratio=0.05)
+    config = ReplayConfig(policy="static-offload", kv_cache_memory=4 * 2**30, max_offload_ratio=0.05)
     fetched, _ = run_replay(workload, config)
     computed, _ = run_replay(workload, replace(config, cold_experts="cpu"))
     assert computed["config"]["cold_experts"] == "cpu" and computed["config"]["cpu"] == "ddr5-4800-8ch"
@@ -174,7 +174,7 @@ def test_replay_with_cold_experts_on_the_cpu_stages_less(tmp_path):
 @pytest.mark.parametrize("policy", ["vamp", "vamp-reclaim", "static-offload"])
 def test_offloading_policies_respect_the_cap_and_lose_no_request(policy):
     workload = generate_agent_sessions(4, num_sessions=6)
-    result, _ = run_replay(workload, ReplayConfig(policy=policy, kv_budget_gib=4.0, max_offload_ratio=0.05))
+    result, _ = run_replay(workload, ReplayConfig(policy=policy, kv_cache_memory=4 * 2**30, max_offload_ratio=0.05))
     metrics = result["metrics"]
     assert metrics["completed"] + metrics["failed"] == workload.num_requests
     assert 0 < metrics["offloaded_ratio_max"] <= 0.05

@@ -71,7 +71,7 @@ def test_bad_profiles_are_one_clear_error(tmp_path, mutate, message):
 
 def test_replay_prices_staging_with_a_profile(tmp_path, capsys):
     trace = str(small_trace(tmp_path))
-    common = ["compare", trace, "--kv-budget-gib", "0.5", "--max-offload-ratio", "0.05", "--policies",
+    common = ["compare", trace, "--kv-cache-memory", "0.5GiB", "--max-offload-ratio", "0.05", "--policies",
               "static-offload"]
     staged = {}
     for name, counts in (("flat", [[1.0] * 128] * 3), ("skewed", zipf_counts(1.5))):
@@ -103,7 +103,7 @@ def test_a_shared_host_uplink_divides_the_link():
 
 def test_replay_takes_a_shared_uplink(tmp_path):
     out = tmp_path / "r.json"
-    common = ["compare", str(small_trace(tmp_path)), "--kv-budget-gib", "0.5", "--max-offload-ratio", "0.05",
+    common = ["compare", str(small_trace(tmp_path)), "--kv-cache-memory", "0.5GiB", "--max-offload-ratio", "0.05",
               "--policies", "static-offload", "--staging", "segment"]
     assert main([*common, "--json", str(out)]) == 0
     alone = json.loads(out.read_text())["runs"]["static-offload"]

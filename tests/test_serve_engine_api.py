@@ -30,8 +30,9 @@ def drive(engine: Engine, until=None) -> dict[str, list[int]]:
 
 def test_requests_that_join_between_steps_get_what_generate_gives(tiny_checkpoint):
     model = tiny_checkpoint("qwen3_moe")
-    expected = [o.token_ids for o in Engine(model, kv_budget_mib=64, ignore_eos=True).generate(PROMPTS, 8).outputs]
-    engine = Engine(model, kv_budget_mib=64, ignore_eos=True)
+    engine = Engine(model, kv_cache_memory=64 * 2**20, ignore_eos=True)
+    expected = [o.token_ids for o in engine.generate(PROMPTS, 8).outputs]
+    engine = Engine(model, kv_cache_memory=64 * 2**20, ignore_eos=True)
     first = engine.add_request(PROMPTS[0], SamplingParams(8))
     tokens = drive(engine, until=lambda t: len(t.get(first, ())) >= 3)  # the others join mid-decode
     late = [engine.add_request(p, SamplingParams(8)) for p in PROMPTS[1:]]
@@ -41,7 +42,7 @@ def test_requests_that_join_between_steps_get_what_generate_gives(tiny_checkpoin
 
 
 def test_an_abort_frees_the_blocks_of_a_running_and_of_a_waiting_request(tiny_checkpoint):
-    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_budget_mib=64, ignore_eos=True, max_num_seqs=1)
+    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_cache_memory=64 * 2**20, ignore_eos=True, max_num_seqs=1)
     running = engine.add_request(PROMPTS[2], SamplingParams(50))
     waiting = engine.add_request(PROMPTS[0], SamplingParams(50))
     drive(engine, until=lambda t: len(t.get(running, ())) >= 2)
@@ -58,7 +59,7 @@ def test_an_abort_frees_the_blocks_of_a_running_and_of_a_waiting_request(tiny_ch
 
 
 def test_an_abort_of_a_preempted_request_leaves_the_pool_whole(tiny_checkpoint):
-    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_budget_mib=0.05, ignore_eos=True)
+    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_cache_memory=int(0.05 * 2**20), ignore_eos=True)
     ids = [engine.add_request(p, SamplingParams(40)) for p in PROMPTS]
     drive(engine, until=lambda t: engine.scheduler.num_preemptions > 0)
     assert engine.scheduler.num_preemptions > 0
@@ -74,7 +75,7 @@ def test_sampling_params_are_checked_and_a_stop_token_ends_a_request(tiny_checkp
     for bad in (dict(max_tokens=0), dict(max_tokens=4, temperature=-1), dict(max_tokens=4, top_p=0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
-    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_budget_mib=64, ignore_eos=True)
+    engine = Engine(tiny_checkpoint("qwen3_moe"), kv_cache_memory=64 * 2**20, ignore_eos=True)
     [free_run] = [o.token_ids for o in engine.generate([PROMPTS[0]], 6).outputs]
     stop_at = free_run[2]
     request_id = engine.add_request(PROMPTS[0], SamplingParams(6, stop_token_ids=frozenset({stop_at})))

@@ -15,7 +15,7 @@ from moetide.sim.host_kv import SeqKV
 from moetide.sim.setup import ReplayConfig, build_replay, ring_blocks, run_replay
 from moetide.workloads import generate_agent_sessions
 
-TIGHT = dict(model="qwen3-30b-a3b", gpu="h100", kv_budget_gib=2.0)  # preempts and evicts on these sessions
+TIGHT = dict(model="qwen3-30b-a3b", gpu="h100", kv_cache_memory=2 * 2**30)  # preempts, evicts on these sessions
 
 
 def sessions():
@@ -39,7 +39,7 @@ def test_seq_kv_counts_tokens_by_residency_and_grows():
 
 def test_a_host_tier_replaces_preemption_and_is_charged():
     without, _ = run_replay(sessions(), ReplayConfig(**TIGHT))
-    with_host, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0))
+    with_host, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_memory=16 * 2**30))
     m0, m1 = without["metrics"], with_host["metrics"]
     assert m0["preemptions"] > 0 and m1["preemptions"] < m0["preemptions"]
     assert m1["prefix_hit_rate"] > m0["prefix_hit_rate"] + 0.2  # prefixes kept on the host are hit there
@@ -55,8 +55,8 @@ def test_a_host_tier_replaces_preemption_and_is_charged():
 def test_evicting_device_prefixes_first_keeps_running_kv_on_the_device():
     """--device-prefixes evict: the least recently used cached device prefixes go before new KV spills, so less
     KV is attended from the host; keep (the default) spills and keeps them."""
-    keep, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0))
-    evict, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0, device_prefixes="evict"))
+    keep, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_memory=16 * 2**30))
+    evict, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_memory=16 * 2**30, device_prefixes="evict"))
     k, e = keep["metrics"]["host_kv"], evict["metrics"]["host_kv"]
     assert e["cpu_tokens"] + e["streamed_tokens"] < 0.98 * (k["cpu_tokens"] + k["streamed_tokens"])  # 4% here
     assert e["device_tokens"] > 1.05 * k["device_tokens"] and e["added_s"] < k["added_s"]
@@ -65,7 +65,7 @@ def test_evicting_device_prefixes_first_keeps_running_kv_on_the_device():
 
 
 def test_the_pool_uses_device_blocks_first():
-    built = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0))
+    built = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_memory=16 * 2**30))
     pool, host = built.replay.scheduler.kv.pool, built.host_kv
     device = built.budget.num_blocks - ring_blocks(built.budget)
     assert pool.num_blocks == device + host.num_host_blocks and pool.host_tier == host.tier
@@ -90,8 +90,9 @@ def test_fast_decode_runs_are_exact_with_a_host_tier(policy, prefixes, active):
     same as stepping one by one (with an admission bound too: a run starts only while the queue's head waits)."""
     results = []
     for fast in (False, True):
-        built = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0, split_policy=policy,
-                                                      device_prefixes=prefixes, kv_host_active_gib=active))
+        built = build_replay(sessions(), ReplayConfig(
+            **TIGHT, kv_host_memory=16 * 2**30, split_policy=policy, device_prefixes=prefixes,
+            kv_host_active_memory=None if active is None else int(active * 2**30)))
         built.replay.fast_forward = fast
         metrics = built.replay.run()
         built.replay.scheduler.kv.pool.check_invariants()
@@ -108,7 +109,7 @@ def test_split_policies_on_the_same_schedule():
         replace(s, start_s=0.0, turns=tuple(replace(t, arrival_s=0.0) for t in s.turns)) for s in wl.sessions))
     added, shares, steps = {}, {}, set()
     for policy in SPLIT_POLICIES:
-        result, _ = run_replay(opened, ReplayConfig(**TIGHT, kv_host_gib=16.0, split_policy=policy))
+        result, _ = run_replay(opened, ReplayConfig(**TIGHT, kv_host_memory=16 * 2**30, split_policy=policy))
         host = result["metrics"]["host_kv"]
         added[policy], shares[policy] = host["added_s"], host["cpu_share"]
         steps.add((result["metrics"]["steps"], host["steps"], host["cpu_tokens"] + host["streamed_tokens"]))
@@ -122,7 +123,7 @@ def test_a_slower_cpu_is_learned_by_writescope_only():
     results = {}
     for policy in ("writescope", "cpu-all"):
         for slowdown in (1.0, 3.0):
-            result, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0, split_policy=policy,
+            result, _ = run_replay(sessions(), ReplayConfig(**TIGHT, kv_host_memory=16 * 2**30, split_policy=policy,
                                                             cpu_slowdown=slowdown))
             results[policy, slowdown] = result["metrics"]["host_kv"]
     assert results["writescope", 1.0]["correction_factor"] == pytest.approx(1.0, rel=1e-9)
@@ -132,17 +133,18 @@ def test_a_slower_cpu_is_learned_by_writescope_only():
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(kv_host_gib=-1.0), "--kv-host-memory must be"),
-    (dict(kv_host_gib=8.0, tp=2), "use --tp 1"),
-    (dict(kv_host_gib=8.0, policy="vamp"), "not modeled yet"),
+    (dict(kv_host_memory=-1 * 2**30), "--kv-host-memory must be"),
+    (dict(kv_host_memory=8 * 2**30, tp=2), "use --tensor-parallel-size 1"),
+    (dict(kv_host_memory=8 * 2**30, policy="vamp"), "not modeled yet"),
     (dict(split_policy="half"), "--split-policy must be one of"),
     (dict(split_fixed_ratio=1.5), "--split-fixed-ratio must be in"),
     (dict(cpu_slowdown=0.0), "--cpu-slowdown must be"),
-    (dict(kv_host_gib=8.0, cold_experts="cpu"), "not modeled; use --cold-experts fetch"),
+    (dict(kv_host_memory=8 * 2**30, cold_experts="cpu"), "not modeled; use --cold-experts fetch"),
     (dict(device_prefixes="drop"), "--device-prefixes must be one of"),
-    (dict(kv_host_active_gib=1.0), "give --kv-host-memory too"),
-    (dict(kv_host_gib=8.0, kv_host_active_gib=9.0), r"must be in \(0, --kv-host-memory = 8\]"),
-    (dict(kv_host_gib=8.0, kv_host_active_gib=0.0), "--kv-host-active-memory must be in"),
+    (dict(kv_host_active_memory=1 * 2**30), "give --kv-host-memory too"),
+    (dict(kv_host_memory=8 * 2**30, kv_host_active_memory=9 * 2**30),
+     r"must be in \(0, --kv-host-memory = 8589934592\] bytes"),
+    (dict(kv_host_memory=8 * 2**30, kv_host_active_memory=0 * 2**30), "--kv-host-active-memory must be in"),
 ])
 def test_bad_host_kv_settings_are_one_line_errors(options, message):
     """The config names its fields (a ValueError); the CLI says the same in its flags."""
@@ -153,7 +155,7 @@ def test_bad_host_kv_settings_are_one_line_errors(options, message):
 
 def test_a_host_tier_larger_than_the_host_is_refused():
     with pytest.raises(UserError, match="exceeds the host's DRAM"):
-        build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=1e6))
+        build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_memory=int(1e6 * 2**30)))
 
 
 def test_replay_cli_with_a_host_tier(capsys, tmp_path):
@@ -163,8 +165,8 @@ def test_replay_cli_with_a_host_tier(capsys, tmp_path):
     trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 4000 + i, "output_length": 20,
                                          "hash_ids": [100 * i + j for j in range(8)]}) + "\n" for i in range(6)))
     out = tmp_path / "r.json"
-    assert main(["replay", str(trace), "--model", "qwen3-30b-a3b", "--gpu", "h100", "--kv-budget-gib", "1",
-                 "--kv-host-gib", "4", "--split-policy", "fixed-ratio", "--fixed-ratio", "0.25",
+    assert main(["replay", str(trace), "--model", "qwen3-30b-a3b", "--gpu", "h100", "--kv-cache-memory", "1GiB",
+                 "--kv-host-memory", "4GiB", "--split-policy", "fixed-ratio", "--split-fixed-ratio", "0.25",
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "host KV tier" in text and "CPU share 0.2" in text and "(fixed-ratio)" in text
@@ -176,7 +178,7 @@ def test_replay_cli_with_a_host_tier(capsys, tmp_path):
 def test_an_admission_bound_on_host_kv_trades_ttft_for_tpot(capsys, tmp_path):
     """Six 4k-token prompts at once against ~8k tokens of device KV, on the plain roofline (a fitted profile's
     per-layer floors are the same with and without the bound and only dilute the ratio). Unbounded, all run together and every step
-    attends the spilled KV of four; with --kv-host-active-gib 0.5 (341 blocks, one spilled prompt is 250) the
+    attends the spilled KV of four; with --kv-host-active-memory 0.5GiB (341 blocks, one spilled prompt is 250) the
     rest wait, so steps are shorter and first tokens later. Every request completes either way."""
     from moetide.cli import main
 
@@ -184,13 +186,13 @@ def test_an_admission_bound_on_host_kv_trades_ttft_for_tpot(capsys, tmp_path):
     trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 4000 + i, "output_length": 50,
                                          "hash_ids": [100 * i + j for j in range(8)]}) + "\n" for i in range(6)))
     runs = {}
-    for bound in ([], ["--kv-host-active-gib", "0.5"]):
+    for bound in ([], ["--kv-host-active-memory", "0.5GiB"]):
         out = tmp_path / "r.json"
-        assert main(["replay", str(trace), "--model", "qwen3-30b-a3b", "--gpu", "h100", "--kv-budget-gib", "1",
-                     "--kv-host-gib", "4", "--engine-profile", "roofline", *bound, "--json", str(out)]) == 0
+        assert main(["replay", str(trace), "--model", "qwen3-30b-a3b", "--gpu", "h100", "--kv-cache-memory", "1GiB",
+                     "--kv-host-memory", "4GiB", "--engine-profile", "roofline", *bound, "--json", str(out)]) == 0
         runs[bool(bound)] = json.loads(out.read_text())["metrics"]
     text = capsys.readouterr().out
-    assert "host KV bound         0.5 GiB (341 blocks) attended per step" in text
+    assert "host KV bound         512 MiB (341 blocks) attended per step" in text
     free, bounded = runs[False], runs[True]
     assert free["host_kv"]["peak_host_blocks_used"] > 3 * 250 and free["host_kv"]["bound_waits"] == 0
     # the bound counts prompts, not outputs: each of the six may add its 50 output tokens (4 blocks of 16)
@@ -203,8 +205,8 @@ def test_an_admission_bound_on_host_kv_trades_ttft_for_tpot(capsys, tmp_path):
 def test_host_hits_past_the_bound_are_copied_and_charged():
     """With 4 GiB of device KV and a 2 GiB bound, later turns' host prefix hits move to device blocks: each copy is
     charged at the link's streaming rate, and the replay is the same stepped or fast-forwarded."""
-    config = ReplayConfig(model="qwen3-30b-a3b", gpu="h100", kv_budget_gib=4.0, kv_host_gib=16.0,
-                          kv_host_active_gib=2.0)
+    config = ReplayConfig(model="qwen3-30b-a3b", gpu="h100", kv_cache_memory=4 * 2**30, kv_host_memory=16 * 2**30,
+                          kv_host_active_memory=2 * 2**30)
     results = []
     for fast in (False, True):
         built = build_replay(sessions(), config)
@@ -222,13 +224,13 @@ def test_host_hits_past_the_bound_are_copied_and_charged():
 
 
 def test_compare_refuses_a_bad_policy_before_any_replay(capsys, monkeypatch):
-    """--kv-host-gib with vamp among the policies: one error line before the first replay runs, not after."""
+    """--kv-host-memory with vamp among the policies: one error line before the first replay runs, not after."""
     from moetide.cli import main
     from moetide.commands import compare, sweep  # noqa: F401 (imported before the patch: sweep binds the name)
 
     ran = []
     monkeypatch.setattr(compare, "replay_with_metrics", lambda *a: ran.append(a) or ({}, None))
-    assert main(["compare", "--kv-host-gib", "4", "--policies", "vllm,vamp"]) == 2
+    assert main(["compare", "--kv-host-memory", "4GiB", "--policies", "vllm,vamp"]) == 2
     assert "not modeled yet" in capsys.readouterr().err and not ran
 
 
@@ -240,7 +242,7 @@ def test_the_replay_prices_a_step_as_the_engine_does():
     from moetide.core.splits import SplitCosts
     from moetide.perf.offload import split_coefficients
 
-    host = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_gib=16.0)).host_kv
+    host = build_replay(sessions(), ReplayConfig(**TIGHT, kv_host_memory=16 * 2**30)).host_kv
     for device_tokens, num_queries in [(0, 1), (5000, 1), (123, 64), (10**6, 1), (7, 64), (0, 8192)]:
         expected = SplitCosts(**dataclasses.asdict(split_coefficients(host.attention, device_tokens, num_queries)))
         assert host._costs(device_tokens, num_queries) == expected

@@ -74,7 +74,7 @@ def test_percentiles_interpolate_like_numpy():
 
 def test_same_seed_same_bytes_and_no_request_lost():
     wl = generate_agent_sessions(3, num_sessions=6)
-    config = ReplayConfig(model="qwen3-30b-a3b", gpu="h100", kv_budget_gib=2.0)
+    config = ReplayConfig(model="qwen3-30b-a3b", gpu="h100", kv_cache_memory=2 * 2**30)
     first, _ = run_replay(wl, config)
     second, _ = run_replay(generate_agent_sessions(3, num_sessions=6), config)
     assert json.dumps(first) == json.dumps(second)
@@ -87,8 +87,8 @@ def test_more_memory_never_hurts_the_hit_rate():
     """Also a regression: at 4 GiB a step that only preempted (the last runner preempted itself) was taken
     for a stall."""
     wl = generate_agent_sessions(1, num_sessions=6)
-    tight, _ = run_replay(wl, ReplayConfig(kv_budget_gib=4.0))
-    roomy, _ = run_replay(wl, ReplayConfig(kv_budget_gib=8.0))
+    tight, _ = run_replay(wl, ReplayConfig(kv_cache_memory=4 * 2**30))
+    roomy, _ = run_replay(wl, ReplayConfig(kv_cache_memory=8 * 2**30))
     assert roomy["metrics"]["prefix_hit_rate"] > tight["metrics"]["prefix_hit_rate"]
     assert roomy["metrics"]["ttft_s"]["p90"] < tight["metrics"]["ttft_s"]["p90"]
 
@@ -126,7 +126,8 @@ def test_fast_paths_are_exact(workload, budget_gib, policy, token_budget, block_
     results = []
     for fast in (False, True):
         wl = generate_agent_sessions(2, num_sessions=5) if workload == "generator" else long_prompt_sessions()
-        built = build_replay(wl, ReplayConfig(kv_budget_gib=budget_gib, policy=policy, block_size=block_size,
+        built = build_replay(wl, ReplayConfig(kv_cache_memory=int(budget_gib * 2**30), policy=policy,
+                                              block_size=block_size,
                                               max_num_batched_tokens=token_budget))
         built.replay.fast_forward = fast
         metrics = built.replay.run()
@@ -189,7 +190,7 @@ def test_first_chunk_admission_preempts_more_than_full_sequence_admission():
     preemptions = {}
     for full in (True, False):
         built = build_replay(generate_agent_sessions(2, num_sessions=5),
-                             ReplayConfig(kv_budget_gib=3.0, scheduler_reserve_full_isl=full))
+                             ReplayConfig(kv_cache_memory=3 * 2**30, scheduler_reserve_full_isl=full))
         preemptions[full] = built.replay.run().preemptions
     assert preemptions[False] > 20 and preemptions[True] < preemptions[False] // 4  # measured: 71 and 0
 
@@ -210,5 +211,6 @@ def test_shallow_models_replay_under_every_offloading_policy(tmp_path, layers, p
     turns = (turn("t0", 300, 4, keys=[1, 2], arrival=0.0), turn("t1", 400, 4, keys=[1, 2, 3], think=1.0))
     workload = Workload("t", "test", "closed", 64, (Session(session_id="s", start_s=0.0, turns=turns,
                                                             parent_session_id=None, key_scope="s"),))
-    doc, _ = run_replay(workload, ReplayConfig(model=str(path), gpu="h100", policy=policy, kv_budget_gib=0.01))
+    doc, _ = run_replay(workload, ReplayConfig(model=str(path), gpu="h100", policy=policy,
+                                               kv_cache_memory=int(0.01 * 2**30)))
     assert doc["metrics"]["completed"] == 2

@@ -16,7 +16,7 @@ SESSIONS = GeneratorConfig(num_sessions=16, session_rate_per_s=0.05, system_prom
 # the run lasts ~20 minutes of modeled time: a review every 10 s gives the line room to move within it
 # on the plain roofline, where vamp's defaults were chosen; under the fitted vllm-0.32 profile the controller falls
 # short of the best fixed ratio here, a miss docs/vamp/fitted-profile-2026-12.md reports
-SETUP = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_budget_gib=1.0, max_offload_ratio=0.15,
+SETUP = ReplayConfig(model="qwen3-next-80b-a3b", gpu="h100-nvl", tp=2, kv_cache_memory=2**30, max_offload_ratio=0.15,
                      vllm_version="0.15", vamp_horizon_s=10.0, engine_profile="roofline")
 
 

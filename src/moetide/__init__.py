@@ -5,4 +5,4 @@ Layers (arrows point at what a layer uses; nothing imports upwards):
 ``core`` is stdlib-only. See DESIGN.md (kept beside the project in ``../shared``).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # CHANGELOG.md

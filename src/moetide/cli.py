@@ -55,7 +55,11 @@ def _verb_of(argv: list[str] | None) -> str | None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    """Arguments, with an unknown one reported by the verb's parser (its usage, ``moetide VERB: error: ...``)."""
+    """Arguments, with an unknown one reported by the verb's parser (its usage, ``moetide VERB: error: ...``) and
+    a spelling 0.2.0 removed named with its replacement."""
+    from moetide.commands.options import check_removed
+
+    check_removed(_verb_of(argv), sys.argv[1:] if argv is None else argv)
     args, extra = build_parser(_verb_of(argv)).parse_known_args(argv)
     if extra:
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -18,7 +18,7 @@ import random
 import statistics
 
 from moetide.commands.generate import add_engine_arguments, build_engine, max_model_len, read_config
-from moetide.commands.options import add_max_model_len, flush_warnings
+from moetide.commands.options import add_max_model_len, flush_warnings, int_list
 from moetide.errors import UserError
 
 
@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     add_max_model_len(parser, "the model's max_position_embeddings")
     add = parser.add_argument
-    add("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], metavar="B", help="default: 1 8 32")
+    add("--batch-sizes", type=int_list, default=[1, 8, 32], metavar="LIST",
+        help="comma-separated batch sizes (default 1,8,32)")
     add("--prompt-tokens", type=int, default=128, metavar="N", help="tokens per prompt (default %(default)s)")
     add("--decode-tokens", type=int, default=32, metavar="N", help="tokens generated per prompt "
                                                                     "(default %(default)s)")

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE.toml", help="write the calibrated host file here")
     parser.add_argument("--quick", action="store_true",
                         help="smaller buffers, fewer shapes and repeats: a few seconds, rougher figures")
-    add_json_argument(parser, "the measurements instead of tables", bare=True)
+    add_json_argument(parser, "the measurements instead of tables")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="torch threads to measure with (default: torch's default, usually every core)")
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",

@@ -47,11 +47,12 @@ from moetide.commands.options import (
     bytes_text,
     check_output_path,
     checkpoint_dir,
+    flag_message,
     flush_warnings,
     human_output,
     write_json_output,
 )
-from moetide.engine.split_plan import DEFAULT_SPLIT_GPU, DEFAULT_SPLIT_HOST
+from moetide.engine.split_plan import DEFAULT_SPLIT_GPU
 from moetide.errors import UserError, read_json
 from moetide.perf.routing_profile import write_profile
 
@@ -70,8 +71,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
     add("--split-gpu", default=DEFAULT_SPLIT_GPU, metavar="NAME|FILE",
         help="GPU preset or file whose costs the split policy weighs (default %(default)s)")
-    add("--split-host", default=DEFAULT_SPLIT_HOST, metavar="NAME|FILE",
-        help="host preset or file (a `moetide calibrate` file adds its fitted factors) (default %(default)s)")
+    add("--cpu", metavar="NAME|FILE",
+        help="--kv-host-memory: the host CPU socket whose costs the split policy weighs, a preset or a `moetide "
+             "calibrate` file, which adds its fitted factors (default: --split-gpu's host)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,17 +157,21 @@ def build_engine(args: argparse.Namespace, **overrides: object):
             raise UserError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     active = args.kv_host_active_memory
-    options = dict(kv_budget_bytes=int(args.kv_cache_memory), block_size=args.block_size, policy=args.policy,
+    memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory)
+    options = dict(kv_cache_memory=memory, block_size=args.block_size, policy=args.policy,
                    max_offload_ratio=args.max_offload_ratio, static_offload=args.static_offload,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   device=args.device, kv_host_bytes=int(args.kv_host_memory),
-                   kv_host_active_bytes=None if active is None else int(active),
-                   evict_device_prefixes=args.device_prefixes == "evict", split_policy=args.split_policy,
-                   split_fixed_ratio=args.split_fixed_ratio, split_gpu=args.split_gpu, split_host=args.split_host,
+                   device=args.device, kv_host_memory=int(args.kv_host_memory),
+                   kv_host_active_memory=None if active is None else int(active),
+                   device_prefixes=args.device_prefixes, split_policy=args.split_policy,
+                   split_fixed_ratio=args.split_fixed_ratio, split_gpu=args.split_gpu, cpu=args.cpu,
                    vamp_horizon_s=args.vamp_horizon_s, cold_experts=args.cold_experts,
                    costs=read_costs(args.vamp_costs) if args.vamp_costs else None)
     options.update(overrides)
-    return Engine(checkpoint_dir(args.model), **options)
+    try:
+        return Engine(checkpoint_dir(args.model), **options)
+    except UserError as exc:
+        raise UserError(flag_message(str(exc))) from None
 
 
 def max_model_len(args: argparse.Namespace, config: dict) -> int | None:
@@ -241,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     failed = sum(out["finish_reason"] == "failed" for out in outputs)
     if failed == len(outputs):
         host = args.kv_host_memory
-        budget = bytes_text(args.kv_cache_memory) + (f" and {bytes_text(host)} of host KV" if host else "")
+        budget = bytes_text(engine.config.kv_cache_memory) + (f" and {bytes_text(host)} of host KV" if host else "")
         hint = "raise --kv-cache-memory or --kv-host-memory" if host else ("raise --kv-cache-memory, or give "
                                                                             "--kv-host-memory")
         what = "the request does not fit" if failed == 1 else f"none of the {failed} requests fits"

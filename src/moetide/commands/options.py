@@ -4,11 +4,11 @@ Conventions (vLLM's where vLLM has the concept): memory sizes are bytes with opt
 (``--kv-cache-memory 2GiB``, ``512MiB``, ``1e9``; vLLM's ``human_readable_int``: lowercase k/m/g/t are powers of
 1000, uppercase K/M/G/T and KiB/MiB/GiB/TiB powers of 1024); ``--max-model-len``; ``--max-num-batched-tokens``;
 ``--json PATH`` with ``-`` for stdout; ``--model`` takes a preset name, a checkpoint folder or its config.json.
-Spellings of earlier releases (``--kv-budget-gib``, ``--kv-budget-mib``, ``--kv-host-gib`` ...) still work for
-one release: each converts to the new option's unit and warns once per process.
+Spellings 0.2.0 removed (``--kv-budget-gib``, ``--tp`` ...) are refused with their replacement
+(``REMOVED_SPELLINGS``, CHANGELOG.md).
 
-Defaults come from the drivers' own config dataclasses (``sim.setup.ReplayConfig`` for the modeled verbs,
-``engine.build.EngineConfig`` for the engine's), so no verb carries a third copy.
+The serving options' defaults are ``core.config.ServingConfig``'s (a ``None`` there is resolved by the driver), so
+no verb carries a copy.
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ import re
 import sys
 from pathlib import Path
 
+from moetide.core.config import COLD_EXPERT_MODES
+from moetide.core.kv_manager import DEVICE_PREFIXES
 from moetide.core.pressure import POLICIES
+from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
+from moetide.units import bytes_text  # noqa: F401 (the verbs import it from here)
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 _SUFFIXES = {"": 1, "b": 1, "B": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -49,15 +53,29 @@ def parse_bytes(text: str) -> float:
     return value * scale
 
 
-def bytes_text(num_bytes: float) -> str:
-    """A size in the binary unit its magnitude calls for (``8 GiB``, ``1.5 MiB``)."""
-    for scale, unit in ((2**50, "PiB"), (2**40, "TiB"), (GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:,.4g} {unit}"
-    return f"{num_bytes:,.0f} B"
+def int_list(text: str) -> list[int]:
+    """A list option's value: comma-separated whole numbers, as every list option takes (``1,8,32``)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated whole numbers such as 1,8,32, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"at least one number, got {text!r}")
+    return values
 
 
-# ---- deprecated spellings -----------------------------------------------------------------------------------
+# config fields whose flag is not the field's name in dashes
+FLAG_OF_FIELD = {"staging_mode": "--staging", "tp": "--tensor-parallel-size"}
+
+
+def flag_message(message: str) -> str:
+    """A config error in the CLI's words: each ``ReplayConfig.field`` (``EngineConfig``, ``ServingConfig``)
+    named as its flag."""
+    return re.sub(r"(?:Replay|Engine|Serving)Config\.(\w+)",
+                  lambda m: FLAG_OF_FIELD.get(m.group(1), "--" + m.group(1).replace("_", "-")), message)
+
+
+# ---- warnings and removed spellings -------------------------------------------------------------------------
 
 _WARNED: set[str] = set()
 _PENDING: list[str] = []
@@ -82,54 +100,42 @@ def drop_warnings() -> None:
     _PENDING.clear()
 
 
-class _Deprecated(argparse.Action):
-    """An old spelling: converts its value to the new option's (``scale``: bytes per old unit) and warns once."""
-
-    def __init__(self, option_strings, dest, new_flag: str, scale: float | None = None, **kwargs) -> None:
-        self.new_flag, self.scale = new_flag, scale
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        new = self.new_flag
-        if self.scale is not None:
-            try:
-                number = float(values)
-            except ValueError:
-                parser.error(f"argument {option_string}: a number, got {values!r}")
-            if not number >= 0:
-                raise UserError(f"{option_string} must be >= 0, got {values}")
-            unit = option_string.rsplit("-", 1)[-1]
-            new = f"{self.new_flag} {values}{unit[:-2].upper()}iB" if unit.endswith("ib") else self.new_flag
-            values = number * self.scale
-        warn_once(option_string, f"{option_string} is deprecated and goes in the next release; use {new}")
-        setattr(namespace, self.dest, values)
+# spellings 0.2.0 removed -> what replaces them (CHANGELOG.md); "FLAG (VERB)" where only one verb had it.
+# ``cli`` refuses each with its replacement.
+_STATE_CHECKPOINTS = ("nothing: hybrid states are cached blocks (--prefix-cache-retention-interval none keeps every "
+                      "block's)")
+REMOVED_SPELLINGS = {
+    "--kv-budget-gib": "--kv-cache-memory SIZE (e.g. 8GiB)", "--kv-budget-mib": "--kv-cache-memory SIZE (e.g. 64MiB)",
+    "--kv-host-gib": "--kv-host-memory SIZE (e.g. 64GiB)", "--kv-host-mib": "--kv-host-memory SIZE (e.g. 64MiB)",
+    "--kv-host-active-gib": "--kv-host-active-memory SIZE", "--kv-host-active-mib": "--kv-host-active-memory SIZE",
+    "--fixed-ratio": "--split-fixed-ratio", "--tp": "--tensor-parallel-size (or -tp)",
+    "--state-checkpoints (replay)": _STATE_CHECKPOINTS, "--state-checkpoints (compare)": _STATE_CHECKPOINTS,
+    "--state-checkpoints (sweep)": _STATE_CHECKPOINTS,
+    "--vram-gib": "--gpu-memory SIZE", "--device-kv-gib": "--kv-cache-memory SIZE", "--ring-mib": "--ring-memory SIZE",
+    "--split-host": "--cpu", "--host (specs)": "--cpu",
+}
 
 
-def add_deprecated(parser: argparse.ArgumentParser, old_flag: str, dest: str, new_flag: str, *,
-                   scale: float | None = None, type=None) -> None:
-    parser.add_argument(old_flag, dest=dest, action=_Deprecated, new_flag=new_flag, scale=scale, type=type,
-                        help=argparse.SUPPRESS)
+def check_removed(verb: str | None, argv: list[str]) -> None:
+    """A spelling 0.2.0 removed is one error naming its replacement, not argparse's bare "unrecognized"."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        replacement = REMOVED_SPELLINGS.get(f"{flag} ({verb})") or REMOVED_SPELLINGS.get(flag)
+        if replacement is not None:
+            raise UserError(f"{flag} was removed in 0.2.0: use {replacement} (CHANGELOG.md)")
 
 
-def add_memory_option(parser: argparse.ArgumentParser, flag: str, default: float | None, help: str,
-                      old: dict[str, float] | None = None) -> None:
-    """A size in bytes with unit suffixes, and its old spellings (flag -> bytes per unit) as deprecated aliases."""
-    dest = flag.lstrip("-").replace("-", "_")
+def add_memory_option(parser: argparse.ArgumentParser, flag: str, default: float | None, help: str) -> None:
+    """A size in bytes with unit suffixes (``parse_bytes``)."""
     parser.add_argument(flag, type=parse_bytes, default=default, metavar="SIZE", help=help)
-    for old_flag, scale in (old or {}).items():
-        add_deprecated(parser, old_flag, dest, flag, scale=scale)
 
 
 # ---- outputs ------------------------------------------------------------------------------------------------
 
 
-def add_json_argument(parser: argparse.ArgumentParser, what: str, *, bare: bool = False) -> None:
-    """``--json PATH`` (``-``: stdout). ``bare``: a verb whose ``--json`` once took no value keeps that meaning."""
-    if bare:
-        parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                            help=f"write {what} as JSON to PATH ('-' or no PATH: stdout)")
-    else:
-        parser.add_argument("--json", metavar="PATH", help=f"write {what} as JSON to PATH ('-': stdout)")
+def add_json_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--json PATH`` (``-``: stdout), the same in every verb."""
+    parser.add_argument("--json", metavar="PATH", help=f"write {what} as JSON to PATH ('-': stdout)")
 
 
 def add_plot_argument(parser: argparse.ArgumentParser, what: str) -> None:
@@ -272,89 +278,81 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- serving options both drivers have (the replay's modeled engine, the PyTorch engine) ---------------------
 
 
-def _driver_defaults(driver: str) -> dict[str, object]:
-    """The defaults of one driver's config dataclass, in the options' units (bytes)."""
-    if driver == "replay":
-        from moetide.sim.setup import ReplayConfig
-
-        d = ReplayConfig()
-        return dict(model=d.model, kv_cache_memory=None, block_size=d.block_size, max_num_seqs=d.max_num_seqs,
-                    max_num_batched_tokens=d.max_num_batched_tokens, max_offload_ratio=d.max_offload_ratio,
-                    kv_host_memory=d.kv_host_gib * GiB, split_policy=d.split_policy,
-                    split_fixed_ratio=d.split_fixed_ratio, device_prefixes=d.device_prefixes,
-                    cold_experts=d.cold_experts, vamp_horizon_s=d.vamp_horizon_s, unit=("gib", GiB))
-    from moetide.engine.build import DEFAULT_KV_CACHE_BYTES, EngineConfig
-
-    d = EngineConfig(kv_budget_bytes=DEFAULT_KV_CACHE_BYTES)
-    return dict(model=None, kv_cache_memory=float(d.kv_budget_bytes), block_size=d.block_size,
-                max_num_seqs=d.max_num_seqs, max_num_batched_tokens=d.max_num_batched_tokens,
-                max_offload_ratio=d.max_offload_ratio, kv_host_memory=float(d.kv_host_bytes),
-                split_policy=d.split_policy, split_fixed_ratio=d.split_fixed_ratio,
-                device_prefixes="evict" if d.evict_device_prefixes else "keep", cold_experts=d.cold_experts,
-                vamp_horizon_s=d.vamp_horizon_s, unit=("mib", MiB))
+def _size_help(what: str, resolved: object, replay_text: str) -> str:
+    return f"{what} (default: {replay_text if resolved is None else bytes_text(resolved)})"
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser, driver: str, *, with_offload_ratio: bool = True,
                           policy: str | None = "vllm") -> None:
-    """The options the replay (``driver="replay"``) and the engine (``"engine"``) share, with that driver's
-    defaults; each verb adds its driver's own options beside them."""
-    from moetide.core.kv_manager import DEVICE_PREFIXES
-    from moetide.core.splits import SPLIT_POLICIES
-    from moetide.perf.staging import COLD_EXPERT_MODES
+    """``core.config.ServingConfig``'s options, its defaults; a ``None`` there is resolved by the driver (the
+    replay, ``driver="replay"``, from the GPU and model; the engine from ``engine.build.ENGINE_DEFAULTS``), which
+    the help says. Each verb adds its driver's own options beside them."""
+    from moetide.core.config import ServingConfig
 
-    d = _driver_defaults(driver)
-    unit, scale = d["unit"]
-    add = parser.add_argument
+    d = ServingConfig()
     if driver == "replay":
-        add_model_argument(parser, default=d["model"], what="model preset, checkpoint folder or its config.json")
+        from moetide.sim.setup import ReplayConfig
+
+        resolved: dict[str, object] = {}
+        add_model_argument(parser, default=ReplayConfig.model, what="model preset, checkpoint folder or its "
+                           "config.json")
     else:
+        from moetide.engine.build import ENGINE_DEFAULTS as resolved
+
         add_model_argument(parser, default=None, what="checkpoint folder (config.json + safetensors) or its "
                            "config.json", metavar="DIR|CONFIG_JSON")
-    kv_default = ("what is left of --gpu-memory-utilization x HBM after weights and activations"
-                  if d["kv_cache_memory"] is None else bytes_text(d["kv_cache_memory"]))
     what = "KV cache per GPU" if driver == "replay" else "device memory for the KV cache beyond the routed experts"
-    add_memory_option(parser, "--kv-cache-memory", d["kv_cache_memory"],
-                      f"{what}, e.g. 8GiB or 1e9 (vLLM's --kv-cache-memory-bytes) "
-                      f"(default: {kv_default})", old={f"--kv-budget-{unit}": scale})
-    add("--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_bytes, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory, metavar="SIZE",
+                        help=_size_help(f"{what}, e.g. 8GiB or 1e9 (vLLM's --kv-cache-memory-bytes, also accepted)",
+                                        resolved.get("kv_cache_memory"), "what is left of --gpu-memory-utilization x "
+                                        "HBM after weights and activations"))
+    parser.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_bytes, help=argparse.SUPPRESS)
     if driver == "replay":  # each engine verb declares its own: serve's answers requests, generate's refuses
         add_max_model_len(parser, "no limit")
-    add("--block-size", type=int, default=d["block_size"], metavar="N",
-        help="tokens per KV block (default: vLLM's, 16, or for hybrid models the size that fits one layer's "
-             "linear-attention state in a page: 544 for Qwen3-Next-80B at TP 1-2)" if d["block_size"] is None
-        else "tokens per KV block (default %(default)s)")
-    add("--max-num-seqs", type=int, default=d["max_num_seqs"], metavar="N",
-        help="most requests running at once, as in vLLM (default: vLLM 0.32's server default for the GPU: 1024 on "
-             "H100/H200-class GPUs, 256 on A100, V100 and smaller)" if d["max_num_seqs"] is None
-        else "most requests running at once, as in vLLM (default %(default)s)")
-    add("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"], metavar="N",
-        help="token budget of a step, as in vLLM (default: vLLM 0.32's server default for the GPU: 8192 on "
-             "H100/H200-class GPUs, 16384 from 160 GiB, 2048 on A100, V100 and smaller)"
-        if d["max_num_batched_tokens"] is None else "token budget of a step, as in vLLM (default %(default)s)")
+    _add_batch_arguments(parser, resolved)
     if policy is not None:
         add_policy_argument(parser, policy)
     if with_offload_ratio:
-        add("--max-offload-ratio", type=float, default=d["max_offload_ratio"], metavar="R",
-            help="cap on the offloaded share of routed-expert bytes (default %(default)s)")
-    add("--vamp-horizon-s", type=float, default=d["vamp_horizon_s"], metavar="S",
-        help="vamp: seconds between reviews of the line, and the time constant of its measured rates "
-             f"({'modeled' if driver == 'replay' else 'engine'} seconds; default %(default)s)")
-    add("--cold-experts", choices=list(COLD_EXPERT_MODES), default=d["cold_experts"],
-        help="offloaded experts a step does not prefetch: fetch them over the host link, or compute them on the "
-             "host CPU where they lie when that is cheaper (default %(default)s)")
-    add_memory_option(parser, "--kv-host-memory", d["kv_host_memory"],
-                      "host memory for KV blocks that spill past the device KV cache, e.g. 64GiB: attention then "
-                      "splits each step between the device, the CPU in place and blocks streamed to the device, as "
-                      "--split-policy chooses (default: none)", old={f"--kv-host-{unit}": scale})
-    add_memory_option(parser, "--kv-host-active-memory", None,
-                      "--kv-host-memory: admit a request only while the host KV that running requests attend each "
-                      "step stays within this size (the rest holds cached prefixes) (default: no bound)",
-                      old={f"--kv-host-active-{unit}": scale})
-    add("--split-policy", choices=list(SPLIT_POLICIES), default=d["split_policy"],
-        help="--kv-host-memory: who attends the host KV each step (default %(default)s)")
-    add("--split-fixed-ratio", type=float, default=d["split_fixed_ratio"], metavar="X",
-        help="--split-policy fixed-ratio: the CPU's share of every sequence's host KV (default %(default)s)")
-    add_deprecated(parser, "--fixed-ratio", "split_fixed_ratio", "--split-fixed-ratio", type=float)
-    add("--device-prefixes", choices=list(DEVICE_PREFIXES), default=d["device_prefixes"],
-        help="--kv-host-memory: when no uncached device block is free, keep the cached prefixes in device blocks "
-             "and spill new KV to the host, or evict the least recently used of them first (default %(default)s)")
+        parser.add_argument("--max-offload-ratio", type=float, default=d.max_offload_ratio, metavar="R",
+                            help="cap on the offloaded share of routed-expert bytes (default %(default)s)")
+    parser.add_argument("--vamp-horizon-s", type=float, default=d.vamp_horizon_s, metavar="S",
+                        help="vamp: seconds between reviews of the line, and the time constant of its measured "
+                             f"rates ({'modeled' if driver == 'replay' else 'engine'} seconds; default %(default)s)")
+    parser.add_argument("--cold-experts", choices=list(COLD_EXPERT_MODES), default=d.cold_experts,
+                        help="offloaded experts a step does not prefetch: fetch them over the host link, or compute "
+                             "them on the host CPU where they lie when that is cheaper (default %(default)s)")
+    _add_host_kv_arguments(parser, d)
+
+
+def _add_batch_arguments(parser: argparse.ArgumentParser, resolved: dict[str, object]) -> None:
+    def default(name: str, replay_text: str) -> str:
+        return f"default: {replay_text}" if resolved.get(name) is None else f"default {resolved[name]}"
+
+    parser.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (" + default(
+        "block_size", "vLLM's, 16, or for hybrid models the size that fits one layer's linear-attention state in a "
+        "page: 544 for Qwen3-Next-80B at TP 1-2") + ")")
+    parser.add_argument("--max-num-seqs", type=int, metavar="N", help="most requests running at once, as in vLLM ("
+                        + default("max_num_seqs", "vLLM 0.32's server default for the GPU: 1024 on H100/H200-class "
+                                  "GPUs, 256 on A100, V100 and smaller") + ")")
+    parser.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="token budget of a step, as in vLLM ("
+                        + default("max_num_batched_tokens", "vLLM 0.32's server default for the GPU: 8192 on "
+                                  "H100/H200-class GPUs, 16384 from 160 GiB, 2048 on A100, V100 and smaller") + ")")
+
+
+def _add_host_kv_arguments(parser: argparse.ArgumentParser, d) -> None:
+    parser.add_argument("--kv-host-memory", type=parse_bytes, default=d.kv_host_memory, metavar="SIZE",
+                        help="host memory for KV blocks that spill past the device KV cache, e.g. 64GiB: attention "
+                             "then splits each step between the device, the CPU in place and blocks streamed to the "
+                             "device, as --split-policy chooses (default: none)")
+    parser.add_argument("--kv-host-active-memory", type=parse_bytes, default=d.kv_host_active_memory, metavar="SIZE",
+                        help="--kv-host-memory: admit a request only while the host KV that running requests attend "
+                             "each step stays within this size (the rest holds cached prefixes) (default: no bound)")
+    parser.add_argument("--split-policy", choices=list(SPLIT_POLICIES), default=d.split_policy,
+                        help="--kv-host-memory: who attends the host KV each step (default %(default)s)")
+    parser.add_argument("--split-fixed-ratio", type=float, default=d.split_fixed_ratio, metavar="X",
+                        help="--split-policy fixed-ratio: the CPU's share of every sequence's host KV (default "
+                             "%(default)s)")
+    parser.add_argument("--device-prefixes", choices=list(DEVICE_PREFIXES), default=d.device_prefixes,
+                        help="--kv-host-memory: when no uncached device block is free, keep the cached prefixes in "
+                             "device blocks and spill new KV to the host, or evict the least recently used of them "
+                             "first (default %(default)s)")

@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import json
 
-from moetide.commands.options import GiB, add_json_argument, add_memory_option, add_model_argument, check_outputs
+from moetide.commands.options import add_json_argument, add_memory_option, add_model_argument, check_outputs
 from moetide.commands.options import write_json_output
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepShape, StepTimeModel, memory_budget
@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser, default=None, what="a preset model name, a checkpoint folder or its HF config.json")
     parser.add_argument("--gpu", required=True, metavar="NAME|FILE",
                         help="a preset GPU name or a path to a .toml/.json hardware file")
-    parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel GPUs (default 1)")
+    parser.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel GPUs, as in vLLM (default 1)")
     parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences in the decode step (default 1)")
     parser.add_argument("--context", type=int, default=4096, metavar="C",
                         help="tokens already cached per sequence before the decode step (default 4096)")
@@ -43,8 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                         help="share of HBM the engine may use (vLLM's flag; default 0.9)")
     add_memory_option(parser, "--kv-cache-memory", None,
-                      "KV cache per GPU instead of the derived one, e.g. 8GiB (must fit beside the weights)",
-                      old={"--kv-budget-gib": GiB})
+                      "KV cache per GPU instead of the derived one, e.g. 8GiB (must fit beside the weights)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                         help="token budget per step; sizes the activation reserve (default 8192)")
     parser.add_argument("--state-checkpoints", action="store_true",
@@ -54,12 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a GPU file's own [efficiency] table replaces it")
     parser.add_argument("--dtype-bytes", type=int, default=2, metavar="N", help="bytes per weight (2 = bf16)")
     parser.add_argument("--kv-dtype-bytes", type=int, default=2, metavar="N", help="bytes per KV element (2)")
-    add_json_argument(parser, "the figures instead of tables", bare=True)
+    add_json_argument(parser, "the figures instead of tables")
 
 
 def _check_args(args: argparse.Namespace) -> None:
     block_size = 1 if args.block_size is None else args.block_size
-    positive = {"--tp": args.tp, "--batch": args.batch, "--block-size": block_size,
+    positive = {"--tensor-parallel-size": args.tp, "--batch": args.batch, "--block-size": block_size,
                 "--max-num-batched-tokens": args.max_num_batched_tokens, "--dtype-bytes": args.dtype_bytes,
                 "--kv-dtype-bytes": args.kv_dtype_bytes}
     if args.prefill_tokens is not None:
@@ -82,12 +82,12 @@ def _build(args: argparse.Namespace, model: ModelSpec, gpu: HardwareSpec) -> tup
                              kv_dtype_bytes=args.kv_dtype_bytes,
                              efficiency=step_efficiency_for_gpu(args.gpu, args.engine_profile))
     except ValueError as exc:
-        raise UserError(f"--tp: {exc}") from None
+        raise UserError(f"--tensor-parallel-size: {exc}") from None
     block_size = args.block_size or default_block_size(model, tp=args.tp)
-    kv_gib = None if args.kv_cache_memory is None else args.kv_cache_memory / GiB
     budget = memory_budget(model, gpu, tp=args.tp, block_size=block_size, dtype_bytes=args.dtype_bytes,
                            kv_dtype_bytes=args.kv_dtype_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-                           max_num_batched_tokens=args.max_num_batched_tokens, kv_budget_gib=kv_gib,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory),
                            state_checkpoints=args.state_checkpoints)
     return step, budget
 

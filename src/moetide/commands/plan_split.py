@@ -18,7 +18,8 @@ import json
 import math
 import re
 
-from moetide.commands.options import check_outputs, human_output, write_json_output
+from moetide.commands.options import (add_json_argument, bytes_text, check_outputs, human_output, parse_bytes,
+                                      write_json_output)
 from moetide.core.blocks import BlockPool, HostTier
 from moetide.core.split_planner import CorrectionConfig, SplitPlanner
 from moetide.core.split_baselines import (
@@ -50,7 +51,7 @@ from moetide.perf.offload import OffloadStepModel, SeqTokens, vram_layout
 from moetide.perf.step import StepShape, StepTimeModel
 from moetide.perf.step_calibrate import step_efficiency_for_gpu
 from moetide.report import split_plan
-from moetide.specs import get_gpu, get_host, get_model
+from moetide.specs import get_gpu, get_host, get_model, host_for
 from moetide.units import cdiv
 
 MiB = 2**20
@@ -85,22 +86,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-profile", default=DEFAULT_ENGINE_PROFILE, choices=engine_profiles(),
                         help="the step model's fitted efficiency for a GPU preset (default %(default)s; roofline: "
                              "none; docs/perf.md)")
-    parser.add_argument("--cpu", default="ddr4-3200-8ch", metavar="NAME|FILE",
-                        help="preset host CPU socket or hardware file (default ddr4-3200-8ch)")
-    parser.add_argument("--vram-gib", type=float, default=32.0, metavar="GIB",
-                        help="VRAM budget: weights, reserve, ring, device KV and resident experts (default 32)")
+    parser.add_argument("--cpu", metavar="NAME|FILE",
+                        help="host CPU socket, a preset or hardware file (default: the GPU's host, e.g. ddr4-3200-8ch "
+                             "beside an A100)")
+    parser.add_argument("--gpu-memory", type=parse_bytes, default=32 * GiB, metavar="SIZE",
+                        help="device memory the layout may use: weights, reserve, ring, device KV and resident "
+                             "experts (default 32GiB)")
     parser.add_argument("--context", default=DEFAULT_CONTEXTS, metavar="LIST",
                         help=f"cached tokens per sequence, comma-separated (default {DEFAULT_CONTEXTS})")
     parser.add_argument("--batch", type=int, metavar="B", help="sequences per step (default: aggregate / context)")
     parser.add_argument("--aggregate-tokens", default="1M", metavar="N",
                         help="without --batch: batch = max(1, N / context) (default 1M)")
-    parser.add_argument("--device-kv-gib", type=float, default=4.0, metavar="GIB", help="device KV pool (default 4)")
-    parser.add_argument("--ring-mib", type=int, default=256, metavar="MIB", help="staging ring (default 256)")
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=4 * GiB, metavar="SIZE",
+                        help="device KV cache (default 4GiB)")
+    parser.add_argument("--ring-memory", type=parse_bytes, default=256 * MiB, metavar="SIZE",
+                        help="staging ring (default 256MiB)")
     parser.add_argument("--ring-slots", type=int, default=4, metavar="N", help="ring slots (default 4)")
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="KV block size in tokens (16)")
     parser.add_argument("--blocks-per-transfer", type=int, default=64, metavar="N",
                         help="host blocks per contiguous extent, one DMA each (default 64; 1 = no coalescing)")
-    parser.add_argument("--fixed-ratio", default="0.5", metavar="R|tuned",
+    parser.add_argument("--split-fixed-ratio", default="0.5", metavar="R|tuned",
                         help="fixed-ratio baseline's CPU share, or 'tuned': the best single share over the "
                              "contexts >= 8K (default 0.5)")
     parser.add_argument("--cpu-slowdown", type=float, default=1.0, metavar="F",
@@ -121,20 +126,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hybridgen-streams", action="store_true",
                         help="the generous reading of HybridGen: its feedback may also stream host KV (default: "
                              "each processor attends the tokens in its own memory)")
-    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                        help="write the results as JSON to PATH ('-' or no PATH: stdout, instead of the tables)")
+    add_json_argument(parser, "the results (instead of the tables)")
     parser.add_argument("--plot", metavar="PATH", help="also write a plot (needs matplotlib: the 'plot' extra)")
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    positive = {"--ring-mib": args.ring_mib, "--ring-slots": args.ring_slots, "--block-size": args.block_size,
+    positive = {"--ring-memory": args.ring_memory, "--ring-slots": args.ring_slots, "--block-size": args.block_size,
                 "--blocks-per-transfer": args.blocks_per_transfer, "--feedback-steps": args.feedback_steps}
     if args.batch is not None:
         positive["--batch"] = args.batch
     for flag, value in positive.items():
         if value <= 0:
             raise UserError(f"{flag} must be a positive integer, got {value}")
-    for flag, value in {"--vram-gib": args.vram_gib, "--cpu-slowdown": args.cpu_slowdown}.items():
+    for flag, value in {"--gpu-memory": args.gpu_memory, "--cpu-slowdown": args.cpu_slowdown}.items():
         if not (math.isfinite(value) and value > 0):
             raise UserError(f"{flag} must be a positive number, got {value}")
     if not 0 < args.sparse_density <= 1:
@@ -142,15 +146,16 @@ def _check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.solid_locality < 1:
         raise UserError(f"--solid-locality: a share of blocks must be in [0, 1), got {args.solid_locality}")
     check_outputs(args)
-    if not (math.isfinite(args.device_kv_gib) and args.device_kv_gib >= 0):
-        raise UserError(f"--device-kv-gib must be >= 0, got {args.device_kv_gib}")
-    if args.fixed_ratio != "tuned":
+    if not args.kv_cache_memory >= 0:
+        raise UserError(f"--kv-cache-memory must be >= 0, got {args.kv_cache_memory:g}")
+    if args.split_fixed_ratio != "tuned":
         try:
-            ratio = float(args.fixed_ratio)
+            ratio = float(args.split_fixed_ratio)
         except ValueError:
-            raise UserError(f"--fixed-ratio: expected a CPU share in [0, 1] or 'tuned', got {args.fixed_ratio!r}")
+            raise UserError(f"--split-fixed-ratio: expected a CPU share in [0, 1] or 'tuned', got "
+                            f"{args.split_fixed_ratio!r}")
         if not 0 <= ratio <= 1:
-            raise UserError(f"--fixed-ratio: a CPU share must be in [0, 1], got {ratio}")
+            raise UserError(f"--split-fixed-ratio: a CPU share must be in [0, 1], got {ratio}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,19 +170,21 @@ class Setup:
 
 
 def build_setup(args: argparse.Namespace) -> Setup:
-    model, gpu, host = get_model(args.model), get_gpu(args.gpu), get_host(args.cpu)
-    vram = int(args.vram_gib * GiB)
+    model, gpu = get_model(args.model), get_gpu(args.gpu)
+    args.cpu = host_for(args.cpu, gpu)
+    host = get_host(args.cpu)
+    vram = int(args.gpu_memory)
     if vram > gpu.hbm_bytes:
-        raise UserError(f"--vram-gib {args.vram_gib:g} exceeds {gpu.name}'s {gpu.hbm_bytes / GiB:.0f} GiB of HBM")
+        raise UserError(f"--gpu-memory {bytes_text(vram)} exceeds {gpu.name}'s {gpu.hbm_bytes / GiB:.0f} GiB of HBM")
     kv_layout = HostKVLayout(block_size=args.block_size, blocks_per_transfer=args.blocks_per_transfer,
-                             ring_bytes=args.ring_mib * MiB, ring_slots=args.ring_slots)
+                             ring_bytes=int(args.ring_memory), ring_slots=args.ring_slots)
     try:
         efficiency = step_efficiency_for_gpu(args.gpu, args.engine_profile)
         attention = AttentionCostModel(model, gpu, host, layout=kv_layout, efficiency=efficiency,
                                        offload=offload_efficiency_for_host(args.cpu))
     except ValueError as exc:
         raise UserError(f"--model: {exc}") from None
-    layout = vram_layout(model, vram_bytes=vram, device_kv_bytes=int(args.device_kv_gib * GiB),
+    layout = vram_layout(model, vram_bytes=vram, device_kv_bytes=int(args.kv_cache_memory),
                          ring_bytes=kv_layout.ring_bytes)
     offloaded = (layout.num_experts_total - layout.num_experts_resident) * layout.expert_bytes
     step = StepTimeModel(model, gpu, efficiency=efficiency)
@@ -350,12 +357,12 @@ def _tune_fixed_ratio(setup: Setup, plan: list[tuple[int, int]]) -> float:
 def evaluate(args: argparse.Namespace, setup: Setup) -> dict:
     contexts = parse_contexts(args.context)
     plan = list(zip(contexts, _batches(args, contexts)))
-    ratio = _tune_fixed_ratio(setup, plan) if args.fixed_ratio == "tuned" else float(args.fixed_ratio)
+    ratio = _tune_fixed_ratio(setup, plan) if args.split_fixed_ratio == "tuned" else float(args.split_fixed_ratio)
     rows = [evaluate_context(setup, c, b, ratio) for c, b in plan]
     e2e = geomean_speedups(rows) or {}
     doc = {"modeled": True, "note": MODELED_NOTE, "model": setup.attention.model.name,
            "gpu": setup.attention.gpu.name, "cpu": setup.attention.host.name,
-           "cpu_model": setup.attention.host.cpu_model, "vram_gib": args.vram_gib, "policies": list(POLICIES),
+           "cpu_model": setup.attention.host.cpu_model, "vram_gib": args.gpu_memory / GiB, "policies": list(POLICIES),
            "baselines": list(BASELINES), "named_baselines": list(NAMED_BASELINES),
            "fixed_ratio": ratio, "cpu_slowdown": args.cpu_slowdown, "host_experts": args.host_experts,
            "kv_prefetch": not args.no_kv_prefetch, "sparse_density": args.sparse_density,

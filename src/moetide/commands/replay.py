@@ -9,18 +9,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 from pathlib import Path
 
 from moetide.commands.options import (
-    GiB,
     add_json_argument,
     add_plot_argument,
     add_serving_arguments,
     add_workload_arguments,
     bytes_text,
     check_outputs,
+    flag_message,
     flush_warnings,
     human_output,
     write_json_output,
@@ -49,7 +48,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     defaults = ReplayConfig()
     add_serving_arguments(parser, "replay", with_offload_ratio=with_offload_ratio, policy=policy)
     parser.add_argument("--gpu", default=defaults.gpu, help="GPU preset or hardware file (default %(default)s)")
-    parser.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel GPUs (default %(default)s)")
+    parser.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=int, default=defaults.tp, metavar="N",
+                        help="tensor-parallel GPUs, as in vLLM (default %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
                         help="weights, KV and activations, as vLLM's --dtype; auto: the device's matmul dtype (bf16 "
                              "on the GPU presets, fp16 on V100, float32 on a `moetide calibrate --device-out` CPU) "
@@ -80,7 +80,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--prefix-cache-retention-interval", type=_retention, default=0, metavar="{0,none}",
                         help="hybrid models: which states align mode keeps: 0 (vLLM's default) the prompt's last "
                         "block boundary and shared-prefix junctions; none every block's")
-    parser.add_argument("--state-checkpoints", action="store_true", help=argparse.SUPPRESS)  # deprecated
     parser.add_argument("--staging", choices=list(STAGING_MODES), default=defaults.staging_mode,
                         help="auto: prefetch the likeliest offloaded experts under the previous layer's compute, the "
                         "rest on demand; touched: on demand only; segment: all, every step (default %(default)s)")
@@ -92,9 +91,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--host-link-shared-by", type=int, default=defaults.host_link_shared_by, metavar="N",
                         help="GPUs that stage experts through one host uplink at the same time (2: tensor-parallel "
                              "partners behind one PCIe switch); each gets 1/N of the link (default %(default)s)")
-    parser.add_argument("--cpu", default=defaults.cpu, metavar="HOST",
+    parser.add_argument("--cpu", default=defaults.cpu, metavar="NAME|FILE",
                         help="--cold-experts cpu and --kv-host-memory: the host CPU socket, a preset or a `moetide "
-                             "calibrate` file (default %(default)s)")
+                             "calibrate` file (default: the GPU's host, e.g. ddr5-4800-8ch beside an H100)")
     parser.add_argument("--gpus-per-socket", type=int, default=defaults.gpus_per_socket, metavar="N",
                         help="--cold-experts cpu: GPUs whose cold experts one socket computes at once (DGX H200: 4); "
                              "each gets 1/N of it (default %(default)s)")
@@ -173,34 +172,9 @@ def _retention(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"0 or none, got {text!r}") from None
 
 
-_WARNED: list[bool] = []  # the deprecation warning, once per process
-
-
-def _retention_of(args: argparse.Namespace) -> int | None:
-    """--state-checkpoints (deprecated) charged a state per cached block: every block's state kept."""
-    if args.state_checkpoints:
-        if not _WARNED:
-            _WARNED.append(True)
-            print("moetide: warning: --state-checkpoints is deprecated: hybrid states are now cached blocks, kept as "
-                  "vLLM keeps them; it means --prefix-cache-retention-interval none", file=sys.stderr)
-        return None
-    return args.prefix_cache_retention_interval
-
-
-# ReplayConfig fields whose flag is not the field's name in dashes
-FLAG_OF_FIELD = {"staging_mode": "--staging", "kv_budget_gib": "--kv-cache-memory", "kv_host_gib": "--kv-host-memory",
-                 "kv_host_active_gib": "--kv-host-active-memory"}
-
-
-def flag_message(message: str) -> str:
-    """A config error in the CLI's words: each ``ReplayConfig.field`` named as its flag."""
-    return re.sub(r"ReplayConfig\.(\w+)",
-                  lambda m: FLAG_OF_FIELD.get(m.group(1), "--" + m.group(1).replace("_", "-")), message)
-
-
 def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
-    """The replay's config, every setting checked (the policy's name and --tp against the heads included)
-    before any replay runs."""
+    """The replay's config, every setting checked (the policy's name and --tensor-parallel-size against the heads
+    included) before any replay runs."""
     try:
         policy_entry(policy)
     except ValueError as exc:
@@ -213,32 +187,35 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         config = _config_from(args, policy)
         gpu = get_gpu(config.gpu)
         config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, gpu))  # against the device, and
-        StepTimeModel(get_model(config.model), gpu, tp=config.tp)  # --tp against the heads
+        StepTimeModel(get_model(config.model), gpu, tp=config.tp)  # against the heads
     except ValueError as exc:
-        raise UserError(flag_message(str(exc)) if "ReplayConfig." in str(exc) else f"--tp: {exc}") from None
+        message = flag_message(str(exc)) if "ReplayConfig." in str(exc) else f"--tensor-parallel-size: {exc}"
+        raise UserError(message) from None
     return config
 
 
-def _gib(num_bytes: float | None) -> float | None:
-    return None if num_bytes is None else num_bytes / GiB
+def _bytes(size: float | None) -> int | None:
+    return None if size is None else int(size)
 
 
 def _config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
     return ReplayConfig(
         model=args.model, gpu=args.gpu, tp=args.tp, policy=policy, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        gpu_memory_utilization=args.gpu_memory_utilization, kv_budget_gib=_gib(args.kv_cache_memory),
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=_bytes(args.kv_cache_memory),
         vllm_version=args.vllm_version, engine_profile=args.engine_profile, enable_prefix_caching=args.prefix_caching,
         scheduler_reserve_full_isl=args.scheduler_reserve_full_isl, seed=args.seed,
-        mamba_cache_mode=args.mamba_cache_mode, prefix_cache_retention_interval=_retention_of(args),
+        mamba_cache_mode=args.mamba_cache_mode, prefix_cache_retention_interval=args.prefix_cache_retention_interval,
         max_offload_ratio=args.max_offload_ratio, staging_mode=args.staging,
         routing_zipf_s=args.routing_zipf_s, routing_profile=args.routing_profile,
         host_link_shared_by=args.host_link_shared_by,
         cold_experts=args.cold_experts, cpu=args.cpu, gpus_per_socket=args.gpus_per_socket,
         cpu_matmul_tflops=args.cpu_matmul_tflops,
-        vamp_horizon_s=args.vamp_horizon_s, kv_host_gib=_gib(args.kv_host_memory), split_policy=args.split_policy,
+        vamp_horizon_s=args.vamp_horizon_s, kv_host_memory=int(args.kv_host_memory or 0),
+        split_policy=args.split_policy,
         split_fixed_ratio=args.split_fixed_ratio, cpu_slowdown=args.cpu_slowdown,
-        device_prefixes=args.device_prefixes, kv_host_active_gib=_gib(args.kv_host_active_memory), dtype=args.dtype,
+        device_prefixes=args.device_prefixes, kv_host_active_memory=_bytes(args.kv_host_active_memory),
+        dtype=args.dtype,
     )
 
 
@@ -291,12 +268,13 @@ def host_kv_rows(config: dict, metrics: dict) -> list[list[str]]:
         return []
     mem = config["memory"]
     return [
-        ["host KV tier", f"{config['kv_host_gib']:g} GiB: {mem['host_kv_blocks']:,} blocks "
+        ["host KV tier", f"{bytes_text(config['kv_host_memory'])}: {mem['host_kv_blocks']:,} blocks "
                          f"({mem['device_kv_blocks']:,} on the GPU, {mem['ring_blocks']:,} given to the ring)"],
         ["host KV attended", f"{host['cpu_tokens'] + host['streamed_tokens']:,} token-steps in {host['steps']:,} "
                              f"steps, CPU share {host['cpu_share']:.3f} ({host['policy']})"],
         ["time host KV added", duration_text(host["added_s"])],
-        *([["host KV bound", f"{config['kv_host_active_gib']:g} GiB ({host['active_bound_blocks']:,} blocks) attended "
+        *([["host KV bound", f"{bytes_text(config['kv_host_active_memory'])} ({host['active_bound_blocks']:,} "
+                             f"blocks) attended "
                              f"per step: admission held {host['bound_waits']:,} times; host hits copied to the "
                              f"GPU {host['host_hits_promoted_blocks']:,} blocks ({host['promote_s']:,.1f} s), "
                              f"recomputed {host['host_hits_recomputed_blocks']:,}; peak "

@@ -115,7 +115,8 @@ def check_kv_fits(engine, args: argparse.Namespace, max_model_len: int) -> int:
     capacity = kv_capacity_tokens(engine, args.policy)
     if capacity < max_model_len:
         raise UserError(f"the KV cache holds at most {capacity:,} tokens of one sequence (--kv-cache-memory "
-                        f"{bytes_text(args.kv_cache_memory)}), less than --max-model-len {max_model_len:,}: raise "
+                        f"{bytes_text(engine.config.kv_cache_memory)}), less than --max-model-len "
+                        f"{max_model_len:,}: raise "
                         f"--kv-cache-memory, or serve --max-model-len {capacity:,} or less")
     return capacity
 
@@ -133,7 +134,8 @@ def build_app(args: argparse.Namespace):
     capacity = check_kv_fits(engine, args, config.max_model_len)
     kv = engine.parts.scheduler.kv
     print(f"moetide serve: model {config.model_name} ({config.model_dir}); max_model_len {config.max_model_len:,}; "
-          f"KV cache {kv.pool.num_blocks:,} blocks of {kv.block_size} tokens ({bytes_text(args.kv_cache_memory)}"
+          f"KV cache {kv.pool.num_blocks:,} blocks of {kv.block_size} tokens "
+          f"({bytes_text(engine.config.kv_cache_memory)}"
           f"{f' + {bytes_text(args.kv_host_memory)} on the host' if args.kv_host_memory else ''}; one sequence "
           f"at most {capacity:,} tokens); policy {args.policy} (max offload ratio {args.max_offload_ratio:g}); "
           f"chat template: {template}; API key: {'required' if config.api_key else 'none'}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """``moetide specs``: print the model and hardware facts every other verb builds on.
 
 With no selection it prints all presets as three tables (models, GPUs, host CPUs); ``--model``, ``--gpu`` and
-``--host`` (each repeatable, a preset name or a file; a model also as its checkpoint folder) print only what was
-asked for. ``--json PATH`` writes the same facts, exact integers included, as one JSON document (``-`` or no PATH:
+``--cpu`` (each repeatable, a preset name or a file; a model also as its checkpoint folder) print only what was
+asked for. ``--json PATH`` writes the same facts, exact integers included, as one JSON document (``-``:
 stdout). Bad input (an unknown name, a malformed or unsupported
 config.json) surfaces as ``UserError``: one line on stderr and exit code 2, from ``moetide.cli``.
 """
@@ -38,24 +38,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a preset model name, a checkpoint folder or its HF config.json (repeatable)")
     parser.add_argument("--gpu", action="append", metavar="NAME|FILE",
                         help="a preset GPU name or a path to a .toml/.json hardware file (repeatable)")
-    parser.add_argument("--host", action="append", metavar="NAME|FILE",
+    parser.add_argument("--cpu", action="append", metavar="NAME|FILE",
                         help="a preset host CPU name or a path to a .toml/.json host file (repeatable)")
     parser.add_argument("--dtype-bytes", type=int, default=2, metavar="N",
                         help="bytes per weight and KV element for byte figures (default 2 = bf16)")
-    add_json_argument(parser, "the facts instead of tables", bare=True)
+    add_json_argument(parser, "the facts instead of tables")
 
 
 def _select(args: argparse.Namespace) -> dict[str, list]:
     """Specs to show, by kind; everything when nothing was asked for."""
-    if not (args.model or args.gpu or args.host):
+    if not (args.model or args.gpu or args.cpu):
         return {"models": all_models(), "gpus": all_gpus(), "hosts": all_hosts()}
     chosen: dict[str, list] = {}
     if args.model:
         chosen["models"] = [get_model(m) for m in args.model]
     if args.gpu:
         chosen["gpus"] = [get_gpu(g) for g in args.gpu]
-    if args.host:
-        chosen["hosts"] = [get_host(h) for h in args.host]
+    if args.cpu:
+        chosen["hosts"] = [get_host(h) for h in args.cpu]
     return chosen
 
 

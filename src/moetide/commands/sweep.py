@@ -1,4 +1,4 @@
-"""``moetide sweep [TRACE] --max-offload-ratio 0,0.05,…``: one policy (vamp by default) at each offload cap.
+"""``moetide sweep [TRACE] --max-offload-ratios 0,0.05,…``: one policy (vamp by default) at each offload cap.
 
 JSON: ``{"runs": {"<ratio>": {"config": …, "metrics": …}}}``. Times are MODELED. Each finished run is saved
 before the next starts, as ``compare`` does (``commands.compare.run_each``).
@@ -20,9 +20,9 @@ from moetide.report.tables import format_table
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
-    add_engine_arguments(parser, with_offload_ratio=False, policy="vamp")  # its --max-offload-ratio is a list
-    parser.add_argument("--max-offload-ratio", dest="ratios", default="0,0.05,0.1,0.15,0.2,0.3",
-                        help="comma-separated caps (default %(default)s)")
+    add_engine_arguments(parser, with_offload_ratio=False, policy="vamp")
+    parser.add_argument("--max-offload-ratios", dest="ratios", default="0,0.05,0.1,0.15,0.2,0.3", metavar="LIST",
+                        help="comma-separated --max-offload-ratio caps, one run each (default %(default)s)")
     add_json_argument(parser, "every run")
     add_plot_argument(parser, "one line per cap")
 
@@ -31,9 +31,9 @@ def parse_ratios(text: str) -> list[float]:
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UserError(f"--max-offload-ratio must be comma-separated numbers, got {text!r}") from None
+        raise UserError(f"--max-offload-ratios must be comma-separated numbers, got {text!r}") from None
     if not values or any(not 0 <= v <= 1 for v in values):
-        raise UserError(f"--max-offload-ratio values must be in [0, 1], got {text!r}")
+        raise UserError(f"--max-offload-ratios values must be in [0, 1], got {text!r}")
     return values
 
 

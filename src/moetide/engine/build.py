@@ -17,7 +17,8 @@ Host KV (``kv_host_bytes`` > 0, WriteScope's engine half): that many bytes of wh
 (``engine.host_kv``; pinned on CUDA), numbered after every arena id and added to the same pool, which allocates
 device blocks first (``BlockPool(host_tier=...)``); the arena sees only its own ids. Attention is then the
 split backend (``engine.split_backend``) under the named split policy, on ``perf``'s costs for ``split_gpu`` and
-``split_host`` (or a ``split_costs`` callable). With host KV the device KV budget may be 0: every block is a host
+``cpu`` (``None``: ``split_gpu``'s host; or a ``split_costs`` callable). With host KV the device KV budget may be
+0: every block is a host
 block. Without it nothing changes: the paged backend, the arena's blocks only.
 """
 
@@ -33,11 +34,11 @@ import torch
 from moetide.core.arena import Arena
 from moetide.core.blocks import BlockPool, HostTier
 from moetide.core.expert_line import ArenaLayout, ExpertLine
-from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
+from moetide.core.config import ServingConfig, build_scheduler, expert_residency
+from moetide.core.experts import ExpertResidency
 from moetide.core.kv_manager import KVCacheManager
-from moetide.core.pressure import PressurePolicy, VampParams, get_policy, policy_entry, start_offload
-from moetide.core.scheduler import Scheduler, SchedulerConfig
-from moetide.core.splits import SPLIT_POLICIES
+from moetide.core.pressure import PressurePolicy, VampParams, get_policy, policy_entry
+from moetide.core.scheduler import Scheduler
 from moetide.engine.attention import PagedAttentionBackend
 from moetide.engine.experts import StagedExpertProvider
 from moetide.engine.host_kv import ArenaPoolView, HostKVStorage
@@ -46,7 +47,6 @@ from moetide.engine.models import MoECausalLM
 from moetide.engine.split_backend import SplitAttentionBackend
 from moetide.engine.split_plan import (
     DEFAULT_SPLIT_GPU,
-    DEFAULT_SPLIT_HOST,
     PerfSplitCosts,
     SplitCostSource,
     SplitStepper,
@@ -63,7 +63,7 @@ from moetide.engine.storage import (
 )
 from moetide.engine.vamp import EngineCosts, EngineStepStats, engine_vamp_params, measure_costs
 from moetide.errors import UserError
-from moetide.perf.staging import COLD_EXPERT_MODES
+from moetide.specs import get_gpu, host_for
 from moetide.units import cdiv
 
 DEVICES = ("cpu", "cuda")
@@ -71,73 +71,48 @@ DEVICES = ("cpu", "cuda")
 # weights (2 bytes a parameter) they break even at rows ~ F / link: ~36 for a socket's ~1.8 TFLOP/s (half its fp32
 # FMA peak, perf.staging's assumption) against ~50 GB/s of PCIe Gen5.
 COLD_EXPERT_MAX_ROWS = 32
-DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # the engine verbs' --kv-cache-memory: room for a test model's sessions
+
+
+# vLLM's start-up resolution of ServingConfig's hardware defaults, for this engine (room for a test model's
+# sessions; vLLM's block size; its default batch limits on H100-class GPUs)
+ENGINE_DEFAULTS = dict(kv_cache_memory=256 * 2**20, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192)
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Everything an engine is built with. ``enable_prefix_caching=None``: on, except for hybrid models (off:
-    see ``engine.state``). ``page_bytes=None``: ``storage.default_page_bytes``. ``dtype=None``: config.json's.
-    ``kv_host_bytes`` > 0 adds host KV and split attention (module docstring); ``split_fixed_ratio`` is the CPU
-    share of the ``fixed-ratio`` split policy; ``split_gpu`` / ``split_host``: presets or files for its costs."""
+class EngineConfig(ServingConfig):
+    """``ServingConfig``'s options (``None`` resolved by ``ENGINE_DEFAULTS``; ``enable_prefix_caching=None``:
+    on, except for hybrid models, see ``engine.state``) and what only the engine has: the device, the dtype
+    (``None``: config.json's), its pages (``None``: ``storage.default_page_bytes``), and with host KV the
+    ``split_gpu`` / ``cpu`` presets or files the split's costs come from (``cpu=None``: ``split_gpu``'s host).
+    ``static_offload`` offloads the
+    cap before the first request whatever the policy."""
 
-    kv_budget_bytes: int
     device: str = "cpu"
     dtype: str | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192  # vLLM's and the replay's default on H100-class GPUs
-    max_offload_ratio: float = DEFAULT_MAX_OFFLOAD_RATIO
     static_offload: bool = False
-    enable_prefix_caching: bool | None = None
     page_bytes: int | None = None
     ignore_eos: bool = False
-    kv_host_bytes: int = 0
-    # with host KV: admit a request only while the host KV running requests attend stays within this (None: no
-    # bound; core.scheduler), and evict LRU cached device prefixes before new KV spills (core.kv_manager)
-    kv_host_active_bytes: int | None = None
-    evict_device_prefixes: bool = False
-    split_policy: str = "writescope"
-    split_fixed_ratio: float = 0.5
     split_gpu: str = DEFAULT_SPLIT_GPU
-    split_host: str = DEFAULT_SPLIT_HOST
-    vamp_horizon_s: float = 60.0
-    # offloaded experts the step routes few rows to: staged ("fetch") or computed from their host copy ("cpu") when
-    # routed at most ``cold_expert_max_rows`` rows (engine.experts)
-    cold_experts: str = "fetch"
+    cpu: str | None = None
+    # offloaded experts routed at most this many rows are computed from their host copy with cold_experts "cpu"
+    # (engine.experts)
     cold_expert_max_rows: int = COLD_EXPERT_MAX_ROWS
 
     def __post_init__(self) -> None:
-        for name in ("kv_budget_bytes", "kv_host_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name.startswith("kv_")
-                                                                                 else 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, default in ENGINE_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        super().__post_init__()
         if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if not 0.0 <= self.max_offload_ratio <= 1.0:
-            raise ValueError(f"max_offload_ratio must be in [0, 1], got {self.max_offload_ratio!r}")
+            raise ValueError(f"EngineConfig.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.static_offload and self.max_offload_ratio == 0.0:
-            raise ValueError("static_offload needs max_offload_ratio > 0 (the share of expert bytes to offload)")
+            raise ValueError("EngineConfig.static_offload needs EngineConfig.max_offload_ratio > 0 (the share of "
+                             "expert bytes to offload)")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes & (self.page_bytes - 1)):
-            raise ValueError(f"page_bytes must be a power of two >= 64, got {self.page_bytes!r}")
-        if self.split_policy not in SPLIT_POLICIES:
-            raise ValueError(f"split_policy must be one of {', '.join(SPLIT_POLICIES)}, got {self.split_policy!r}")
-        if not self.vamp_horizon_s > 0:
-            raise ValueError(f"vamp_horizon_s must be positive, got {self.vamp_horizon_s!r}")
-        if self.cold_experts not in COLD_EXPERT_MODES:
-            raise ValueError(f"cold_experts must be one of {', '.join(COLD_EXPERT_MODES)}, got {self.cold_experts!r}")
+            raise ValueError(f"EngineConfig.page_bytes must be a power of two >= 64, got {self.page_bytes!r}")
         if not isinstance(self.cold_expert_max_rows, int) or self.cold_expert_max_rows < 1:
-            raise ValueError(f"cold_expert_max_rows must be a positive integer, got {self.cold_expert_max_rows!r}")
-        active = self.kv_host_active_bytes
-        if active is not None:
-            if not self.kv_host_bytes:
-                raise ValueError("kv_host_active_bytes bounds host KV: set kv_host_bytes too")
-            if not isinstance(active, int) or isinstance(active, bool) or not 0 < active <= self.kv_host_bytes:
-                raise ValueError(f"kv_host_active_bytes must be an integer in (0, kv_host_bytes = "
-                                 f"{self.kv_host_bytes}], got {active!r}")
-        if not 0.0 <= self.split_fixed_ratio <= 1.0:
-            raise ValueError(f"split_fixed_ratio is a CPU share and must be in [0, 1], got {self.split_fixed_ratio!r}")
+            raise ValueError(f"EngineConfig.cold_expert_max_rows must be a positive integer, got "
+                             f"{self.cold_expert_max_rows!r}")
 
 
 @dataclass
@@ -174,19 +149,16 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _policy(policy: str | PressurePolicy, params: dict[str, object], config: EngineConfig, model: MoECausalLM,
+def _policy(policy: PressurePolicy | None, params: dict[str, object], config: EngineConfig, model: MoECausalLM,
             provider: StagedExpertProvider, residency: ExpertResidency, costs: EngineCosts | None
             ) -> tuple[PressurePolicy, EngineStepStats | None]:
-    """The named policy, with vamp's parameters priced from ``costs`` (measured now when not given) unless the
-    parameters are given, and the step record they read (the runner feeds it after each step)."""
-    if not isinstance(policy, str):
+    """The config's policy (or the instance given), priced by the engine's cost provider when its entry needs
+    costs and ``params`` does not carry them (measured now unless ``costs`` is given), and the step record its
+    costs read (the runner feeds it after each step)."""
+    if policy is not None:
         return policy, None
-    try:
-        entry = policy_entry(policy)
-    except ValueError as exc:
-        raise UserError(f"--policy {policy}: {exc}") from None
-    if entry.needs_costs and "params" not in params and residency.max_num_offloaded == 0:
-        raise UserError(f"--policy {policy} moves experts out of HBM: give it room with --max-offload-ratio "
+    if policy_entry(config.policy).needs_costs and "params" not in params and residency.max_num_offloaded == 0:
+        raise UserError(f"--policy {config.policy} moves experts out of HBM: give it room with --max-offload-ratio "
                         f"(e.g. 0.15); at {config.max_offload_ratio} it can offload no expert")
     steps: list[EngineStepStats] = []
 
@@ -200,9 +172,9 @@ def _policy(policy: str | PressurePolicy, params: dict[str, object], config: Eng
                                   horizon_s=config.vamp_horizon_s)
 
     try:
-        return get_policy(policy, costs=priced, **params), (steps[0] if steps else None)
+        return get_policy(config.policy, costs=priced, **params), (steps[0] if steps else None)
     except (ValueError, TypeError) as exc:
-        raise UserError(f"--policy {policy}: {exc}") from None
+        raise UserError(f"--policy {config.policy}: {exc}") from None
 
 
 def machine_memory_bytes(device: torch.device) -> int | None:
@@ -218,8 +190,8 @@ def machine_memory_bytes(device: torch.device) -> int | None:
 def _check_fits(config: EngineConfig, device: torch.device) -> None:
     """A budget past the machine's memory is a user's mistake, said as one, before the arena's books are laid
     out (a petabyte of pages is a MemoryError there)."""
-    for what, num_bytes, where in (("KV budget", config.kv_budget_bytes, device),
-                                   ("host KV budget", config.kv_host_bytes, torch.device("cpu"))):
+    for what, num_bytes, where in (("KV budget", config.kv_cache_memory, device),
+                                   ("host KV budget", config.kv_host_memory, torch.device("cpu"))):
         total = machine_memory_bytes(where)
         if total is not None and num_bytes > total:
             raise UserError(f"a {what} of {num_bytes:,} bytes ({num_bytes / 2**30:,.1f} GiB) is more than the "
@@ -228,9 +200,9 @@ def _check_fits(config: EngineConfig, device: torch.device) -> None:
 
 def _arena(kv: KVLayout, experts: ExpertLayout, config: EngineConfig) -> Arena:
     page_bytes = config.page_bytes or default_page_bytes(experts.expert_bytes)
-    arena = Arena(arena_config(kv, experts, config.kv_budget_bytes, page_bytes))
-    if arena.num_kv_blocks == 0 and not config.static_offload and config.kv_host_bytes < kv.block_bytes:
-        raise UserError(f"a KV budget of {config.kv_budget_bytes} bytes holds no KV block of {kv.block_bytes} "
+    arena = Arena(arena_config(kv, experts, config.kv_cache_memory, page_bytes))
+    if arena.num_kv_blocks == 0 and not config.static_offload and config.kv_host_memory < kv.block_bytes:
+        raise UserError(f"a KV budget of {config.kv_cache_memory} bytes holds no KV block of {kv.block_bytes} "
                         f"bytes (block_size {kv.block_size} x {kv.bytes_per_token} bytes per token, in pages of "
                         f"{page_bytes} bytes); raise it to at least {cdiv(kv.block_bytes, page_bytes) * page_bytes}")
     return arena
@@ -255,11 +227,11 @@ def _place_experts(model: MoECausalLM, storage: ArenaStorage, device: torch.devi
 
 def _host_kv(kv: KVLayout, arena: Arena, config: EngineConfig, device: torch.device) -> HostKVStorage | None:
     """Host KV blocks numbered after every arena id, or None without a host budget (module docstring)."""
-    if config.kv_host_bytes == 0:
+    if config.kv_host_memory == 0:
         return None
-    num_blocks = config.kv_host_bytes // kv.block_bytes
+    num_blocks = config.kv_host_memory // kv.block_bytes
     if num_blocks == 0:
-        raise UserError(f"a host KV budget of {config.kv_host_bytes} bytes holds no KV block of {kv.block_bytes} "
+        raise UserError(f"a host KV budget of {config.kv_host_memory} bytes holds no KV block of {kv.block_bytes} "
                         f"bytes (block_size {kv.block_size} x {kv.bytes_per_token} bytes per token)")
     return HostKVStorage(kv, num_blocks, arena.config.num_block_ids, pin=device.type == "cuda")
 
@@ -270,19 +242,20 @@ def _attention(storage: ArenaStorage, host: HostKVStorage | None, config: Engine
         return PagedAttentionBackend(storage)
     layout = storage.kv_layout
     if split_costs is None:
-        split_costs = PerfSplitCosts(model_dir, gpu=config.split_gpu, host=config.split_host,
+        cpu = host_for(config.cpu, get_gpu(config.split_gpu))
+        split_costs = PerfSplitCosts(model_dir, gpu=config.split_gpu, host=cpu,
                                      kv_dtype_bytes=dtype_bytes(layout.dtype), block_size=layout.block_size)
     stepper = SplitStepper(config.split_policy, split_costs, layout.block_bytes, config.split_fixed_ratio)
     return SplitAttentionBackend(storage, host, stepper)
 
 
 def _active_host_blocks(config: EngineConfig, kv: KVLayout, host_kv: HostKVStorage | None) -> int | None:
-    if host_kv is None or config.kv_host_active_bytes is None:
+    if host_kv is None or config.kv_host_active_memory is None:
         return None
-    return max(config.kv_host_active_bytes // kv.block_bytes, 1)
+    return max(config.kv_host_active_memory // kv.block_bytes, 1)
 
 
-def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePolicy,
+def build_engine(model_dir: Path, config: EngineConfig, policy: PressurePolicy | None,
                  policy_params: dict[str, object], split_costs: SplitCostSource | None = None,
                  costs: EngineCosts | None = None) -> EngineParts:
     device = _device(config.device)
@@ -304,9 +277,8 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
     kv = KVCacheManager(pool, config.block_size,
                         num_state_blocks_per_request=state_layout.num_blocks(kv_layout.block_bytes),
                         evict_device_prefixes=host_kv is not None and config.evict_device_prefixes)
-    residency = ExpertResidency(ExpertResidencyConfig(
-        num_layers=len(expert_layout.moe_layer_ids), num_experts=expert_layout.num_experts,
-        expert_bytes=expert_layout.expert_bytes, max_offload_ratio=config.max_offload_ratio))
+    residency = expert_residency(config, num_layers=len(expert_layout.moe_layer_ids),
+                                 num_experts=expert_layout.num_experts, expert_bytes=expert_layout.expert_bytes)
     storage = ArenaStorage(arena, kv_layout, expert_layout, device)
     host = _place_experts(model, storage, device)
     model.to(device)
@@ -314,14 +286,10 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: str | PressurePo
                                     if config.cold_experts == "cpu" else 0)
     line = ExpertLine(residency, ArenaLayout(arena), weights=provider)
     chosen, step_stats = _policy(policy, policy_params, config, model, provider, residency, costs)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
-                                          max_num_seqs=config.max_num_seqs,
-                                          enable_prefix_caching=pool.enable_caching,
-                                          max_host_blocks_held=_active_host_blocks(config, kv_layout, host_kv)),
-                          kv, chosen, expert_line=line)
-    start_offload(scheduler.policy, line, always=config.static_offload)
+    scheduler = build_scheduler(config, kv, line, chosen, static_offload=config.static_offload,
+                                max_host_blocks_held=_active_host_blocks(config, kv_layout, host_kv))
     if pool.num_blocks == 0:
-        raise UserError(f"the KV budget of {config.kv_budget_bytes} bytes holds no KV block of "
+        raise UserError(f"the KV budget of {config.kv_cache_memory} bytes holds no KV block of "
                         f"{kv_layout.block_bytes} bytes, even after static offload")
     return EngineParts(model, storage, _attention(storage, host_kv, config, model_dir, split_costs),
                        BlockLinearStateStore(storage, state_layout, host_kv) if shapes else None, provider, line,

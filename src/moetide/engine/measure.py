@@ -107,10 +107,10 @@ def flash_kernel() -> Callable:
 
 
 def engine_block_size() -> int:
-    """Tokens per KV block of an engine built with the defaults (``EngineConfig.block_size``)."""
-    from moetide.engine.build import EngineConfig
+    """Tokens per KV block of an engine built with the defaults (``ENGINE_DEFAULTS``)."""
+    from moetide.engine.build import ENGINE_DEFAULTS
 
-    return EngineConfig.block_size
+    return ENGINE_DEFAULTS["block_size"]
 
 
 def kernel_for(shape: AttentionShape) -> str:
@@ -285,7 +285,7 @@ def measure_engine_steps(model_dir: str, *, quick: bool, num_threads: int | None
     torch.set_num_threads(threads)
     now = CLOCKS[clock]
     try:
-        engine = Engine(model_dir, kv_budget_mib=256, enable_prefix_caching=False)
+        engine = Engine(model_dir, kv_cache_memory=256 * 2**20, enable_prefix_caching=False)
         vocab = engine.parts.model.config.vocab_size
         hf_config = read_json(Path(model_dir) / "config.json", f"--model {model_dir}")
         longest = (hf_config.get("max_position_embeddings") if isinstance(hf_config, dict) else None) or 1 << 30

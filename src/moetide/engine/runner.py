@@ -131,22 +131,13 @@ class Engine:
     the engine was built otherwise. ``costs`` is what ``vamp`` prices with (``Engine.costs`` of an earlier run,
     or a dict of its fields); measured at build when not given."""
 
-    def __init__(self, model_dir: str | Path, *, kv_budget_mib: float | None = None,
-                 kv_host_mib: float | None = None, kv_host_active_mib: float | None = None,
-                 policy: str | PressurePolicy = "vllm",
+    def __init__(self, model_dir: str | Path, *, policy: str | PressurePolicy = "vllm",
                  policy_params: Mapping[str, object] | None = None, split_costs: SplitCostSource | None = None,
                  clock: Callable[[], float] | None = None, costs: EngineCosts | Mapping[str, float] | None = None,
                  **options: object) -> None:
-        if kv_budget_mib is not None:
-            options["kv_budget_bytes"] = int(kv_budget_mib * 1024 * 1024)
-        if kv_host_mib is not None:
-            options["kv_host_bytes"] = int(kv_host_mib * 1024 * 1024)
-        if kv_host_active_mib is not None:
-            options["kv_host_active_bytes"] = int(kv_host_active_mib * 1024 * 1024)
-        if "kv_budget_bytes" not in options:
-            raise UserError("an engine needs a KV budget: kv_budget_bytes or kv_budget_mib")
+        instance = None if isinstance(policy, str) else policy
         try:
-            config = EngineConfig(**options)  # type: ignore[arg-type]
+            config = EngineConfig(**options, **({"policy": policy} if instance is None else {}))  # type: ignore
         except (TypeError, ValueError) as exc:
             raise UserError(str(exc)) from None
         self.config = config
@@ -155,7 +146,7 @@ class Engine:
                 costs = EngineCosts(**costs)
             except (TypeError, ValueError) as exc:
                 raise UserError(f"costs: {exc}") from None
-        self.parts: EngineParts = build_engine(Path(model_dir), config, policy, dict(policy_params or {}),
+        self.parts: EngineParts = build_engine(Path(model_dir), config, instance, dict(policy_params or {}),
                                                split_costs, costs)
         self._next_request = 0
         self._requests: dict[str, Request] = {}  # in flight: added, not yet finished, failed or aborted

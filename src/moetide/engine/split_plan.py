@@ -31,7 +31,6 @@ from moetide.errors import UserError
 
 SplitCostSource = Callable[[int, int], SplitCosts]  # (device-resident tokens, queries per sequence) -> costs
 DEFAULT_SPLIT_GPU = "a100-80gb"
-DEFAULT_SPLIT_HOST = "ddr4-3200-8ch"  # plan-split's default host
 
 
 class PerfSplitCosts:

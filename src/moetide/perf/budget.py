@@ -5,7 +5,8 @@ budget is the one vLLM computes before it allocates its KV pool:
 
     kv_budget = gpu_memory_utilization x HBM - weights_per_gpu - activation_reserve
 
-or, when the user gives one (vLLM's ``--kv-cache-memory``; here ``kv_budget_gib``), that figure, which must then
+or, when the user gives one (vLLM's ``--kv-cache-memory``; here ``kv_cache_memory``, bytes), that figure, which
+must then
 fit beside the weights and the reserve in the whole HBM (vLLM ignores the utilization cap when given a size).
 
 Weights per GPU (``weights_per_gpu``). Column/row-parallel layers are split ``tp`` ways: attention projections,
@@ -218,7 +219,7 @@ def _gib(num_bytes: float) -> str:
 
 def kv_budget_bytes(model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1,
                     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-                    activation_reserve_bytes: int | None = None, kv_budget_gib: float | None = None,
+                    activation_reserve_bytes: int | None = None, kv_cache_memory: int | None = None,
                     dtype_bytes: int = 2, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> int:
     """KV budget per GPU (module docstring); ``UserError`` with the numbers when it cannot be met."""
     if not 0 < gpu_memory_utilization <= 1:
@@ -228,11 +229,11 @@ def kv_budget_bytes(model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1,
     if reserve is None:
         reserve = default_activation_reserve_bytes(model, max_num_batched_tokens=max_num_batched_tokens,
                                                    dtype_bytes=dtype_bytes)
-    hint = "raise tensor parallelism (--tp) or pick a GPU with more memory"
-    if kv_budget_gib is not None:
-        if not kv_budget_gib > 0:
-            raise ValueError(f"kv_budget_gib must be positive, got {kv_budget_gib}")
-        budget = int(kv_budget_gib * GiB)
+    hint = "raise --tensor-parallel-size or pick a GPU with more memory"
+    if kv_cache_memory is not None:
+        if not kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {kv_cache_memory}")
+        budget = int(kv_cache_memory)
         if weights + reserve + budget > gpu.hbm_bytes:
             raise UserError(f"KV budget {_gib(budget)} per GPU does not fit beside the weights "
                             f"({_gib(weights)} per GPU at tp={tp}) and the activation reserve ({_gib(reserve)}) "
@@ -308,7 +309,7 @@ def memory_budget(model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1, block_siz
                   dtype_bytes: int = 2, kv_dtype_bytes: int = 2, state_dtype_bytes: int | None = None,
                   gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                   max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                  activation_reserve_bytes: int | None = None, kv_budget_gib: float | None = None,
+                  activation_reserve_bytes: int | None = None, kv_cache_memory: int | None = None,
                   state_checkpoints: bool = False, staging_room_bytes: int = 0) -> MemoryBudget:
     """The whole per-GPU budget. ``state_dtype_bytes`` defaults to ``dtype_bytes`` (vLLM's
     ``mamba_ssm_cache_dtype="auto"``); ``staging_room_bytes`` (offloaded experts' staging buffers) is held
@@ -319,7 +320,7 @@ def memory_budget(model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1, block_siz
         reserve = default_activation_reserve_bytes(model, max_num_batched_tokens=max_num_batched_tokens,
                                                    dtype_bytes=dtype_bytes)
     budget = kv_budget_bytes(model, gpu, tp=tp, gpu_memory_utilization=gpu_memory_utilization,
-                             activation_reserve_bytes=reserve + staging_room_bytes, kv_budget_gib=kv_budget_gib,
+                             activation_reserve_bytes=reserve + staging_room_bytes, kv_cache_memory=kv_cache_memory,
                              dtype_bytes=dtype_bytes)
     block = block_bytes_per_gpu(model, block_size, tp, kv_dtype_bytes)
     state = state_bytes_per_seq_per_gpu(model, tp=tp, state_dtype_bytes=state_dtype_bytes or dtype_bytes)
@@ -334,7 +335,7 @@ def memory_budget(model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1, block_siz
         model_name=model.name, gpu_name=gpu.name, tp=tp, hbm_bytes=gpu.hbm_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
         weights_bytes_per_gpu=weights_per_gpu(model, tp=tp, dtype_bytes=dtype_bytes).total_bytes,
-        activation_reserve_bytes=reserve, kv_budget_bytes=budget, kv_budget_from_user=kv_budget_gib is not None,
+        activation_reserve_bytes=reserve, kv_budget_bytes=budget, kv_budget_from_user=kv_cache_memory is not None,
         block_size=block_size, kv_bytes_per_token=block // block_size, block_bytes=block, state_bytes_per_seq=state,
         state_checkpoints=state_checkpoints, charged_block_bytes=charged, num_blocks=num_blocks,
         state_blocks_per_request=state_blocks, staging_room_bytes=staging_room_bytes)

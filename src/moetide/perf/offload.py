@@ -86,7 +86,7 @@ def vram_layout(model: ModelSpec, *, vram_bytes: int, device_kv_bytes: int, ring
         raise UserError(f"{model.name}: the VRAM budget of {vram_bytes / GiB:.2f} GiB cannot hold the non-expert "
                         f"weights ({non_expert / GiB:.2f} GiB), the activation reserve ({reserve / GiB:.2f} GiB), "
                         f"the ring ({ring_bytes / GiB:.2f} GiB) and the device KV pool "
-                        f"({device_kv_bytes / GiB:.2f} GiB); raise --vram-gib or lower --device-kv-gib")
+                        f"({device_kv_bytes / GiB:.2f} GiB); raise --gpu-memory or lower --kv-cache-memory")
     resident = min(w.num_routed_experts, (vram_bytes - fixed) // w.expert_shard_bytes)
     return VramLayout(vram_bytes, non_expert, reserve, ring_bytes, device_kv_bytes, w.expert_shard_bytes,
                       w.num_routed_experts, resident)

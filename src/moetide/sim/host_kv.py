@@ -37,7 +37,7 @@ from moetide.perf.attention import AttentionCostModel, HostKVLayout
 from moetide.perf.calibrate import offload_efficiency_for_host
 from moetide.perf.offload import SeqTokens, attention_phase, gpu_fixed_s, split_coefficients
 from moetide.specs import get_host
-from moetide.units import cdiv
+from moetide.units import bytes_text, cdiv
 
 if TYPE_CHECKING:
     from moetide.sim.setup import ReplayConfig
@@ -199,25 +199,25 @@ def ring_blocks(budget: MemoryBudget) -> int:
 
 def active_host_blocks(config: ReplayConfig, budget: MemoryBudget) -> int | None:
     """``--kv-host-active-memory`` in blocks (None: no bound), at least one."""
-    if config.kv_host_active_gib is None:
+    if config.kv_host_active_memory is None:
         return None
-    return max(int(config.kv_host_active_gib * 2**30 // budget.charged_block_bytes), 1)
+    return max(config.kv_host_active_memory // budget.charged_block_bytes, 1)
 
 
 def build_host_kv(model, gpu, config: ReplayConfig, budget: MemoryBudget) -> HostKV | None:
-    """The host tier of ``config.kv_host_gib`` (None without one), its ids above every id the device can use."""
-    if not config.kv_host_gib:
+    """The host tier of ``config.kv_host_memory`` (None without one), its ids above every id the device can use."""
+    if not config.kv_host_memory:
         return None
     host = get_host(config.cpu)
-    host_bytes = config.kv_host_gib * 2**30
+    host_bytes = config.kv_host_memory
     if host_bytes > host.dram_bytes:
-        raise UserError(f"--kv-host-memory {config.kv_host_gib:g}GiB exceeds the host's DRAM ({host.dram_bytes / 2**30:,.0f} "
-                        f"GiB, --cpu {config.cpu})")
-    num_host = int(host_bytes // budget.charged_block_bytes)
+        raise UserError(f"--kv-host-memory {bytes_text(host_bytes)} exceeds the host's DRAM "
+                        f"({host.dram_bytes / 2**30:,.0f} GiB, --cpu {config.cpu})")
+    num_host = host_bytes // budget.charged_block_bytes
     device = budget.num_blocks - ring_blocks(budget)
     if num_host < 1 or device < 1 + budget.state_blocks_per_request:
-        raise UserError(f"--kv-host-memory {config.kv_host_gib:g}GiB: {num_host} host blocks and {device} device blocks "
-                        f"(after the {HostKVLayout().ring_bytes / 2**20:.0f} MiB staging ring) of "
+        raise UserError(f"--kv-host-memory {bytes_text(host_bytes)}: {num_host} host blocks and {device} device "
+                        f"blocks (after the {HostKVLayout().ring_bytes / 2**20:.0f} MiB staging ring) of "
                         f"{budget.charged_block_bytes:,} B; raise --kv-host-memory or --kv-cache-memory")
     routed = weights_per_gpu(model, tp=config.tp).routed_expert_bytes
     first_host_id = budget.num_blocks + cdiv(routed, budget.charged_block_bytes) + 1  # past the expert line's ids

@@ -12,17 +12,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from moetide.core.blocks import BlockPool
-from moetide.core.kv_manager import DEVICE_PREFIXES, KVCacheManager
+from moetide.core.config import ServingConfig, build_scheduler, expert_residency, make_policy
 from moetide.core.expert_line import ByteLayout, ExpertLine, staging_room_bytes
-from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO, ExpertResidency, ExpertResidencyConfig
-from moetide.core.pressure import VampParams, get_policy, policy_entry, start_offload
-from moetide.core.scheduler import Scheduler, SchedulerConfig
-from moetide.core.splits import SPLIT_POLICIES
+from moetide.core.experts import ExpertResidency
+from moetide.core.kv_manager import KVCacheManager
+from moetide.core.pressure import VampParams, policy_entry
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
 from moetide.perf.engines import DEFAULT_ENGINE_PROFILE, engine_profiles
 from moetide.perf.step_calibrate import step_efficiency_for_gpu
-from moetide.perf.staging import COLD_EXPERT_MODES, CPU, STAGING_MODES, StagingModel
+from moetide.perf.staging import CPU, STAGING_MODES, StagingModel
 from moetide.sim.host_kv import HostKV, active_host_blocks, build_host_kv
 from moetide.sim.host_kv import ring_blocks  # noqa: F401 (API: tests import it from here)
 from moetide.sim.metrics import MetricsCollector
@@ -31,7 +30,7 @@ from moetide.sim.step_time import (STAGING_MIX_HORIZONS, StepTimeWithStaging, re
                                     vamp_params)
 from moetide.sim.vllm_defaults import (MAMBA_CACHE_MODES, VLLM_VERSIONS, mamba_states, vllm_defaults,
                                        vllm_serving_defaults)
-from moetide.specs import HardwareSpec, get_gpu, get_model
+from moetide.specs import HardwareSpec, ModelSpec, get_gpu, get_model, host_for
 from moetide.workloads.base import Workload
 
 
@@ -42,22 +41,19 @@ _MATMUL_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass(frozen=True)
-class ReplayConfig:
+class ReplayConfig(ServingConfig):
+    """``ServingConfig``'s options, resolved from the modeled GPU and model where left ``None``, and what only the
+    replay has: the hardware it models and how it models it."""
+
     model: str = "qwen3-30b-a3b"
     gpu: str = "h100"
     tp: int = 1
-    policy: str = "vllm"
-    block_size: int | None = None  # None: vLLM's (16, or the hybrid page-aligned size; perf.budget)
-    max_num_batched_tokens: int | None = None  # None: vLLM 0.32's online-serving default for the GPU
-    max_num_seqs: int | None = None  # (vllm_serving_defaults)
-    gpu_memory_utilization: float = 0.9
-    kv_budget_gib: float | None = None  # per GPU; None: utilization × HBM − weights − activation reserve
+    gpu_memory_utilization: float = 0.9  # sizes the KV cache when kv_cache_memory is None
     # the vLLM whose scheduler rules and defaults the replay follows (VLLM_VERSIONS; docs/vllm_baseline.md)
     vllm_version: str = "0.32"
     # the step model's fitted efficiency for a GPU preset (perf.engines; "roofline": none); a device file's own
     # [efficiency] table replaces it
     engine_profile: str = DEFAULT_ENGINE_PROFILE
-    enable_prefix_caching: bool | None = None  # None: on, except for hybrid models under vLLM 0.15 (off there)
     # admit a waiting request only if its whole known sequence fits; False: on its first chunk; None: the vLLM's
     scheduler_reserve_full_isl: bool | None = None
     # hybrid models: vLLM's mamba_cache_mode ("align": states cached as blocks of their own, core.mamba_states;
@@ -67,48 +63,34 @@ class ReplayConfig:
     # vLLM's prefix_cache_retention_interval for those states: 0 (its default) keeps the prompt's replay boundary
     # and shared-prefix junctions; None keeps every block's state
     prefix_cache_retention_interval: int | None = 0  # (vLLM 0.15 keeps every state: None is used there)
-    max_offload_ratio: float = DEFAULT_MAX_OFFLOAD_RATIO  # cap on the offloaded share of routed-expert bytes
     # "auto": prefetch the likeliest offloaded experts behind the previous layer's compute, fetch the rest on
     # demand; "touched": on demand only; "segment": the whole offloaded segment every step (perf/staging.py)
     staging_mode: str = "auto"
     routing_zipf_s: float = 0.0  # expert popularity skew for staging (0: uniform routing, the pessimistic case)
     routing_profile: str | None = None  # or a measured profile (`moetide generate --routing-out`), not with zipf
     host_link_shared_by: int = 1  # GPUs staging through one host uplink at once (2: TP partners on one switch)
-    # offloaded experts the prefetch does not carry: "fetch" on demand, or "cpu": computed by the host socket
-    # (``cpu``, a host preset or file) when that is cheaper for the step; ``gpus_per_socket`` GPUs share it
-    cold_experts: str = "fetch"
-    cpu: str = "ddr5-4800-8ch"  # DGX H200's host: 2 x Xeon Platinum 8480C (Sapphire Rapids), one per 4 GPUs
+    # the host socket (a host preset or file) that computes cold experts ("cpu") and attends host KV in place;
+    # ``gpus_per_socket`` GPUs share it
+    cpu: str | None = None  # None: the GPU's own host (HardwareSpec.host; DGX H200's is 2 x Xeon Platinum 8480C)
     gpus_per_socket: int = 1
     cpu_matmul_tflops: float | None = None  # the socket's expert-GEMM rate (None: fp32 FMA peak x 0.5; AMX: more)
-    vamp_horizon_s: float = VampParams.horizon_s  # vamp's rate time constant (the step mix: STAGING_MIX_HORIZONS of it)
-    # a host KV tier of this many GiB (sim.host_kv; 0: none): KV spills there instead of preempting, and each step
-    # splits it between the ``cpu`` socket (in place) and the link (streamed) by ``split_policy``
-    kv_host_gib: float = 0.0
-    split_policy: str = "writescope"
-    split_fixed_ratio: float = 0.5  # the fixed-ratio policy's CPU share
     cpu_slowdown: float = 1.0  # true CPU attention time / modeled (writescope's correction learns it)
-    device_prefixes: str = "keep"  # "evict": LRU cached device prefixes go before new KV spills (KVCacheManager)
-    # admission bound on the host KV that running requests attend each step, GiB (None: none; core.scheduler)
-    kv_host_active_gib: float | None = None
     seed: int = 0
     # vLLM's --dtype: "auto" is the device's matmul dtype (bf16 on the GPU presets, fp16 on V100, fp32 on a CPU
     # described by ``moetide calibrate --device-out``); weights, KV and activations all take it
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.dtype not in DTYPES:
             raise ValueError(f"ReplayConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.tp <= 0:
             raise ValueError(f"ReplayConfig.tp must be a positive integer, got {self.tp}")
-        if self.block_size is not None and self.block_size <= 0:
-            raise ValueError(f"ReplayConfig.block_size must be positive, got {self.block_size}")
+        if self.kv_cache_memory == 0:
+            raise ValueError("ReplayConfig.kv_cache_memory must be positive, got 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("ReplayConfig.gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.kv_budget_gib is not None and self.kv_budget_gib <= 0:
-            raise ValueError(f"ReplayConfig.kv_budget_gib must be positive, got {self.kv_budget_gib}")
-        if not 0 <= self.max_offload_ratio <= 1:
-            raise ValueError(f"ReplayConfig.max_offload_ratio must be in [0, 1], got {self.max_offload_ratio}")
         if self.routing_zipf_s < 0:
             raise ValueError(f"ReplayConfig.routing_zipf_s must be >= 0, got {self.routing_zipf_s}")
         if self.host_link_shared_by < 1:
@@ -118,9 +100,6 @@ class ReplayConfig:
         if self.staging_mode not in STAGING_MODES:
             raise ValueError(f"ReplayConfig.staging_mode must be one of {', '.join(STAGING_MODES)}, got "
                              f"{self.staging_mode!r}")
-        if self.cold_experts not in COLD_EXPERT_MODES:
-            raise ValueError(f"ReplayConfig.cold_experts must be one of {', '.join(COLD_EXPERT_MODES)}, got "
-                             f"{self.cold_experts!r}")
         if self.cold_experts == CPU and self.staging_mode != "auto":
             raise ValueError("ReplayConfig.cold_experts cpu serves what ReplayConfig.staging_mode auto does not "
                              "prefetch: use ReplayConfig.staging_mode auto")
@@ -128,8 +107,6 @@ class ReplayConfig:
             raise ValueError(f"ReplayConfig.gpus_per_socket must be >= 1, got {self.gpus_per_socket}")
         if self.cpu_matmul_tflops is not None and not self.cpu_matmul_tflops > 0:
             raise ValueError(f"ReplayConfig.cpu_matmul_tflops must be positive, got {self.cpu_matmul_tflops}")
-        if not self.vamp_horizon_s > 0:
-            raise ValueError("ReplayConfig.vamp_horizon_s must be positive")
         if self.mamba_cache_mode not in (None, *MAMBA_CACHE_MODES):
             raise ValueError(f"ReplayConfig.mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, got "
                              f"{self.mamba_cache_mode!r}")
@@ -142,49 +119,24 @@ class ReplayConfig:
         if self.prefix_cache_retention_interval not in (None, 0):
             raise ValueError(f"ReplayConfig.prefix_cache_retention_interval: 0 or none are modeled, got "
                              f"{self.prefix_cache_retention_interval}")
-        self._policy_entry()
-        self._check_host_kv()
-
-    def _policy_entry(self):
-        try:
-            return policy_entry(self.policy)
-        except ValueError as exc:
-            raise ValueError(f"ReplayConfig.policy: {exc}") from None
-
-    def _check_host_kv(self) -> None:
-        if not (math.isfinite(self.kv_host_gib) and self.kv_host_gib >= 0):
-            raise ValueError(f"ReplayConfig.kv_host_gib must be a finite number >= 0, got {self.kv_host_gib}")
-        if self.split_policy not in SPLIT_POLICIES:
-            raise ValueError(f"ReplayConfig.split_policy must be one of {', '.join(SPLIT_POLICIES)}, got "
-                             f"{self.split_policy!r}")
-        if not 0 <= self.split_fixed_ratio <= 1:
-            raise ValueError(f"ReplayConfig.split_fixed_ratio must be in [0, 1], got {self.split_fixed_ratio}")
         if not (math.isfinite(self.cpu_slowdown) and self.cpu_slowdown > 0):
             raise ValueError(f"ReplayConfig.cpu_slowdown must be a positive number, got {self.cpu_slowdown}")
-        if self.device_prefixes not in DEVICE_PREFIXES:
-            raise ValueError(f"ReplayConfig.device_prefixes must be one of {', '.join(DEVICE_PREFIXES)}, got "
-                             f"{self.device_prefixes!r}")
-        active = self.kv_host_active_gib
-        if active is not None:
-            if not self.kv_host_gib:
-                raise ValueError("ReplayConfig.kv_host_active_gib bounds a host KV tier: give "
-                                 "ReplayConfig.kv_host_gib too")
-            if not (math.isfinite(active) and 0 < active <= self.kv_host_gib):
-                raise ValueError(f"ReplayConfig.kv_host_active_gib must be in (0, ReplayConfig.kv_host_gib = "
-                                 f"{self.kv_host_gib:g}], got {active:g}")
-        if not self.kv_host_gib:
-            return
+        if self.kv_host_memory:
+            self._check_host_kv()
+
+    def _check_host_kv(self) -> None:
         if self.tp != 1:
-            raise ValueError("ReplayConfig.kv_host_gib models one GPU beside one host socket: use ReplayConfig.tp 1")
+            raise ValueError("ReplayConfig.kv_host_memory models one GPU beside one host socket: use "
+                             "ReplayConfig.tp 1")
         if self.cold_experts == CPU:
-            raise ValueError("ReplayConfig.kv_host_gib with ReplayConfig.cold_experts cpu: one socket attending KV "
-                             "and computing experts is not modeled; use ReplayConfig.cold_experts fetch")
+            raise ValueError("ReplayConfig.kv_host_memory with ReplayConfig.cold_experts cpu: one socket attending "
+                             "KV and computing experts is not modeled; use ReplayConfig.cold_experts fetch")
         if self.dtype == "float32":
-            raise ValueError("ReplayConfig.kv_host_gib with ReplayConfig.dtype float32: the host tier's split is "
+            raise ValueError("ReplayConfig.kv_host_memory with ReplayConfig.dtype float32: the host tier's split is "
                              "modeled for a GPU beside a CPU, not for a CPU device; use a GPU")
-        if self._policy_entry().moves_line:
-            raise ValueError(f"ReplayConfig.kv_host_gib with ReplayConfig.policy {self.policy}: a moving expert line "
-                             "beside a host KV tier is not modeled yet (docs/writescope.md, Replay); use vllm or "
+        if policy_entry(self.policy).moves_line:
+            raise ValueError(f"ReplayConfig.kv_host_memory with ReplayConfig.policy {self.policy}: a moving expert "
+                             "line beside a host KV tier is not modeled yet (docs/writescope.md, Replay); use vllm or "
                              "static-offload")
 
 
@@ -205,44 +157,20 @@ def build_replay(
     """The replay's parts. ``vamp_coefficients`` replaces the perf model's ``vamp_params`` (a differential test
     gives both drivers the same ones)."""
     model, gpu = get_model(config.model), get_gpu(config.gpu)
-    config = replace(config, dtype=resolve_dtype(config.dtype, gpu))  # the result's config records what was used
+    config = resolve_config(config, model, gpu)
     dtype_bytes = DTYPE_BYTES[config.dtype]
-    if config.block_size is None:
-        config = replace(config, block_size=default_block_size(model, tp=config.tp))
-    config = vllm_defaults(config, model)
-    batched, seqs = vllm_serving_defaults(gpu)
-    config = replace(config, max_num_batched_tokens=batched if config.max_num_batched_tokens is None
-                     else config.max_num_batched_tokens, max_num_seqs=seqs if config.max_num_seqs is None
-                     else config.max_num_seqs)
     shard = weights_per_gpu(model, tp=config.tp, dtype_bytes=dtype_bytes).expert_shard_bytes
-    residency = ExpertResidency(ExpertResidencyConfig(num_layers=model.num_moe_layers, num_experts=model.num_experts,
-                                                      expert_bytes=shard, max_offload_ratio=config.max_offload_ratio))
+    residency = expert_residency(config, num_layers=model.num_moe_layers, num_experts=model.num_experts,
+                                 expert_bytes=shard)
     budget = memory_budget(
         model, gpu, tp=config.tp, block_size=config.block_size, dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        max_num_batched_tokens=config.max_num_batched_tokens, kv_budget_gib=config.kv_budget_gib,
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_memory,
         staging_room_bytes=_staging_room(residency, config),
     )
     host_kv = build_host_kv(model, gpu, config, budget)
-    try:
-        scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            enable_prefix_caching=config.enable_prefix_caching,
-            scheduler_reserve_full_isl=bool(config.scheduler_reserve_full_isl),
-            threshold_caps_lone_request=config.vllm_version == "0.15",
-            max_host_blocks_held=active_host_blocks(config, budget) if host_kv is not None else None,
-        )
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    if host_kv is None:
-        pool = BlockPool(range(budget.num_blocks), enable_caching=config.enable_prefix_caching)
-    else:  # device ids first (the ring's share of the budget left out), then the host tier's (sim.host_kv)
-        pool = BlockPool(range(host_kv.num_device_blocks), enable_caching=config.enable_prefix_caching,
-                         host_tier=host_kv.tier)
-    mamba = mamba_states(model, config, pool, budget, host_kv)
-    kv = KVCacheManager(pool, config.block_size,
-                        num_state_blocks_per_request=0 if mamba else budget.state_blocks_per_request,
-                        evict_device_prefixes=host_kv is not None and config.device_prefixes == "evict", mamba=mamba)
+    kv = _kv_manager(model, config, budget, host_kv)
+    pool = kv.pool
     step_model = StepTimeModel(model, gpu, tp=config.tp, dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes,
                                efficiency=step_efficiency_for_gpu(config.gpu, config.engine_profile))
     line = ExpertLine(residency, ByteLayout(pool, block_bytes=budget.charged_block_bytes,
@@ -253,13 +181,46 @@ def build_replay(
                                     mix_tau_s=config.vamp_horizon_s * STAGING_MIX_HORIZONS,
                                     reference_step=reference_decode(config, step_model),
                                     track_mix=policy_entry(config.policy).needs_costs)
-    policy = get_policy(config.policy, costs=lambda: vamp_coefficients or vamp_params(config, step_model, step_time))
-    start_offload(policy, line)
-    scheduler = Scheduler(scheduler_config, kv, policy, expert_line=line)
+    policy = make_policy(config, lambda: vamp_coefficients or vamp_params(config, step_model, step_time))
+    try:
+        scheduler = build_scheduler(
+            config, kv, line, policy, scheduler_reserve_full_isl=bool(config.scheduler_reserve_full_isl),
+            threshold_caps_lone_request=config.vllm_version == "0.15",
+            max_host_blocks_held=active_host_blocks(config, budget) if host_kv is not None else None)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     replay = Replay(workload, scheduler, step_time, progress=progress,
                     offloaded_ratio=lambda: line.residency.offloaded_ratio, host_kv=host_kv,
                     request_overhead_s=step_model.request_overhead_s)
     return BuiltReplay(replay, budget, config, line, step_time, host_kv)
+
+
+def resolve_config(config: ReplayConfig, model: ModelSpec, gpu: HardwareSpec) -> ReplayConfig:
+    """Every ``None`` of the config resolved as vLLM resolves it for this model and GPU (the result's config
+    records what was used)."""
+    config = replace(config, dtype=resolve_dtype(config.dtype, gpu))
+    if config.cpu is None and (config.kv_host_memory or config.cold_experts == CPU or gpu.host):
+        config = replace(config, cpu=host_for(config.cpu, gpu))
+    if config.block_size is None:
+        config = replace(config, block_size=default_block_size(model, tp=config.tp))
+    config = vllm_defaults(config, model)
+    batched, seqs = vllm_serving_defaults(gpu)
+    return replace(config, max_num_batched_tokens=batched if config.max_num_batched_tokens is None
+                   else config.max_num_batched_tokens, max_num_seqs=seqs if config.max_num_seqs is None
+                   else config.max_num_seqs)
+
+
+def _kv_manager(model: ModelSpec, config: ReplayConfig, budget: MemoryBudget, host_kv: HostKV | None
+                ) -> KVCacheManager:
+    if host_kv is None:
+        pool = BlockPool(range(budget.num_blocks), enable_caching=config.enable_prefix_caching)
+    else:  # device ids first (the ring's share of the budget left out), then the host tier's (sim.host_kv)
+        pool = BlockPool(range(host_kv.num_device_blocks), enable_caching=config.enable_prefix_caching,
+                         host_tier=host_kv.tier)
+    mamba = mamba_states(model, config, pool, budget, host_kv)
+    return KVCacheManager(pool, config.block_size,
+                          num_state_blocks_per_request=0 if mamba else budget.state_blocks_per_request,
+                          evict_device_prefixes=host_kv is not None and config.evict_device_prefixes, mamba=mamba)
 
 
 def resolve_dtype(dtype: str, gpu: HardwareSpec) -> str:

@@ -59,11 +59,13 @@ def mamba_states(model: ModelSpec, config: ReplayConfig, pool: BlockPool, budget
 
 def vllm_serving_defaults(gpu: HardwareSpec) -> tuple[int, int]:
     """``(max_num_batched_tokens, max_num_seqs)`` that vLLM 0.32's OpenAI server picks on this GPU
-    (``EngineArgs.get_batch_defaults``, vllm/engine/arg_utils.py): 16,384 and 1,024 from 160 GiB of memory;
-    8,192 and 1,024 from 70 GiB unless it is an A100 (PR #17885: a larger batch lowered A100 throughput); else
-    2,048 and 256."""
+    (``EngineArgs.get_batch_defaults``, vllm/engine/arg_utils.py): the GPU's own where its spec gives them (the
+    A100 presets: vLLM excepts the A100 from the 70 GiB tier, PR #17885), else by memory: 16,384 and 1,024 from
+    160 GiB; 8,192 and 1,024 from 70 GiB; else 2,048 and 256."""
+    if gpu.max_num_batched_tokens:
+        return gpu.max_num_batched_tokens, gpu.max_num_seqs
     if gpu.hbm_bytes >= 160 * 2**30:
         return 16384, 1024
-    if gpu.hbm_bytes >= 70 * 2**30 and "a100" not in gpu.name.lower():
+    if gpu.hbm_bytes >= 70 * 2**30:
         return 8192, 1024
     return 2048, 256

@@ -12,6 +12,7 @@ from moetide.specs.loader import (
     get_gpu,
     get_host,
     get_model,
+    host_for,
     model_preset_hf_config,
     preset_names,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "get_gpu",
     "get_host",
     "get_model",
+    "host_for",
     "model_preset_hf_config",
     "preset_names",
 ]

@@ -50,6 +50,11 @@ class HardwareSpec:
     host_link_bandwidth_bytes_per_s: float  # measured pinned host-to-device copy rate
     gpu_link_bandwidth_bytes_per_s: float
     host_link: str = ""  # e.g. "PCIe Gen5 x16"
+    # the host CPU (a preset name or file) of the platform the GPU usually sits in: --cpu's default ("": none known)
+    host: str = ""
+    # vLLM's server batch defaults on this GPU where they depart from its rule by memory (0: the rule)
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -62,6 +67,9 @@ class HardwareSpec:
                                  gpu_link_bandwidth_bytes_per_s=self.gpu_link_bandwidth_bytes_per_s)
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"{owner}: matmul_dtype must be one of {list(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
+        if (self.max_num_batched_tokens < 0 or self.max_num_seqs < 0
+                or (self.max_num_batched_tokens == 0) != (self.max_num_seqs == 0)):
+            raise ValueError(f"{owner}: max_num_batched_tokens and max_num_seqs are both given (> 0) or both absent")
 
     @property
     def ridge_flops_per_byte(self) -> float:

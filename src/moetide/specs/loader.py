@@ -198,6 +198,15 @@ def get_host(name_or_path: str) -> HostSpec:
     return _get_hardware(HostSpec, "host", name_or_path)
 
 
+def host_for(cpu: str | None, gpu: HardwareSpec) -> str:
+    """The host CPU (a preset name or file) beside ``gpu``: ``cpu`` when given, else the GPU's own ``host``."""
+    if cpu:
+        return cpu
+    if not gpu.host:
+        raise UserError(f"--cpu: {gpu.name} names no host CPU (no 'host' field); give --cpu NAME|FILE")
+    return gpu.host
+
+
 def get_host_calibration(name_or_path: str) -> dict[str, dict[str, Any]]:
     """The calibration tables of a host file, ``{"offload_efficiency": {...}, "measured": {...}}`` (empty tables
     when the file has none); both empty for a preset, which is not a measurement. The HostSpec fields are checked

@@ -255,9 +255,12 @@ def _positive_size(text: str) -> int:
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", nargs="?", help="trace file (Mooncake JSONL, WEKA sessions, Azure CSV; .gz ok); "
-                        "omitted: the built-in agent-session generator")
-    parser.add_argument("--format", choices=["mooncake", "weka", "azure"], help="trace format (default: sniffed)")
+    from moetide.workloads import READERS
+
+    kinds = "; ".join(f"{name}: {reader.summary}" for name, reader in READERS.items())
+    parser.add_argument("trace", nargs="?", help=f"trace file ({kinds}; .gz ok); omitted: the built-in "
+                        "agent-session generator")
+    parser.add_argument("--format", choices=list(READERS), help="trace format (default: sniffed)")
     parser.add_argument("--session-rate", type=float, help="closed-loop workloads: new sessions per second "
                         "(Poisson; the built-in generator's default 0.2)")
     parser.add_argument("--max-requests", type=int, help="keep the first N requests (whole sessions)")

@@ -1,6 +1,6 @@
 """Tiny random checkpoints that transformers and the engine both load: the parity tests' ground truth.
 
-``make_test_model`` builds a transformers config (``Qwen3MoeConfig`` / ``MixtralConfig`` / ``Qwen3NextConfig``),
+``make_test_model`` builds the transformers config each engine architecture names (``MoECausalLM.tiny_hf_config``),
 instantiates it with ``AutoModelForCausalLM.from_config`` under ``torch.manual_seed(seed)``, and writes it with
 ``save_pretrained`` (safetensors + config.json + generation_config.json), so the files are exactly what
 transformers produces. Beside them goes a byte-level BPE tokenizer trained locally with ``tokenizers`` on a small
@@ -12,7 +12,7 @@ constant (1, or 0 for Qwen3-Next's zero-centered norms) and ``dt_bias`` to 1, wh
 ignored those tensors, or mixed up ``weight`` with ``1 + weight``, pass a parity test. Every 1-D parameter
 therefore gets seeded noise (std ``NOISE_STD``) before saving. Same arguments, same bytes.
 
-Imports of torch and transformers happen inside the functions, so the CLI can list the choices without them.
+The architectures are the engine's (``engine.models.MODEL_CLASSES``): a new one is its module and its registry line.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moetide.engine.models import MODEL_CLASSES
 from moetide.errors import UserError
 
-ARCHS = ("qwen3_moe", "mixtral", "qwen3_next")
+ARCHS = tuple(MODEL_CLASSES)
 DTYPE_NAMES = ("float32", "bfloat16")
 SPECIAL_TOKEN = "<|endoftext|>"
 NOISE_STD = 0.1
@@ -71,7 +72,7 @@ class TinyModelArgs:
 
     @property
     def layers(self) -> int:
-        return self.num_layers if self.num_layers is not None else (4 if self.arch == "qwen3_next" else 2)
+        return self.num_layers if self.num_layers is not None else MODEL_CLASSES[self.arch].tiny_num_layers
 
     def validate(self) -> None:
         if self.arch not in ARCHS:
@@ -95,7 +96,8 @@ class TinyModelArgs:
              f"({self.linear_num_key_heads})"),
             (all(0 <= i < self.layers for i in self.dense_layer_ids) and len(self.dense_layer_ids) < self.layers,
              f"dense layers {list(self.dense_layer_ids)} must be in [0, {self.layers}) and leave a MoE layer"),
-            (not self.dense_layer_ids or self.arch != "mixtral", "mixtral has no dense MLP layers"),
+            (not self.dense_layer_ids or MODEL_CLASSES[self.arch].tiny_dense_layers,
+             f"{self.arch} has no dense MLP layers"),
         ]
         for ok, message in checks:
             if not ok:
@@ -113,24 +115,8 @@ def _common_fields(args: TinyModelArgs, special_id: int) -> dict[str, Any]:
                 pad_token_id=special_id, tie_word_embeddings=False)
 
 
-def _qwen_fields(args: TinyModelArgs) -> dict[str, Any]:
-    return dict(num_experts=args.num_experts, moe_intermediate_size=args.moe_intermediate_size,
-                intermediate_size=2 * args.hidden_size, mlp_only_layers=list(args.dense_layer_ids))
-
-
 def hf_config(args: TinyModelArgs, special_id: int) -> Any:
-    from transformers import MixtralConfig, Qwen3MoeConfig, Qwen3NextConfig
-
-    common = _common_fields(args, special_id)
-    if args.arch == "mixtral":
-        return MixtralConfig(**common, num_local_experts=args.num_experts,
-                             intermediate_size=args.moe_intermediate_size)
-    if args.arch == "qwen3_moe":
-        return Qwen3MoeConfig(**common, **_qwen_fields(args))
-    return Qwen3NextConfig(**common, **_qwen_fields(args), shared_expert_intermediate_size=args.moe_intermediate_size,
-                           linear_num_key_heads=args.linear_num_key_heads,
-                           linear_num_value_heads=args.linear_num_value_heads,
-                           linear_key_head_dim=args.linear_head_dim, linear_value_head_dim=args.linear_head_dim)
+    return MODEL_CLASSES[args.arch].tiny_hf_config(args, _common_fields(args, special_id))
 
 
 # ---- tokenizer and weights ---------------------------------------------------------------------------------

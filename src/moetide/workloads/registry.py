@@ -33,12 +33,16 @@ class TraceReader:
     read: Callable[..., Workload]  # read(path, *, seed, session_rate_per_s) -> Workload
     sniff: Callable[[str], bool]  # does the file's first non-empty line look like this format?
     summary: str
+    first_line: str  # what ``sniff`` looks for, said to a user whose file it did not recognise
 
 
 READERS: dict[str, TraceReader] = {
-    "mooncake": TraceReader("mooncake", mooncake.read, mooncake.sniff, "Mooncake JSONL, open loop, 512-token keys"),
-    "weka": TraceReader("weka", weka.read, weka.sniff, "WEKA agent sessions, closed loop, 64-token keys"),
-    "azure": TraceReader("azure", azure.read, azure.sniff, "Azure CSV, open loop, no keys"),
+    "mooncake": TraceReader("mooncake", mooncake.read, mooncake.sniff, "Mooncake JSONL, open loop, 512-token keys",
+                            "a Mooncake JSON line with 'hash_ids'"),
+    "weka": TraceReader("weka", weka.read, weka.sniff, "WEKA agent sessions, closed loop, 64-token keys",
+                        "a WEKA line with 'kind'"),
+    "azure": TraceReader("azure", azure.read, azure.sniff, "Azure CSV, open loop, no keys",
+                         "the Azure CSV header TIMESTAMP,ContextTokens,GeneratedTokens"),
 }
 
 
@@ -48,11 +52,9 @@ def sniff_format(path: Path) -> str:
     for name, reader in READERS.items():
         if reader.sniff(line):
             return name
-    raise UserError(
-        f"{path}: cannot tell the trace format from its first line (expected a Mooncake JSON line with "
-        "'hash_ids', a WEKA line with 'kind', or the Azure CSV header TIMESTAMP,ContextTokens,GeneratedTokens); "
-        f"name it with --format, one of {', '.join(READERS)}"
-    )
+    raise UserError(f"{path}: cannot tell the trace format from its first line (expected one of: "
+                    f"{'; '.join(reader.first_line for reader in READERS.values())}); name it with --format, one "
+                    f"of {', '.join(READERS)}")
 
 
 def load_workload(

@@ -243,6 +243,16 @@ class MoECausalLM(nn.Module):
     legacy_expert_projs = ("gate_proj", "up_proj", "down_proj")
     ignored_checkpoint_prefixes: tuple[str, ...] = ()  # tensors a checkpoint may carry that inference never uses
     zero_centered_norm = False
+    # make-test-model (engine.testmodel): layers of a tiny checkpoint by default, and whether it may hold dense
+    # MLP layers between the MoE ones
+    tiny_num_layers = 2
+    tiny_dense_layers = True
+
+    @staticmethod
+    def tiny_hf_config(args: Any, common: dict[str, Any]) -> Any:
+        """The transformers config of a tiny random checkpoint of this architecture (``engine.testmodel``):
+        ``common`` holds the fields every architecture shares, ``args`` the ``TinyModelArgs``."""
+        raise NotImplementedError
 
     def __init__(self, config: Any, layers: list[DecoderLayer]) -> None:
         super().__init__()

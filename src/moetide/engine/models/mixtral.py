@@ -64,6 +64,13 @@ class MixtralForCausalLM(MoECausalLM):
     config_class = MixtralEngineConfig
     legacy_moe_module = "block_sparse_moe"
     legacy_expert_projs = ("w1", "w3", "w2")
+    tiny_dense_layers = False
+
+    @staticmethod
+    def tiny_hf_config(args, common):
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**common, num_local_experts=args.num_experts, intermediate_size=args.moe_intermediate_size)
 
     def __init__(self, config: MixtralEngineConfig) -> None:
         super().__init__(config, [self._layer(config, i) for i in range(config.num_layers)])

@@ -73,8 +73,20 @@ class Qwen3MoeEngineConfig:
         return cls(**cls.fields_from_hf(data, origin))
 
 
+def tiny_qwen_fields(args) -> dict:
+    """The MoE fields of a tiny Qwen3 checkpoint (``engine.testmodel``), Qwen3-Next's too."""
+    return dict(num_experts=args.num_experts, moe_intermediate_size=args.moe_intermediate_size,
+                intermediate_size=2 * args.hidden_size, mlp_only_layers=list(args.dense_layer_ids))
+
+
 class Qwen3MoeForCausalLM(MoECausalLM):
     config_class = Qwen3MoeEngineConfig
+
+    @staticmethod
+    def tiny_hf_config(args, common):
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**common, **tiny_qwen_fields(args))
 
     def __init__(self, config: Qwen3MoeEngineConfig) -> None:
         super().__init__(config, [self._layer(config, i) for i in range(config.num_layers)])

@@ -42,7 +42,7 @@ from moetide.engine.models.common import (
 from moetide.engine.models.hooks import LinearStateShape, StepBatch, StepContext
 from moetide.engine.models.norm_rope import Rope
 from moetide.engine.models.ops import linear
-from moetide.engine.models.qwen3_moe import Qwen3MoeEngineConfig
+from moetide.engine.models.qwen3_moe import Qwen3MoeEngineConfig, tiny_qwen_fields
 from moetide.specs import LINEAR_ATTENTION
 from moetide.specs.hf_config import ConfigReader, model_from_hf_dict
 
@@ -266,6 +266,17 @@ class Qwen3NextForCausalLM(MoECausalLM):
     config_class = Qwen3NextEngineConfig
     zero_centered_norm = True
     ignored_checkpoint_prefixes = ("mtp.",)
+    tiny_num_layers = 4  # its default layer types put full attention on every 4th layer
+
+    @staticmethod
+    def tiny_hf_config(args, common):
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(**common, **tiny_qwen_fields(args),
+                               shared_expert_intermediate_size=args.moe_intermediate_size,
+                               linear_num_key_heads=args.linear_num_key_heads,
+                               linear_num_value_heads=args.linear_num_value_heads,
+                               linear_key_head_dim=args.linear_head_dim, linear_value_head_dim=args.linear_head_dim)
 
     def __init__(self, config: Qwen3NextEngineConfig) -> None:
         super().__init__(config, [self._layer(config, i) for i in range(config.num_layers)])

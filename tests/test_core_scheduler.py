@@ -4,7 +4,7 @@ import pytest
 
 from moetide.core.blocks import BlockPool, HostTier
 from moetide.core.kv_manager import KVCacheManager
-from moetide.core.pressure import get_policy
+from moetide.core.pressure import EvictPrefix, PressurePolicy, get_policy
 from moetide.core.request import Request, RequestStatus
 from moetide.core.scheduler import Scheduler, SchedulerConfig
 
@@ -481,3 +481,46 @@ def test_abort_frees_a_running_a_waiting_and_a_preempted_request_and_the_rest_go
     sched.add_request(req("again", list(range(8)), out=1))
     out, _, _ = step(sched)
     assert plan(out) == [("again", 4)], "old's prompt blocks are hit: 4 of its 8 tokens are recomputed"
+
+
+class RefusesUntil(PressurePolicy):
+    """Refuses every shortfall before ``until_s``, then evicts what is short; says so through
+    ``refusal_holds_until`` when ``tells`` (else the default: ask at every step)."""
+
+    name = "refuses-until"
+    reads_every_step = False
+
+    def __init__(self, until_s: float, tells: bool) -> None:
+        self.until_s, self.tells, self.asked = until_s, tells, []
+
+    def relieve(self, view):
+        self.asked.append(view.now_s)
+        return [EvictPrefix(view.shortfall_blocks)] if view.now_s >= self.until_s else []
+
+    def refusal_holds_until(self, now_s):
+        return max(now_s, self.until_s) if self.tells else now_s
+
+
+@pytest.mark.parametrize("tells", [True, False])
+def test_a_refused_head_is_asked_again_when_the_policy_says_its_answer_may_change(tells):
+    """A waiting head the policy refused is not asked again while nothing is freed, until the time the policy
+    gives (vamp: its next review); then it is asked, in the same step as asking at every step would."""
+    policy = RefusesUntil(5.0, tells)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+                      KVCacheManager(BlockPool(range(8)), BS), policy)
+    sched.add_request(req("done", list(range(100, 112)), out=1))
+    assert step_at(sched, 0.0)[2] == ["done"]  # its 3 blocks stay cached, free
+    sched.add_request(req("r", list(range(200, 205)), out=4))  # 2 blocks, decodes until t=5
+    step_at(sched, 0.1)
+    sched.add_request(req("w", list(range(300, 320)), out=1))  # 5 blocks: 3 uncached free, 2 short
+    for now in (0.2, 1.0):
+        assert plan(step_at(sched, now)[0]) == [("r", 1)]
+    assert plan(step_at(sched, 5.0)[0]) == [("r", 1), ("w", 20)]  # asked again at 5.0, not after r's free
+    assert policy.asked == ([0.2, 5.0] if tells else [0.2, 1.0, 5.0])
+
+
+def step_at(sched, now_s):
+    out = sched.schedule(now_s)
+    emitted, finished = sched.update(out, {r.request_id: 7 for r, _ in out.scheduled})
+    sched.kv.check_invariants()
+    return out, emitted, [r.request_id for r in finished]

@@ -30,6 +30,7 @@ A request leaves by finishing (``update``), by failing to fit even alone, or by 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -95,17 +96,19 @@ class SchedulerOutput:
 @dataclass(frozen=True, slots=True)
 class BlockedAdmission:
     """The last failed admission: until blocks are freed, the same head with no smaller budget (a chunk at least
-    as large) fails again, so it is not retried (it would cost O(context) per step). Exact for `vllm`; for a
-    policy whose answer also moves with time (vamp's allowance, moved at reviews) the head is asked again only
-    after the next free — a known approximation."""
+    as large) fails again before ``until_s``, so it is not retried (it would cost O(context) per step).
+    ``until_s`` is the policy's ``refusal_holds_until`` (+inf for ``vllm``; ``vamp``'s next review), so the head
+    is asked again at the first step the policy's answer could differ, as asking at every step would."""
 
     request: Request
     free_version: int  # the pool's free_version then
     budget: int  # the token budget it had
+    until_s: float = math.inf
 
-    def holds(self, head: Request, free_version: int, budget: int) -> bool:
-        """Whether admitting ``head`` with ``budget`` tokens left would fail as this one did."""
-        return head is self.request and free_version == self.free_version and budget >= self.budget
+    def holds(self, head: Request, free_version: int, budget: int, now_s: float) -> bool:
+        """Whether admitting ``head`` with ``budget`` tokens left at ``now_s`` would fail as this one did."""
+        return (head is self.request and free_version == self.free_version and budget >= self.budget
+                and now_s < self.until_s)
 
 
 class Scheduler:
@@ -172,7 +175,12 @@ class Scheduler:
         failed admission did (``BlockedAdmission``): nothing has been freed since and the budget is no larger."""
         blocked = self._blocked
         return (blocked is not None and bool(self.waiting)
-                and blocked.holds(self.waiting[0], self.kv.pool.free_version, budget))
+                and blocked.holds(self.waiting[0], self.kv.pool.free_version, budget, self.now_s))
+
+    @property
+    def blocked_until_s(self) -> float:
+        """When the last failed admission stops holding by itself (``BlockedAdmission.until_s``; +inf if none)."""
+        return math.inf if self._blocked is None else self._blocked.until_s
 
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self, now_s: float | None = None) -> SchedulerOutput:
@@ -265,7 +273,8 @@ class Scheduler:
                     and self._allocate(request, n, hits, False, len(self.running), out)):
                 request.num_computed_tokens = 0
                 if self.running:
-                    self._blocked = BlockedAdmission(request, self.kv.pool.free_version, budget)
+                    self._blocked = BlockedAdmission(request, self.kv.pool.free_version, budget,
+                                                     self.policy.refusal_holds_until(self.now_s))
                     break  # FCFS: wait for running requests to release memory
                 self._fail(request, out)  # nothing holds memory and it still does not fit: it never will
                 continue

@@ -17,6 +17,7 @@ are reused instead of recomputed — agent contexts run to hundreds of thousands
 from __future__ import annotations
 
 import heapq
+import math
 from itertools import repeat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,9 +159,11 @@ class Replay:
         host_kv, bs = self.host_kv, sched.kv.block_size
         seqs = [] if host_kv is None else host_kv.seqs(sched.kv, [(r.request_id, r.num_computed_tokens + 1)
                                                                  for r in running])
+        # a waiting head the policy refused is asked again once its refusal stops holding (vamp's next review)
+        until = sched.blocked_until_s if sched.waiting and num_seqs < sched.config.max_num_seqs else math.inf
         k = 0
         ends: list[float] = []
-        while k < k_max and not (events and events[0][0] <= self.now_s):
+        while k < k_max and not (events and events[0][0] <= self.now_s) and self.now_s < until:
             if seqs:  # the split and the device-resident KV change as the sequences grow (no block is allocated)
                 if k:  # the step before wrote one token each
                     for s in seqs:

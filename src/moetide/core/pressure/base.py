@@ -94,6 +94,13 @@ class PressurePolicy(Protocol):
         takes prefill runs without asking it)."""
         return False
 
+    def refusal_holds_until(self, now_s: float) -> float:
+        """Until when a waiting request this policy could not admit (``relieve`` returned no way out) would be
+        refused again while no block is freed: the scheduler does not ask before then. ``now_s`` (ask at every
+        step) unless a policy knows better: ``vllm``'s answer moves only with the pool (+inf), ``vamp``'s also at
+        its next review."""
+        return now_s
+
     @property
     def offload_at_start(self) -> bool:
         """Whether the whole offload cap goes out before the first request (``start_offload``)."""

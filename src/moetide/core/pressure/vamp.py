@@ -130,6 +130,11 @@ class VampPolicy(PressurePolicy):
         return self.params.give_back and line is not None and line.residency.num_offloaded > self._allowed
 
     # ---- the plan ---------------------------------------------------------------------------------------------
+    def refusal_holds_until(self, now_s: float) -> float:
+        """A waiting request refused now is refused again until the next review moves the allowance (the other
+        ways out, eviction and the room already allowed, move only with the pool)."""
+        return now_s if self._next_review_s is None else max(now_s, self._next_review_s)
+
     def relieve(self, view: PressureView) -> list[Action]:
         self._observe(view.now_s)
         line = self._line = view.expert_line

@@ -14,6 +14,8 @@ here only when even every evictable block would not hold its whole sequence, so 
 
 from __future__ import annotations
 
+import math
+
 from moetide.core.pressure.base import Action, EvictPrefix, Preempt, PressurePolicy, PressureView
 
 
@@ -23,6 +25,9 @@ class VllmPolicy(PressurePolicy):
     # For a running requester with no prefix hits: evicts exactly the shortfall whenever cached-free blocks cover
     # it, and reads nothing else of the view; core.runs relies on this to take prefill runs without asking.
     evicts_when_it_can = True
+
+    def refusal_holds_until(self, now_s: float) -> float:
+        return math.inf  # the answer reads the pool alone
 
     def relieve(self, view: PressureView) -> list[Action]:
         cached_free = view.pool.num_cached_free_blocks

@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 
 from moetide.commands import plan_split
+from moetide.sim import split_study
 from moetide.perf.host_share import HOST_EXPERT_PLACES
 
 HOSTS = {"preset": "xeon-gold-5318y",
@@ -46,17 +47,22 @@ def args_for(model: str, gpu: str, host: str, experts: str, density: float, *fla
     return parser.parse_args(argv)
 
 
+def study(args: argparse.Namespace) -> dict:
+    """plan-split's document for these flags."""
+    return split_study.evaluate(split_study.build_setup(plan_split.study_config(args)))
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def grid_line(model: str, gpu_label: str, host_label: str, experts: str, density: float) -> dict:
     args = args_for(model, GPUS[gpu_label], HOSTS[host_label], experts, density)
-    doc = plan_split.evaluate(args, plan_split.build_setup(args))
-    rows = [r for r in doc["rows"] if r["context"] >= plan_split.GEOMEAN_MIN_CONTEXT]
+    doc = study(args)
+    rows = [r for r in doc["rows"] if r["context"] >= split_study.GEOMEAN_MIN_CONTEXT]
     t = [r["step_time_s"] for r in rows]
     generous = args_for(model, GPUS[gpu_label], HOSTS[host_label], experts, density, "--hybridgen-streams")
-    streaming = plan_split.evaluate(generous, plan_split.build_setup(generous))["geomean_speedup"]["hybridgen"]
+    streaming = study(generous)["geomean_speedup"]["hybridgen"]
     return {"modeled": True, "model": model, "gpu": gpu_label, "host": host_label, "host_experts": experts,
             "sparse_density": density, "geomean_speedup": {k: round(v, 3) for k, v in doc["geomean_speedup"].items()},
             "over_best_named": round(doc["geomean_speedup_over_best_named_baseline"], 3),
@@ -74,11 +80,11 @@ def contention_line(model: str, gpu_label: str, host_label: str, experts: str, c
     for label, steps in (("static_ms", "0"), ("feedback_ms", "20")):
         args = args_for(model, GPUS[gpu_label], HOSTS[host_label], experts, 0.125, context="32k", batch="32",
                         cpu_slowdown=str(cpu_slowdown), feedback_steps=steps)
-        row = plan_split.evaluate(args, plan_split.build_setup(args))["rows"][0]
+        row = study(args)["rows"][0]
         out[label] = round(row["step_time_s"]["writescope"] * 1e3, 1)
         out[label.replace("_ms", "_cpu_share")] = round(row["cpu_share"], 3)
     idle = args_for(model, GPUS[gpu_label], HOSTS[host_label], experts, 0.125, context="32k", batch="32")
-    out["one_user_ms"] = round(plan_split.evaluate(idle, plan_split.build_setup(idle))["rows"][0]["step_time_s"][
+    out["one_user_ms"] = round(study(idle)["rows"][0]["step_time_s"][
         "writescope"] * 1e3, 1)
     return out
 

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from moetide.cli import main
-from moetide.commands.plan_split import COMPARED, parse_contexts, parse_tokens
+from moetide.commands.plan_split import parse_contexts, parse_tokens
+from moetide.sim.split_study import COMPARED
 from moetide.core.split_baselines import NAMED_BASELINES
 from moetide.core.splits import BASELINES
 from moetide.errors import UserError

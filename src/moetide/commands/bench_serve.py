@@ -216,8 +216,20 @@ def _failure_lines(results) -> list[str]:
     return [f"  {count:>6} x {reason}" for reason, count in reasons.most_common()]
 
 
+def _server_info(url: str, timeout_s: float):
+    """What the server says of itself (its model, its max_model_len), or one error naming what went wrong."""
+    from moetide.serve.bench_client import server_info
+
+    try:
+        return server_info(url, min(timeout_s, 30.0))
+    except ConnectionRefusedError:
+        raise UserError(f"--url {url}: connection refused; is the server up, and on that port?") from None
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise UserError(f"--url {url}: cannot list its models at {url}/v1/models ({exc})") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    from moetide.serve.bench_client import INTERRUPTED, Progress, Target, normalize_url, replay, server_info
+    from moetide.serve.bench_client import INTERRUPTED, Progress, Target, normalize_url, replay
     from moetide.serve.bench_metrics import calculate_metrics, per_request
 
     check_outputs(args)
@@ -228,12 +240,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--endpoint {args.endpoint}: a path on the server, e.g. /v1/completions")
     args.url = url
     workload, sessions = _load(args)
-    try:
-        info = server_info(url, min(args.timeout_s, 30.0))
-    except ConnectionRefusedError:
-        raise UserError(f"--url {url}: connection refused; is the server up, and on that port?") from None
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise UserError(f"--url {url}: cannot list its models at {url}/v1/models ({exc})") from None
+    info = _server_info(url, args.timeout_s)
     model = args.model_name or info.model
     target = Target(url, model, args.endpoint, args.ignore_eos, args.timeout_s)
     with human_output(args.json):

@@ -45,8 +45,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
                          policy: str | None = "vllm") -> None:
     """The modeled engine's options: the ones the PyTorch engine shares (``commands.options``), then the
     replay's own."""
-    defaults = ReplayConfig()
     add_serving_arguments(parser, "replay", with_offload_ratio=with_offload_ratio, policy=policy)
+    defaults = ReplayConfig()
+    _add_hardware_arguments(parser, defaults)
+    _add_vllm_rule_arguments(parser, defaults)
+    _add_staging_arguments(parser, defaults)
+
+
+def _add_hardware_arguments(parser: argparse.ArgumentParser, defaults: ReplayConfig) -> None:
     parser.add_argument("--gpu", default=defaults.gpu, help="GPU preset or hardware file (default %(default)s)")
     parser.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=int, default=defaults.tp, metavar="N",
                         help="tensor-parallel GPUs, as in vLLM (default %(default)s)")
@@ -60,6 +66,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--engine-profile", choices=engine_profiles(), default=defaults.engine_profile,
                         help="the step model's fitted efficiency for a GPU preset (default %(default)s; roofline: "
                              "none; docs/perf.md)")
+
+
+def _add_vllm_rule_arguments(parser: argparse.ArgumentParser, defaults: ReplayConfig) -> None:
     parser.add_argument("--vllm-version", choices=VLLM_VERSIONS, default=defaults.vllm_version,
                         help="the vLLM whose scheduler defaults the baseline takes: 0.32 (default), or 0.15 (0.15.1, "
                         "the VAMP paper's base: first-chunk admission, the long-prefill threshold on every chunk, "
@@ -80,6 +89,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_offload_ratio:
     parser.add_argument("--prefix-cache-retention-interval", type=_retention, default=0, metavar="{0,none}",
                         help="hybrid models: which states align mode keeps: 0 (vLLM's default) the prompt's last "
                         "block boundary and shared-prefix junctions; none every block's")
+
+
+def _add_staging_arguments(parser: argparse.ArgumentParser, defaults: ReplayConfig) -> None:
     parser.add_argument("--staging", choices=list(STAGING_MODES), default=defaults.staging_mode,
                         help="auto: prefetch the likeliest offloaded experts under the previous layer's compute, the "
                         "rest on demand; touched: on demand only; segment: all, every step (default %(default)s)")

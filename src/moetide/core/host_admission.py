@@ -33,7 +33,7 @@ from moetide.core.request import Request
 from moetide.units import cdiv
 
 if TYPE_CHECKING:
-    from moetide.core.scheduler import SchedulerOutput
+    from moetide.core.step_plan import SchedulerOutput
 
 
 class HostAdmission:

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from moetide.perf.budget import kv_bytes_per_token_per_gpu
-from moetide.perf.step import Efficiency
+from moetide.perf.efficiency import Efficiency
 from moetide.specs import HardwareSpec, HostSpec, ModelSpec
 
 MiB = 2**20

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from moetide.errors import UserError
 from moetide.perf.calibrate import factors_from_table
-from moetide.perf.step import Efficiency
+from moetide.perf.efficiency import Efficiency
 
 PROFILES_PATH = Path(__file__).with_name("engines.toml")
 DEFAULT_ENGINE_PROFILE = "vllm-0.32"

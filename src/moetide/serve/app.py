@@ -12,7 +12,6 @@ freed before the next step.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -28,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from moetide.engine.sampling import SamplingParams
 from moetide.serve.loop import EngineLoop, RequestHandle
 from moetide.serve.metrics import CONTENT_TYPE, ServerMetrics
+from moetide.serve.middleware import ApiKey, BodyLimit
 from moetide.serve.protocol import (ChatCompletionRequest, CompletionRequest, ServeError, completion_prompts,
                                     error_body)
 from moetide.serve.text import ChoiceText
@@ -68,23 +68,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServeConfig, metrics: Server
 
     app = FastAPI(title="moetide", lifespan=lifespan)
     api = _Api(loop, tokenizer, config)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            where = None
-            message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')}, at "\
-                      f"character {first.get('loc', ('', '?'))[-1]})"
-        else:
-            where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-            message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
-        return JSONResponse(error_body(message, HTTPStatus.BAD_REQUEST, where), status_code=400)
-
-    @app.exception_handler(ServeError)
-    async def refused(_request, exc: ServeError):
-        return JSONResponse(error_body(exc.message, exc.status, exc.param), status_code=int(exc.status))
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -117,80 +101,25 @@ def create_app(loop: EngineLoop, tokenizer, config: ServeConfig, metrics: Server
     return limited if config.api_key is None else ApiKey(limited, config.api_key)
 
 
-class ApiKey:
-    """ASGI middleware: with an API key, every ``/v1`` route needs ``Authorization: Bearer <key>``, or it is
-    answered 401 with an OpenAI error body before the body is parsed (vLLM's ``--api-key``); ``/health`` and
-    ``/metrics`` stay open, as in vLLM. The comparison takes the same time whatever the key sent."""
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal as an OpenAI-style error body: a body FastAPI could not validate (400), a ``ServeError``."""
 
-    def __init__(self, app, key: str) -> None:
-        self.app, self._expected = app, f"Bearer {key}".encode()
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            where = None
+            message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')}, at "\
+                      f"character {first.get('loc', ('', '?'))[-1]})"
+        else:
+            where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+            message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
+        return JSONResponse(error_body(message, HTTPStatus.BAD_REQUEST, where), status_code=400)
 
-    async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        if scope["type"] != "http" or not (path == "/v1" or path.startswith("/v1/")):
-            return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
-            return await self.app(scope, receive, send)
-        await _drain(receive)
-        await _send_error(send, "Incorrect or missing API key: send the server's key as 'Authorization: Bearer "
-                                "<key>'", HTTPStatus.UNAUTHORIZED)
-
-
-class BodyLimit:
-    """ASGI middleware: a request body past ``max_bytes`` (by its Content-Length, or counted as it streams in) is
-    answered 413 with an OpenAI error body before anything parses it, so one huge prompt cannot take the server's
-    memory or time."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _drain(receive)  # read and drop it, so the client gets the answer rather than a broken pipe
-            return await self._refuse(send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise _TooLarge()
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await _drain(receive)
-            await self._refuse(send)
-
-    async def _refuse(self, send) -> None:
-        await _send_error(send, f"the request body is larger than this server's limit of {self.max_bytes:,} bytes "
-                                f"(--max-request-bytes)", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-
-
-async def _send_error(send, message: str, status: HTTPStatus) -> None:
-    """An OpenAI error body sent straight from a middleware, before any route ran."""
-    body = json.dumps(error_body(message, status)).encode()
-    await send({"type": "http.response.start", "status": int(status),
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _drain(receive) -> None:
-    """Read the rest of a request body and keep none of it."""
-    while True:
-        message = await receive()
-        if message.get("type") != "http.request" or not message.get("more_body"):
-            return
+    @app.exception_handler(ServeError)
+    async def refused(_request, exc: ServeError):
+        return JSONResponse(error_body(exc.message, exc.status, exc.param), status_code=int(exc.status))
 
 
 class _Api:

@@ -197,6 +197,71 @@ class Progress:
     in_flight: int = 0
 
 
+class _Sending:
+    """One benchmark's sending: what finished, how many are in flight, and the stop every sender watches."""
+
+    def __init__(self, target: Target, num_turns: int, progress: Callable[[Progress], None] | None,
+                 stop: threading.Event) -> None:
+        self.target, self.progress, self.stop = target, progress, stop
+        self.results: dict[str, RequestResult] = {}
+        self.lock = threading.Lock()
+        self.state = Progress(num_turns)
+        self.start = time.perf_counter()
+
+    def one(self, turn: BenchTurn) -> None:
+        state = self.state
+        with self.lock:
+            state.in_flight += 1
+        result = send(self.target, turn)
+        with self.lock:
+            state.in_flight -= 1
+            if self.stop.is_set() and turn.request_id not in self.results and not result.success:
+                return  # cut off by the stop, not by the server: reported as not finished
+            self.results[result.request_id] = result
+            state.done += 1
+            state.failed += not result.success
+            if self.progress is not None:
+                self.progress(state)
+
+    def session(self, session: BenchSession) -> None:
+        """A closed-loop session's turns, one after the other, each after its think time."""
+        stop = self.stop
+        if stop.wait(max(0.0, self.start + session.start_s - time.perf_counter())):
+            return
+        for i, turn in enumerate(session.turns):
+            if i and turn.think_time_s > 0 and stop.wait(turn.think_time_s):
+                return
+            if stop.is_set():
+                return
+            self.one(turn)
+
+    def launch(self, sessions: list[BenchSession], turns: list[BenchTurn], mode: str) -> list[threading.Thread]:
+        """Start the senders: a thread per request at its arrival time (open loop; this waits for the last one's
+        arrival), or a thread per session (closed loop)."""
+        threads = []
+        if mode == "open":
+            for turn in sorted(turns, key=lambda t: t.arrival_s):
+                if self.stop.wait(max(0.0, self.start + turn.arrival_s - time.perf_counter())):
+                    break
+                threads.append(threading.Thread(target=self.one, args=(turn,), daemon=True))
+                threads[-1].start()
+        else:
+            for session in sessions:
+                threads.append(threading.Thread(target=self.session, args=(session,), daemon=True))
+                threads[-1].start()
+        return threads
+
+    def in_trace_order(self, turns: list[BenchTurn], stopped: bool) -> list[RequestResult]:
+        """Every turn's result; one that never finished is a failure that says why."""
+        why = INTERRUPTED if stopped else "never sent (its session stopped early)"
+        missing = RequestResult("", 0, 0, error=why)
+        with self.lock:
+            return [self.results.get(turn.request_id) or replace(missing, request_id=turn.request_id,
+                                                                 prompt_len=len(turn.prompt_token_ids),
+                                                                 expected_output_len=turn.output_tokens)
+                    for turn in turns]
+
+
 def replay(sessions: list[BenchSession], mode: str, target: Target,
            progress: Callable[[Progress], None] | None = None,
            stop: threading.Event | None = None) -> tuple[list[RequestResult], float, bool]:
@@ -204,60 +269,15 @@ def replay(sessions: list[BenchSession], mode: str, target: Target,
     was interrupted. Ctrl-C (or ``stop`` set) stops sending: what finished is kept, what was in flight or never
     sent is a failure that says so."""
     turns = [turn for session in sessions for turn in session.turns]
-    results: dict[str, RequestResult] = {}
-    lock = threading.Lock()
-    stop = stop or threading.Event()
-    state = Progress(len(turns))
-    start = time.perf_counter()
-
-    def one(turn: BenchTurn) -> None:
-        with lock:
-            state.in_flight += 1
-        result = send(target, turn)
-        with lock:
-            state.in_flight -= 1
-            if stop.is_set() and turn.request_id not in results and not result.success:
-                return  # cut off by the stop, not by the server: reported as not finished below
-            results[result.request_id] = result
-            state.done += 1
-            state.failed += not result.success
-            if progress is not None:
-                progress(state)
-
-    def run_session(session: BenchSession) -> None:
-        if stop.wait(max(0.0, start + session.start_s - time.perf_counter())):
-            return
-        for i, turn in enumerate(session.turns):
-            if i and turn.think_time_s > 0 and stop.wait(turn.think_time_s):
-                return
-            if stop.is_set():
-                return
-            one(turn)
-
-    threads = []
+    sending = _Sending(target, len(turns), progress, stop or threading.Event())
     interrupted = False
     try:
-        if mode == "open":
-            for turn in sorted(turns, key=lambda t: t.arrival_s):
-                if stop.wait(max(0.0, start + turn.arrival_s - time.perf_counter())):
-                    break
-                threads.append(threading.Thread(target=one, args=(turn,), daemon=True))
-                threads[-1].start()
-        else:
-            for session in sessions:
-                threads.append(threading.Thread(target=run_session, args=(session,), daemon=True))
-                threads[-1].start()
-        for thread in threads:
+        for thread in sending.launch(sessions, turns, mode):
             while thread.is_alive():
                 thread.join(0.2)
     except KeyboardInterrupt:
         interrupted = True
-        stop.set()
-    duration = time.perf_counter() - start
-    why = INTERRUPTED if interrupted or stop.is_set() else "never sent (its session stopped early)"
-    missing = RequestResult("", 0, 0, error=why)
-    with lock:
-        return [results.get(turn.request_id) or replace(missing, request_id=turn.request_id,
-                                                        prompt_len=len(turn.prompt_token_ids),
-                                                        expected_output_len=turn.output_tokens)
-                for turn in turns], duration, interrupted or stop.is_set()
+        sending.stop.set()
+    duration = time.perf_counter() - sending.start
+    stopped = interrupted or sending.stop.is_set()
+    return sending.in_trace_order(turns, stopped), duration, stopped

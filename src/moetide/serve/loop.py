@@ -21,7 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from moetide.engine.runner import Engine, EngineMetrics
+from moetide.engine.results import EngineMetrics
+from moetide.engine.runner import Engine
 from moetide.engine.sampling import SamplingParams
 
 log = logging.getLogger("moetide.serve")

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from moetide.engine.runner import EngineMetrics
+from moetide.engine.results import EngineMetrics
 from moetide.serve.loop import RequestHandle, TokenEvent
 
 # vllm/v1/metrics/buckets.py (0.32)

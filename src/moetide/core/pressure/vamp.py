@@ -1,82 +1,32 @@
 """``vamp``: move the weights/KV line when more KV is worth more than the expert bytes it costs.
 
-Asked before any cached prefix is lost (``allocate_slots`` never evicts by itself), it weighs, in seconds of
-accelerator work per second, what the next ``W`` blocks of KV capacity would save against what the experts that
-would give them up would cost — utility-based cache partitioning (Qureshi & Patt, MICRO 2006) between two tenants
-of one HBM, with the KV side measured by shadow tags as UCP does:
+Asked before any cached prefix is lost (``allocate_slots`` never evicts by itself), it weighs in seconds of
+accelerator work per second what the next ``W`` blocks of KV would save against what the experts that would give
+them up would cost: utility-based cache partitioning (Qureshi & Patt, MICRO 2006) between two tenants of one HBM.
 
-* **what evicting costs — measured.** Every block the policy evicts goes into a ghost list (its hash, in eviction
-  order), as long as the blocks the offload cap could ever add (``G``). When a request is admitted and its prefix
-  misses at block j whose hash is in the ghost list — and so are j+1, … as far as the run goes — those blocks would
-  have been hits had the pool been larger by more than their eviction depth (evictions since). Each such block's
-  re-prefill at its position x (``prefill_s_per_token + prefill_s_per_token_per_context · x`` per token:
-  attention grows with the context) is what vLLM actually pays for having evicted it. Summed per second (decayed
-  over ``horizon_s``) by depth, this is p(reuse) × re-prefill of what eviction invalidates, measured rather than
-  guessed; the value of W more blocks is the rate of ghost hits at depth < W. A preemption that a window would
-  have avoided (nothing evictable, a shortfall within W) adds the re-prefill of the victim's computed tokens
-  that no cache keeps for its return: where preemptions, not evictions, destroy the reuse (vLLM 0.15's
-  first-chunk admission, a hybrid model without prefix caching), that is what the line buys back.
-* **what offloading costs — modeled with the replay's own staging model.** The experts that would give W blocks
-  add exposed staging to every step: busy share × Δ(staging seconds per step-second), where the staging share is
-  the step timer's (``StepStats``: the very model the replay charges, over the recent mix of prefill chunks and
-  decode batches), plus a one-off remap per expert.
+* **Evicting — measured.** Evicted blocks' hashes go into a ghost list as long as the blocks the offload cap could
+  add (``G``). An admission whose prefix misses on ghost blocks would have hit in a pool larger by their eviction
+  depth; each such block's re-prefill at its position (``prefill_s_per_token`` +
+  ``prefill_s_per_token_per_context`` · x per token), decayed over ``horizon_s``, is what ``W`` more blocks are
+  worth. A preemption a window would have avoided adds the recompute no cache keeps.
+* **Offloading — modeled** with the driver's own staging model (``StepStats``): busy share × the change in exposed
+  staging per step-second over the recent step mix, plus a remap per expert.
 
-The comparison moves an allowed line, not every decision: once per ``horizon_s`` (the review), the allowance
-grows by the experts that give ``W`` blocks if W more blocks would have saved more than ``margin`` (2) times the
-re-prefill those experts' staging costs. The factor-of-two dead band stands for the error of two first-order
-estimates: neither side sees the queueing its change causes (a line moved on an even comparison ran to the cap in
-the collapse of an overloaded run and left it worse). UCP repartitions at intervals for the same reason: one step
-per interval keeps the line from outrunning what its measurements can see (a line moved at every shortfall ran to
-the cap before the re-prefills it saved, or the queues its staging built, showed up). ``W = G / 8``: a marginal
-slice of the capacity the cap can add, wide enough to see ghost hits, narrow enough to be marginal. With a review
-every 120 s the line can move as fast as a quarter of the cap every 300 s, but in steps half as large, so it
-stops closer to what a load needs: a quarter ran a load just under ``vllm``'s cliff on the whole WEKA trace past
-what it needed and into collapse, where an eighth serves it at 0.73x the TTFT p90 of ``vllm`` given the same
-KV blocks (docs/vamp.md).
+Reviews move an *allowance*, not each decision: once per ``horizon_s`` the allowance grows by the experts of one
+window (``W = G / 8``) if ``W`` blocks would have saved more than ``margin`` times their staging (the dead band
+stands for the error of two first-order estimates that see no queueing). A growth is checked one review later
+against the busy seconds per prompt token asked for and taken back if that rose by more than
+``growth_tolerance``. A shortfall is covered by offloading cold experts up to the allowance and eviction of the
+rest; past it, as ``vllm`` would (LRU eviction, then preemption of the newest running request for a running
+requester; a waiting one waits, unless nothing runs and only the line can admit it).
 
-A review never gives a window back on a first-order estimate of what the last window saves. The one there is to
-make — hits on the W blocks a smaller pool would have lost, the head of the LRU queue — undervalues capacity near
-the cache's cliff: the LRU head holds prefixes that never come back, yet shrinking the pool tips the queue over
-it, and the drain then loses the region's cached prefixes whatever their place in the queue (on the whole WEKA
-trace it left ``vamp`` 1.07x ``vllm``'s TTFT p90 at a load where, without it, ``vamp`` is below ``vllm``;
-docs/vamp.md). The line comes back on measurement instead: a growth that made each token dearer, and a
-pool that has had room to spare for long (both below).
+The line follows the allowance back (``give_back``): the last region drains (its free blocks leave the pool, each
+used block when its request lets it go) and its experts get their pages back when it is empty; a calm pool gives
+a window back after ``calm_reviews`` horizons. ``vamp-reclaim`` also lowers the allowance by the last region once
+the pool has had room to spare for ``reclaim_hold_s``. ``give_back=False`` is the paper's controller.
 
-Each growth is then checked against what it was for, measured rather than estimated: the accelerator's busy
-seconds per prompt token asked for (first admissions; re-prefill and staging both raise it, and so does the
-queueing a move causes, which neither first-order estimate sees). If one review after a growth that figure is
-more than ``growth_tolerance`` (10%) above what it was when the line grew, the window is taken back from the
-allowance and the line may not grow for ``growth_hold_reviews`` (4) reviews: a cache past its cliff, where the
-saved re-prefill turns into little shorter queueing while the staging slows every step, no longer drives the line
-to the cap. A growth that preemption recompute rather than ghost hits paid for is not
-checked so: it trades recompute for staging where preemption costs latency, not accelerator time.
-
-A shortfall is covered by offloading the next cold experts (spread over layers, only as many as the shortfall
-needs, never past the allowance or the cap) and eviction covers the rest; past the allowance it is covered as
-``vllm`` would — LRU eviction (chain tails first) — and, when the cached-free blocks cannot cover it either, a
-running requester preempts the newest running request (possibly itself) and a waiting one waits, unless nothing
-is running and only moving the line (up to the cap) can admit it. Before the first review the allowance is zero.
-
-The line follows the allowance back too (``give_back``): once fewer experts are allowed than are offloaded, the
-last region drains — its free blocks leave the pool at once (the prefixes cached there go to the ghost list like
-any eviction), each block in use leaves when its request lets it go, none is allocated again — and its experts get
-their pages back when it is empty (``BlockPool.drain``); the line growing first cancels the drain. A region that
-only waited for a moment when all its blocks happened to be free would never go back from a busy pool, and a line
-that cannot come back turns a growth the measurements later reject into a lasting slowdown (a stable load tipped
-into collapse; docs/vamp.md). Reviews run only at shortfalls, so once pressure has receded for good none
-comes: a pool that has had room to spare (``vamp-reclaim``'s watermark) for ``calm_reviews`` horizons gives a
-window back, and the smaller pool must show as long a calm of its own before the next. An offload made because
-nothing else could admit a request raises the allowance with it. ``give_back=False`` is the paper's controller:
-the line only grows (``vamp-reclaim``'s too).
-
-``vamp-reclaim`` also reviews its line every ``reclaim_check_s`` and lowers the allowance by the last region once
-the pool has had room to spare for ``reclaim_hold_s`` — uncached free blocks beyond the region's own of at least
-``reclaim_watermark`` of the pool (free KV that stays above a watermark): the last window's measured
-worth cannot see that giving it back tips a cache near its cliff over it, while a pool with room to spare is not
-near it.
-
-Every coefficient is a named field of ``VampParams`` (``core.pressure.vamp_params``); the replay or engine setup
-derives them from specs and the perf model (core never imports perf).
+Every coefficient is a named field of ``VampParams`` (``core.pressure.vamp_params``), derived by the driver's cost
+provider. The measurements behind each rule: docs/vamp/policy.md.
 """
 
 from __future__ import annotations

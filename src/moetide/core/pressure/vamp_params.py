@@ -30,10 +30,9 @@ class VampParams:
     steps: StepStats
     block_size: int
     prefill_s_per_token_per_context: float = 0.0  # what one token of context adds to one token's prefill
-    # time constant of the measured rates (ghost hits, busy share) and the review interval: with windows of an
-    # eighth of the cap, 120 s is within 10% of an oracle of fixed offload ratios at 14 of 15 loads and within 5% of
-    # vllm on the whole WEKA trace; 300 s lags the onset of pressure
-    # (docs/vamp.md, "The default horizon and window")
+    # time constant of the measured rates (ghost hits, busy share) and the review interval: long enough to see
+    # reuse, short enough to follow the onset of pressure (chosen against an oracle of fixed offload ratios:
+    # docs/vamp.md, "The default horizon and window")
     horizon_s: float = 120.0
     remap_s_per_expert: float = 50e-6  # cuMemUnmap/cuMemMap of an expert's pages and the block-table update
     reclaim: bool = False
@@ -57,8 +56,7 @@ class VampParams:
     give_back: bool = True
     # ... and, a window at a time, once the pool has had room to spare (vamp-reclaim's watermark) for this many
     # horizons: reviews run only at shortfalls, so a line that pressure moved would otherwise stay out for good
-    # once it recedes. Long enough that a lull within a burst keeps the line (4 horizons gave lines back between
-    # the bursts of the oracle's loads and cost up to 1.66x its TTFT p90; docs/vamp.md)
+    # once it recedes. Long enough that a lull within a burst keeps the line (docs/vamp.md)
     calm_reviews: float = 10.0
 
     def __post_init__(self) -> None:

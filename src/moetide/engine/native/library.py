@@ -81,6 +81,39 @@ def _build(compiler: str, flags: list[str], cache_dir: Path) -> Path:
     return target
 
 
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# each kernel's C signature: (argument types, return type)
+_SIGNATURES = {
+    "moetide_moe_grouped_f32": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P], _INT),
+    "moetide_moe_grouped_bf16": ([_P, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P], _INT),
+    "moetide_linear": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P], None),
+    "moetide_linear_isa": ([], _INT),
+    "moetide_gdn_decode": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64,
+                            _I64, _I64, _P, _P, _P], None),
+    "moetide_rms_norm": ([_P, _I64, _I64, _I64, _I64, _F32, _P, _I64, _P, _I64, _P, _P], None),
+    "moetide_copy_blocks": ([_P, _P, _I64, _I64, _I64], None),
+    "moetide_paged_decode_attention": ([_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _F32,
+                                        _P, _I64, _P, _I64, _P, _P, _I64, _P], _INT),
+    "moetide_rms_norm_rope": ([_P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I64, _P, _P, _P, _I64, _P, _P, _I64],
+                              None),
+    "moetide_moe_route": ([_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P], None),
+    "moetide_attention_block_scratch": ([_I64] * 6, _I64),
+    "moetide_attention_block": ([_P, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),  # the args struct first
+    "moetide_moe_block_scratch": ([_I64] * 5, _I64),
+    "moetide_moe_block": ([_P, _P, _I64, _I64, _P, _P, _P, _P, _P], None),
+    "moetide_decode_layers": ([_I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P], _INT),
+}
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Each kernel's signature on the loaded library, and the linear kernel's ISA (read on every projection:
+    asked once)."""
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    lib.linear_isa = _LINEAR_ISAS[lib.moetide_linear_isa()]
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernels' library, built and loaded on the first call; None where it cannot be (the reason is in
@@ -103,41 +136,7 @@ def load() -> ctypes.CDLL | None:
         if lib.moetide_abi_version() != _ABI_VERSION:
             errors.append(f"{' '.join(flags)}: ABI version {lib.moetide_abi_version()} != {_ABI_VERSION}")
             continue
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.moetide_moe_grouped_f32.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, i64, p, p, p]
-        lib.moetide_moe_grouped_f32.restype = ctypes.c_int
-        lib.moetide_moe_grouped_bf16.argtypes = [p, i64, i64, p, p, p, i64, p, i64, i64, i64, i64, p, p, p]
-        lib.moetide_moe_grouped_bf16.restype = ctypes.c_int
-        lib.moetide_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, p]
-        lib.moetide_linear.restype = None
-        lib.moetide_linear_isa.argtypes = []
-        lib.moetide_linear_isa.restype = ctypes.c_int
-        lib.linear_isa = _LINEAR_ISAS[lib.moetide_linear_isa()]  # read on every projection: asked once
-        lib.moetide_gdn_decode.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, i64, i64,
-                                              i64, i64, p, p, p]
-        lib.moetide_gdn_decode.restype = None
-        lib.moetide_rms_norm.argtypes = [p, i64, i64, i64, i64, ctypes.c_float, p, i64, p, i64, p, p]
-        lib.moetide_rms_norm.restype = None
-        lib.moetide_copy_blocks.argtypes = [p, p, i64, i64, i64]
-        lib.moetide_copy_blocks.restype = None
-        lib.moetide_paged_decode_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, p, p, i64,
-                                                       ctypes.c_float, p, i64, p, i64, p, p, i64, p]
-        lib.moetide_paged_decode_attention.restype = ctypes.c_int
-        lib.moetide_rms_norm_rope.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, p, i64, p,
-                                              p, i64]
-        lib.moetide_rms_norm_rope.restype = None
-        lib.moetide_moe_route.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p]
-        lib.moetide_moe_route.restype = None
-        lib.moetide_attention_block_scratch.argtypes = [i64] * 6
-        lib.moetide_attention_block_scratch.restype = i64
-        lib.moetide_attention_block.argtypes = [p, p, p, i64, i64, i64, p, p, p]  # the args struct first
-        lib.moetide_attention_block.restype = ctypes.c_int
-        lib.moetide_moe_block_scratch.argtypes = [i64] * 5
-        lib.moetide_moe_block_scratch.restype = i64
-        lib.moetide_moe_block.argtypes = [p, p, i64, i64, p, p, p, p, p]
-        lib.moetide_moe_block.restype = None
-        lib.moetide_decode_layers.argtypes = [i64, p, p, p, p, i64, i64, p, p, p, p, p, p, p]
-        lib.moetide_decode_layers.restype = ctypes.c_int
+        _declare(lib)
         return lib
     _reasons.append("the native kernels did not build: " + "; ".join(errors))
     return None

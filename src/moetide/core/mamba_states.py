@@ -106,6 +106,10 @@ class MambaStates:
         self._due: dict[str, int] = {}
         self._allocated: set[str] = set()
         self._cached_this_step: set[int] = set()
+        # request -> (source, destination) state blocks, group by group, of the slots allocated this step: the
+        # state a step starts from is the previous slot's (or a prefix hit's); a driver that holds real states
+        # copies it into the new slot before the step (``state_copies``)
+        self._copies: dict[str, list[tuple[int, int]]] = {}
         # attention block hashes after which some group's state was registered: a superset of those with a state
         # still cached (the pool evicts states on its own), pruned when a lookup finds none left
         self._state_after: set[int] = set()
@@ -136,6 +140,12 @@ class MambaStates:
 
     def new_step(self) -> None:
         self._cached_this_step.clear()
+        self._copies.clear()
+
+    def state_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block pairs of this step's new slots: each group's state the step starts from,
+        to be copied into the slot it writes before the step runs. Empty for a request with no earlier state."""
+        return [pair for pairs in self._copies.values() for pair in pairs]
 
     # ---- the allocation, in vLLM's order ------------------------------------------------------------------
     def remove_skipped(self, request_id: str, num_computed_tokens: int) -> None:
@@ -222,8 +232,11 @@ class MambaStates:
                 t.last_state = t.length - 1
             t.length = max(t.length, num_required - 1)
             if num_required > t.length:
-                t.real[t.length] = next(it)
+                t.real[t.length] = new = next(it)
                 t.length += 1
+                source = t.real.get(t.last_state) if t.last_state is not None else None
+                if source is not None:
+                    self._copies.setdefault(request_id, []).append((source, new))
         self._allocated.add(request_id)
 
     def cache(self, request_id: str, block_hashes: Sequence[int], num_tokens: int, num_prompt_tokens: int,
@@ -264,6 +277,7 @@ class MambaStates:
         """Release a finished or preempted request's states, group by group, each table tail first."""
         self._allocated.discard(request_id)
         self._due.pop(request_id, None)
+        self._copies.pop(request_id, None)
         for t in self._tables.pop(request_id, ()):
             if t.real:
                 self.pool.free([t.real[i] for i in sorted(t.real, reverse=True)])

@@ -37,6 +37,7 @@ from moetide.core.expert_line import ArenaLayout, ExpertLine
 from moetide.core.config import ServingConfig, build_scheduler, expert_residency
 from moetide.core.experts import ExpertResidency
 from moetide.core.kv_manager import KVCacheManager
+from moetide.core.mamba_states import MambaStates
 from moetide.core.pressure import PressurePolicy, VampParams, get_policy, policy_entry
 from moetide.core.scheduler import Scheduler
 from moetide.engine.attention import PagedAttentionBackend
@@ -80,12 +81,11 @@ ENGINE_DEFAULTS = dict(kv_cache_memory=256 * 2**20, block_size=16, max_num_seqs=
 
 @dataclass(frozen=True)
 class EngineConfig(ServingConfig):
-    """``ServingConfig``'s options (``None`` resolved by ``ENGINE_DEFAULTS``; ``enable_prefix_caching=None``:
-    on, except for hybrid models, see ``engine.state``) and what only the engine has: the device, the dtype
-    (``None``: config.json's), its pages (``None``: ``storage.default_page_bytes``), and with host KV the
-    ``split_gpu`` / ``cpu`` presets or files the split's costs come from (``cpu=None``: ``split_gpu``'s host).
-    ``static_offload`` offloads the
-    cap before the first request whatever the policy."""
+    """``ServingConfig``'s options (``None`` resolved by ``ENGINE_DEFAULTS``; ``enable_prefix_caching=None``: on,
+    as vLLM 0.32, hybrid models included unless beside host KV: ``_caching``) and what only the engine has: the
+    device, the dtype (``None``: config.json's), its pages (``None``: ``storage.default_page_bytes``), and with host
+    KV the ``split_gpu`` / ``cpu`` presets or files the split's costs come from (``cpu=None``: ``split_gpu``'s
+    host). ``static_offload`` offloads the cap before the first request whatever the policy."""
 
     device: str = "cpu"
     dtype: str | None = None
@@ -209,10 +209,27 @@ def _arena(kv: KVLayout, experts: ExpertLayout, config: EngineConfig) -> Arena:
 
 
 def _caching(config: EngineConfig, hybrid: bool) -> bool:
-    if config.enable_prefix_caching and hybrid:
-        raise UserError("prefix caching is not supported for hybrid (linear-attention) models: a linear state "
-                        "cannot be rebuilt from a cached prefix")
-    return (not hybrid) if config.enable_prefix_caching is None else config.enable_prefix_caching
+    """Prefix caching as vLLM 0.32 resolves it: on unless turned off, for hybrid models too (their states cached
+    as blocks, ``core.mamba_states``), except beside a host KV tier, where a hybrid model's cached states are not
+    supported (off by default, an error when asked for)."""
+    if hybrid and config.kv_host_memory:
+        if config.enable_prefix_caching:
+            raise UserError("prefix caching of a hybrid (linear-attention) model beside host KV is not supported: "
+                            "give --no-prefix-caching or no --kv-host-memory")
+        return False
+    return True if config.enable_prefix_caching is None else config.enable_prefix_caching
+
+
+def _kv_manager(pool: BlockPool, config: EngineConfig, state_layout: StateLayout, kv_layout: KVLayout,
+                host_kv: HostKVStorage | None) -> KVCacheManager:
+    """The KV books; a hybrid model's state takes ``n`` blocks (its bytes cut into block-sized pieces): with prefix
+    caching, piece i is linear-attention group i of ``core.mamba_states`` (each state a slot of its own, cached
+    at block boundaries, as vLLM's align mode), else ``n`` private blocks per request."""
+    num_state_blocks = state_layout.num_blocks(kv_layout.block_bytes)
+    mamba = MambaStates(pool, config.block_size, num_state_blocks) if num_state_blocks and pool.enable_caching \
+        else None
+    return KVCacheManager(pool, config.block_size, num_state_blocks_per_request=0 if mamba else num_state_blocks,
+                          evict_device_prefixes=host_kv is not None and config.evict_device_prefixes, mamba=mamba)
 
 
 def _place_experts(model: MoECausalLM, storage: ArenaStorage, device: torch.device) -> torch.Tensor:
@@ -274,9 +291,7 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: PressurePolicy |
                          host_tier=HostTier(host_kv.first_block_id, host_kv.num_blocks))
         arena.attach_pool(ArenaPoolView(pool))
     state_layout = StateLayout.of(shapes, kv_layout.dtype)
-    kv = KVCacheManager(pool, config.block_size,
-                        num_state_blocks_per_request=state_layout.num_blocks(kv_layout.block_bytes),
-                        evict_device_prefixes=host_kv is not None and config.evict_device_prefixes)
+    kv = _kv_manager(pool, config, state_layout, kv_layout, host_kv)
     residency = expert_residency(config, num_layers=len(expert_layout.moe_layer_ids),
                                  num_experts=expert_layout.num_experts, expert_bytes=expert_layout.expert_bytes)
     storage = ArenaStorage(arena, kv_layout, expert_layout, device)

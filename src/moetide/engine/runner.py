@@ -15,8 +15,9 @@ Static offload (``static_offload=True``, or a policy whose ``offload_at_start`` 
 does) offloads ``max_offload_ratio`` of the routed-expert bytes at start (``core.pressure.start_offload``)
 through the same expert line a policy's ``OffloadExperts`` action uses.
 
-Hybrid models (Qwen3-Next): prefix caching is off and a preempted request recomputes from token 0, because a
-linear-attention state cannot be rebuilt from a cached attention prefix (``engine.state``).
+Hybrid models (Qwen3-Next) cache prefixes as vLLM 0.32's align mode does (``core.mamba_states``): a state slot per
+block boundary, the boundary states kept as cached blocks, a hit resuming from the state at its end; each new slot
+starts from a copy of the state before it (``_copy_states``).
 
 Two ways in, one loop. ``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests`` are the
 incremental API a server drives (vLLM's ``LLMEngine`` shape): requests join and leave between steps, and each
@@ -153,6 +154,7 @@ class Engine:
         out = sched.schedule(self._clock())
         if out.promoted:
             self._copy_promoted(out.promoted)
+        self._copy_states()
         outputs = [StepOutput(r.request_id, [], "failed") for r in out.failed]
         for request in out.failed:
             self._forget(request.request_id)
@@ -253,6 +255,14 @@ class Engine:
         stats.experts_staged = provider.stager.num_staged - staged0
         stats.experts_on_host = provider.num_host_computed - on_host0
         return GenerateResult([self._output(r, r.request_id in failed) for r in requests], stats)
+
+    def _copy_states(self) -> None:
+        """Hybrid models with prefix caching: each new state slot starts from the previous slot's state (or a
+        prefix hit's), copied in before the step writes it (``MambaStates.state_copies``)."""
+        mamba, storage = self.scheduler.kv.mamba, self.parts.storage
+        if mamba is not None:
+            for src, dst in mamba.state_copies():
+                storage.kv_block(dst).copy_(storage.kv_block(src))
 
     def _copy_promoted(self, pairs: list[tuple[int, int]]) -> None:
         """Host prefix blocks whose place in the prefix cache went to device blocks (``SchedulerOutput.promoted``):

@@ -1,9 +1,8 @@
 """Linear-attention (Gated DeltaNet) state in KV-pool blocks: the engine's ``LinearStateStore`` for hybrid models.
 
 Where the bytes live: like vLLM's hybrid allocator, a hybrid model's fixed-size per-sequence state is carved from
-the same pool as KV — ``KVCacheManager(num_state_blocks_per_request=n)`` gives each running request ``n`` private
-blocks with its first allocation and frees them with the request. The state of one sequence, all linear layers, is
-laid out as one byte string (``models.StateLayout``) cut into ``kv_block_bytes`` pieces, piece i in the request's
+the same pool as KV (``KVCacheManager``: ``n`` blocks per state, below). The state of one sequence, all linear
+layers, is laid out as one byte string (``models.StateLayout``) cut into ``kv_block_bytes`` pieces, piece i in the request's
 state block i, so exact memory accounting needs no second allocator.
 
 Two ways to reach it. A decode step on the CPU hands the native kernel the blocks' addresses (``state_blocks``), and
@@ -13,11 +12,10 @@ be adjacent in the arena, the first such call gathers the step's state blocks in
 per block with the native library, else an indexed copy), the layer updates views of it, and ``commit`` scatters it
 back. After a gather, ``state_blocks`` points into the scratch, so the two ways never see different bytes.
 
-Correctness across preemption: a linear state cannot be rebuilt from a cached attention prefix (it summarises
-every earlier token), so for hybrid models the engine disables prefix caching and a preempted request recomputes
-from token 0 (vLLM does the same for Mamba-style layers without state checkpoints). The scheduler then always
-reports ``num_computed_tokens == 0`` for a (re)started request, and the model ignores the contents of a state
-whose sequence has no computed tokens, so recycled blocks need no clearing.
+Which blocks: without prefix caching, the request's ``n`` private state blocks; with it, each group's newest state
+slot (``core.mamba_states``: piece i is group i), which the runner first fills with the state it starts from (the
+slot before, or a prefix hit's cached state). A request that starts from nothing (no computed tokens) has its state
+ignored by the model, so recycled blocks need no clearing.
 
 With host KV (``engine.host_kv``) a state block may be a host block (the pool hands out device blocks first, but
 a request admitted once the device part is full gets host blocks). A step with such a block gathers at ``prepare``

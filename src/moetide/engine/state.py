@@ -2,8 +2,8 @@
 
 Where the bytes live: like vLLM's hybrid allocator, a hybrid model's fixed-size per-sequence state is carved from
 the same pool as KV (``KVCacheManager``: ``n`` blocks per state, below). The state of one sequence, all linear
-layers, is laid out as one byte string (``models.StateLayout``) cut into ``kv_block_bytes`` pieces, piece i in the request's
-state block i, so exact memory accounting needs no second allocator.
+layers, is laid out as one byte string (``models.StateLayout``) cut into ``kv_block_bytes`` pieces, piece i in the
+request's state block i, so exact memory accounting needs no second allocator.
 
 Two ways to reach it. A decode step on the CPU hands the native kernel the blocks' addresses (``state_blocks``), and
 the kernel updates each state where it lies, as vLLM's kernels index a state slot: no copy. A layer that needs

@@ -34,7 +34,7 @@ from moetide.report.units import duration_text
 from moetide.perf import StepTimeModel
 from moetide.sim.setup import DTYPES, ReplayConfig, resolve_dtype, run_replay
 from moetide.specs import get_gpu, get_model
-from moetide.sim.vllm_defaults import MAMBA_CACHE_MODES, VLLM_VERSIONS
+from moetide.sim.vllm_defaults import MAMBA_CACHE_MODES, SSM_CACHE_DTYPES, VLLM_VERSIONS
 from moetide.workloads import generate_agent_sessions, load_workload
 from moetide.workloads.base import Workload, within_model_len
 from moetide.workloads.generator import GeneratorConfig
@@ -82,6 +82,10 @@ def _add_vllm_rule_arguments(parser: argparse.ArgumentParser, defaults: ReplayCo
                         help="admit a waiting request only if its whole known sequence fits in the KV cache, as "
                         "vLLM 0.32 does (its default); --no-scheduler-reserve-full-isl admits it on its first chunk, "
                         "as vLLM before PR #37307 (e.g. 0.15) did")
+    parser.add_argument("--mamba-ssm-cache-dtype", choices=list(SSM_CACHE_DTYPES),
+                        default=defaults.mamba_ssm_cache_dtype,
+                        help="hybrid models: the recurrent states' dtype, as vLLM's: auto (the model's) or float32 "
+                             "(moetide's engine keeps them so) (default %(default)s)")
     parser.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, default=None,
                         help="hybrid models (Qwen3-Next): align caches linear-attention states as blocks of their "
                         "own, as vLLM 0.32 does with prefix caching; none keeps one per request and needs "
@@ -217,7 +221,8 @@ def _config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=_bytes(args.kv_cache_memory),
         vllm_version=args.vllm_version, engine_profile=args.engine_profile, enable_prefix_caching=args.prefix_caching,
         scheduler_reserve_full_isl=args.scheduler_reserve_full_isl, seed=args.seed,
-        mamba_cache_mode=args.mamba_cache_mode, prefix_cache_retention_interval=args.prefix_cache_retention_interval,
+        mamba_cache_mode=args.mamba_cache_mode, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        prefix_cache_retention_interval=args.prefix_cache_retention_interval,
         max_offload_ratio=args.max_offload_ratio, staging_mode=args.staging,
         routing_zipf_s=args.routing_zipf_s, routing_profile=args.routing_profile,
         host_link_shared_by=args.host_link_shared_by,
@@ -269,8 +274,9 @@ def print_summary(result: dict) -> None:
         ["simulated duration", duration_text(metrics["duration_s"])],
     ], align="<>"))
     if metrics["offloaded_ratio_max"] > 0:
-        print(f"\nthe weights/KV line moved: up to {metrics['offloaded_ratio_max']:.1%} of the routed-expert bytes went "
-              f"to the KV cache ({metrics['offloads']:,} offloads, {metrics['reclaims']:,} regions given back), and "
+        print(f"\nthe weights/KV line moved: up to {metrics['offloaded_ratio_max']:.1%} of the routed-expert bytes "
+              f"went to the KV cache ({metrics['offloads']:,} offloads, {metrics['reclaims']:,} regions given back), "
+              f"and "
               f"{metrics['staged_bytes'] / 2**30:,.1f} GiB of expert weights were staged from host memory for it")
 
 

@@ -167,26 +167,29 @@ def kv_bytes_per_token_per_gpu(model: ModelSpec, *, tp: int = 1, kv_dtype_bytes:
     return len(model.full_attention_layer_ids) * per_layer * kv_dtype_bytes
 
 
-def state_bytes_per_seq_per_gpu(model: ModelSpec, *, tp: int = 1, state_dtype_bytes: int = 2) -> int:
-    """Linear-attention state (conv + recurrent) of one sequence on one GPU: split tp ways by heads; 0 if none."""
-    return cdiv(model.linear_state_bytes_per_seq(state_dtype_bytes), tp)
+def state_bytes_per_seq_per_gpu(model: ModelSpec, *, tp: int = 1, state_dtype_bytes: int = 2,
+                                ssm_dtype_bytes: int | None = None) -> int:
+    """Linear-attention state (conv + recurrent; the recurrent part at ``ssm_dtype_bytes`` when given) of one
+    sequence on one GPU: split tp ways by heads; 0 if none."""
+    return cdiv(model.linear_state_bytes_per_seq(state_dtype_bytes, ssm_dtype_bytes), tp)
 
 
 def hybrid_block_size(model: ModelSpec, *, tp: int = 1, kv_dtype_bytes: int = 2, state_dtype_bytes: int = 2,
-                      alignment: int = VLLM_KERNEL_BLOCK_ALIGNMENT) -> int | None:
+                      ssm_dtype_bytes: int | None = None, alignment: int = VLLM_KERNEL_BLOCK_ALIGNMENT) -> int | None:
     """The attention block size vLLM picks for a hybrid model so one attention page holds one linear-attention
     layer's state (its ``_align_hybrid_block_size``, mamba_cache_mode none/align); None for other models."""
     num_linear = len(model.linear_attention_layer_ids) if model.linear_attention is not None else 0
     if not num_linear or model.mla is not None:
         return None
-    mamba_page = state_bytes_per_seq_per_gpu(model, tp=tp, state_dtype_bytes=state_dtype_bytes) // num_linear
+    mamba_page = state_bytes_per_seq_per_gpu(model, tp=tp, state_dtype_bytes=state_dtype_bytes,
+                                             ssm_dtype_bytes=ssm_dtype_bytes) // num_linear
     attn_page_1_token = 2 * kv_heads_per_gpu(model, tp) * model.head_dim * kv_dtype_bytes
     return alignment * cdiv(mamba_page, alignment * attn_page_1_token)
 
 
-def default_block_size(model: ModelSpec, *, tp: int = 1) -> int:
+def default_block_size(model: ModelSpec, *, tp: int = 1, ssm_dtype_bytes: int | None = None) -> int:
     """vLLM's block size for this model: 16, or the hybrid page-aligned size (``hybrid_block_size``)."""
-    return hybrid_block_size(model, tp=tp) or DEFAULT_BLOCK_SIZE
+    return hybrid_block_size(model, tp=tp, ssm_dtype_bytes=ssm_dtype_bytes) or DEFAULT_BLOCK_SIZE
 
 
 def block_bytes_per_gpu(model: ModelSpec, block_size: int, tp: int = 1, kv_dtype_bytes: int = 2) -> int:
@@ -307,13 +310,15 @@ class MemoryBudget:
 
 def memory_budget(model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1, block_size: int = DEFAULT_BLOCK_SIZE,
                   dtype_bytes: int = 2, kv_dtype_bytes: int = 2, state_dtype_bytes: int | None = None,
+                  ssm_dtype_bytes: int | None = None,
                   gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                   max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                   activation_reserve_bytes: int | None = None, kv_cache_memory: int | None = None,
                   state_checkpoints: bool = False, staging_room_bytes: int = 0) -> MemoryBudget:
     """The whole per-GPU budget. ``state_dtype_bytes`` defaults to ``dtype_bytes`` (vLLM's
-    ``mamba_ssm_cache_dtype="auto"``); ``staging_room_bytes`` (offloaded experts' staging buffers) is held
-    beside the activation reserve, outside the KV budget. ``UserError`` when the pool cannot hold even one
+    ``mamba_ssm_cache_dtype="auto"``; ``ssm_dtype_bytes`` 4 is its ``float32``, for the recurrent state alone);
+    ``staging_room_bytes`` (offloaded experts' staging buffers) is held beside the activation reserve, outside the
+    KV budget. ``UserError`` when the pool cannot hold even one
     request's state + block."""
     reserve = activation_reserve_bytes
     if reserve is None:
@@ -323,7 +328,8 @@ def memory_budget(model: ModelSpec, gpu: HardwareSpec, *, tp: int = 1, block_siz
                              activation_reserve_bytes=reserve + staging_room_bytes, kv_cache_memory=kv_cache_memory,
                              dtype_bytes=dtype_bytes)
     block = block_bytes_per_gpu(model, block_size, tp, kv_dtype_bytes)
-    state = state_bytes_per_seq_per_gpu(model, tp=tp, state_dtype_bytes=state_dtype_bytes or dtype_bytes)
+    state = state_bytes_per_seq_per_gpu(model, tp=tp, state_dtype_bytes=state_dtype_bytes or dtype_bytes,
+                                        ssm_dtype_bytes=ssm_dtype_bytes)
     charged = block + (state if state_checkpoints else 0)
     num_blocks = num_kv_blocks(budget, charged)
     state_blocks = cdiv(state, charged)

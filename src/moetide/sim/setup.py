@@ -28,8 +28,8 @@ from moetide.sim.metrics import MetricsCollector
 from moetide.sim.replay import Replay
 from moetide.sim.step_time import (STAGING_MIX_HORIZONS, StepTimeWithStaging, reference_decode, staging_config,
                                     vamp_params)
-from moetide.sim.vllm_defaults import (MAMBA_CACHE_MODES, VLLM_VERSIONS, mamba_states, vllm_defaults,
-                                       vllm_serving_defaults)
+from moetide.sim.vllm_defaults import (MAMBA_CACHE_MODES, SSM_CACHE_DTYPES, VLLM_VERSIONS, mamba_states, ssm_bytes,
+                                       vllm_defaults, vllm_serving_defaults)
 from moetide.specs import HardwareSpec, ModelSpec, get_gpu, get_model, host_for
 from moetide.workloads.base import Workload
 
@@ -63,6 +63,9 @@ class ReplayConfig(ServingConfig):
     # vLLM's prefix_cache_retention_interval for those states: 0 (its default) keeps the prompt's replay boundary
     # and shared-prefix junctions; None keeps every block's state
     prefix_cache_retention_interval: int | None = 0  # (vLLM 0.15 keeps every state: None is used there)
+    # vLLM's mamba_ssm_cache_dtype: "auto" keeps hybrid recurrent states at the model's dtype; "float32" in fp32,
+    # as moetide's engine keeps them (the block size and each state's blocks follow)
+    mamba_ssm_cache_dtype: str = "auto"
     # "auto": prefetch the likeliest offloaded experts behind the previous layer's compute, fetch the rest on
     # demand; "touched": on demand only; "segment": the whole offloaded segment every step (perf/staging.py)
     staging_mode: str = "auto"
@@ -116,6 +119,9 @@ class ReplayConfig(ServingConfig):
         if self.engine_profile not in engine_profiles():
             raise ValueError(f"ReplayConfig.engine_profile must be one of {', '.join(engine_profiles())}, got "
                              f"{self.engine_profile!r}")
+        if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPES:
+            raise ValueError(f"ReplayConfig.mamba_ssm_cache_dtype must be one of {', '.join(SSM_CACHE_DTYPES)}, got "
+                             f"{self.mamba_ssm_cache_dtype!r}")
         if self.prefix_cache_retention_interval not in (None, 0):
             raise ValueError(f"ReplayConfig.prefix_cache_retention_interval: 0 or none are modeled, got "
                              f"{self.prefix_cache_retention_interval}")
@@ -166,7 +172,7 @@ def build_replay(
         model, gpu, tp=config.tp, block_size=config.block_size, dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_memory=config.kv_cache_memory,
-        staging_room_bytes=_staging_room(residency, config),
+        staging_room_bytes=_staging_room(residency, config), ssm_dtype_bytes=ssm_bytes(config),
     )
     host_kv = build_host_kv(model, gpu, config, budget)
     kv = _kv_manager(model, config, budget, host_kv)
@@ -202,7 +208,7 @@ def resolve_config(config: ReplayConfig, model: ModelSpec, gpu: HardwareSpec) ->
     if config.cpu is None and (config.kv_host_memory or config.cold_experts == CPU or gpu.host):
         config = replace(config, cpu=host_for(config.cpu, gpu))
     if config.block_size is None:
-        config = replace(config, block_size=default_block_size(model, tp=config.tp))
+        config = replace(config, block_size=default_block_size(model, tp=config.tp, ssm_dtype_bytes=ssm_bytes(config)))
     config = vllm_defaults(config, model)
     batched, seqs = vllm_serving_defaults(gpu)
     return replace(config, max_num_batched_tokens=batched if config.max_num_batched_tokens is None

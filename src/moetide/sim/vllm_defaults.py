@@ -38,6 +38,14 @@ def vllm_defaults(config: ReplayConfig, model: ModelSpec) -> ReplayConfig:
                    prefix_cache_retention_interval=retention)
 
 
+SSM_CACHE_DTYPES = {"auto": None, "float32": 4}  # vLLM's mamba_ssm_cache_dtype -> the recurrent state's bytes
+
+
+def ssm_bytes(config: ReplayConfig) -> int | None:
+    """The recurrent state's element size under ``mamba_ssm_cache_dtype`` (None: the model's dtype)."""
+    return SSM_CACHE_DTYPES[config.mamba_ssm_cache_dtype]
+
+
 def mamba_states(model: ModelSpec, config: ReplayConfig, pool: BlockPool, budget: MemoryBudget,
                  host_kv: HostKV | None) -> MambaStates | None:
     """A hybrid model's states as vLLM 0.32 caches them with prefix caching ("align"), one pool block per
@@ -46,9 +54,10 @@ def mamba_states(model: ModelSpec, config: ReplayConfig, pool: BlockPool, budget
         return None
     if config.mamba_cache_mode == "none":
         return None
-    if config.block_size != default_block_size(model, tp=config.tp):
+    aligned = default_block_size(model, tp=config.tp, ssm_dtype_bytes=ssm_bytes(config))
+    if config.block_size != aligned:
         raise UserError(f"--block-size {config.block_size}: in mamba_cache_mode align a state fills one block, which "
-                        f"vLLM's block size for {model.name} ({default_block_size(model, tp=config.tp)}) ensures; "
+                        f"vLLM's block size for {model.name} ({aligned}) ensures; "
                         "leave --block-size out, or give --no-prefix-caching")
     if host_kv is not None:
         raise UserError("a host KV tier beside a hybrid model's cached states is not modeled: give "

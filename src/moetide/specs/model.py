@@ -102,11 +102,17 @@ class LinearAttentionSpec:
         return 2 * self.key_dim + self.value_dim
 
     @property
+    def conv_numel_per_seq(self) -> int:
+        return self.conv_dim * self.conv_kernel_size
+
+    @property
+    def recurrent_numel_per_seq(self) -> int:
+        return self.num_value_heads * self.key_head_dim * self.value_head_dim
+
+    @property
     def state_numel_per_seq(self) -> int:
         """Elements of conv state plus recurrent state for one sequence in one layer."""
-        conv = self.conv_dim * self.conv_kernel_size
-        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim
-        return conv + recurrent
+        return self.conv_numel_per_seq + self.recurrent_numel_per_seq
 
     def params(self, hidden_size: int) -> int:
         in_proj = hidden_size * (2 * self.key_dim + 2 * self.value_dim)  # in_proj_qkvz
@@ -314,13 +320,16 @@ class ModelSpec:
         """KV bytes one token adds over the layers that keep a growing cache (full attention only)."""
         return len(self.full_attention_layer_ids) * self.kv_bytes_per_token_per_layer(dtype_bytes)
 
-    def linear_state_bytes_per_seq(self, dtype_bytes: int = BF16_BYTES) -> int:
+    def linear_state_bytes_per_seq(self, dtype_bytes: int = BF16_BYTES, ssm_dtype_bytes: int | None = None) -> int:
         """Fixed bytes one sequence holds over all linear-attention layers (conv + recurrent state); 0 if none.
-        Engines may keep the recurrent state in fp32: pass dtype_bytes=4 for that bound."""
+        ``ssm_dtype_bytes``: the recurrent state's element size where it differs (vLLM's
+        ``mamba_ssm_cache_dtype=float32``: 4); None: ``dtype_bytes``."""
         _require_dtype_bytes(dtype_bytes)
         if self.linear_attention is None:
             return 0
-        return len(self.linear_attention_layer_ids) * self.linear_attention.state_numel_per_seq * dtype_bytes
+        la = self.linear_attention
+        per_layer = la.conv_numel_per_seq * dtype_bytes + la.recurrent_numel_per_seq * (ssm_dtype_bytes or dtype_bytes)
+        return len(self.linear_attention_layer_ids) * per_layer
 
     # ---- FLOPs (for the roofline step-time model) ---------------------------------------------------------
 

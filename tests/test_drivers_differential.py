@@ -8,10 +8,10 @@ policy's ``offload_at_start``. Every policy's unit tests passed; only running bo
 
 What runs: a tiny random Mixtral checkpoint (4 MoE layers, bf16, so the replay's spec, read from its config.json,
 counts the same bytes as the engine's tensors), and a tiny Qwen3-Next with prefix caching on (states cached at block
-boundaries in both drivers, ``core.mamba_states``; ``Case``), each with six two-turn sessions that share a system prompt, with each
-session's second turn extending its first (prefix hits, then evictions). The KV budget is ``Case.kv_blocks`` blocks on
-both sides, small enough that prefixes are evicted and requests preempted; ``max_offload_ratio`` lets policies
-offload. Replay (``build_replay``, its fast paths off so every step goes through ``schedule()``) runs first, then
+boundaries in both drivers, ``core.mamba_states``; ``Case``), each with six two-turn sessions that share a system
+prompt, each session's second turn extending its first (prefix hits, then evictions). The KV budget is
+``Case.kv_blocks`` blocks on both sides, small enough that prefixes are evicted and requests preempted;
+``max_offload_ratio`` lets policies offload. Replay (``build_replay``, its fast paths off so every step goes through ``schedule()``) runs first, then
 the engine (``Engine.generate``, one call per turn round, each session's next turn sent in the order its previous
 one finished, as the replay sends them).
 

@@ -201,3 +201,11 @@ def test_the_policys_price_keeps_chunks_of_one_size_at_different_contexts_apart(
     window = staging.config.effective_overlap_layers * mean_base / timer.num_layers
     averaged = 48 * staging.layer(8192, 40, window)[1] / mean_base
     assert averaged < 0.5 * predicted  # (here nothing: the long chunk's cover hides all of it)
+
+
+def test_the_serving_config_and_the_staging_model_name_the_same_cold_expert_modes():
+    """perf may not import core (docs/layers.md), so each layer spells the modes; they must agree."""
+    from moetide.core.config import COLD_EXPERT_MODES as SERVING
+    from moetide.perf.staging import COLD_EXPERT_MODES as MODELED
+
+    assert SERVING == MODELED

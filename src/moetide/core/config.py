@@ -101,9 +101,10 @@ def expert_residency(config: ServingConfig, *, num_layers: int, num_experts: int
                                                  max_offload_ratio=config.max_offload_ratio))
 
 
-def make_policy(config: ServingConfig, costs: CostProvider) -> PressurePolicy:
-    """The policy the config names; ``costs`` (the driver's one cost provider) is called only if it needs them."""
-    return get_policy(config.policy, costs=costs)
+def make_policy(config: ServingConfig, costs: CostProvider, **params: object) -> PressurePolicy:
+    """The policy the config names; ``costs`` (the driver's one cost provider) is called only if it needs them and
+    ``params`` (a test's fixed coefficients) does not carry them."""
+    return get_policy(config.policy, costs=costs, **params)
 
 
 def build_scheduler(config: ServingConfig, kv: KVCacheManager, line: ExpertLine, policy: PressurePolicy, *,

@@ -34,11 +34,11 @@ import torch
 from moetide.core.arena import Arena
 from moetide.core.blocks import BlockPool, HostTier
 from moetide.core.expert_line import ArenaLayout, ExpertLine
-from moetide.core.config import ServingConfig, build_scheduler, expert_residency
+from moetide.core.config import ServingConfig, build_scheduler, expert_residency, make_policy
 from moetide.core.experts import ExpertResidency
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.mamba_states import MambaStates
-from moetide.core.pressure import PressurePolicy, VampParams, get_policy, policy_entry
+from moetide.core.pressure import PressurePolicy, VampParams, policy_entry
 from moetide.core.scheduler import Scheduler
 from moetide.engine.attention import PagedAttentionBackend
 from moetide.engine.experts import StagedExpertProvider
@@ -172,7 +172,7 @@ def _policy(policy: PressurePolicy | None, params: dict[str, object], config: En
                                   horizon_s=config.vamp_horizon_s)
 
     try:
-        return get_policy(config.policy, costs=priced, **params), (steps[0] if steps else None)
+        return make_policy(config, priced, **params), (steps[0] if steps else None)
     except (ValueError, TypeError) as exc:
         raise UserError(f"--policy {config.policy}: {exc}") from None
 

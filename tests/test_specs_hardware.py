@@ -238,3 +238,42 @@ def test_specs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         get_host("ddr4-3200-8ch").num_cores = 1  # type: ignore[misc]
     assert isinstance(get_host("ddr4-3200-8ch"), HostSpec)
+
+
+def test_each_gpu_preset_names_its_host_and_serving_defaults_as_data():
+    """--cpu's default is the GPU's own host (a field of its entry), and vLLM's A100 exception to its batch rule is
+    data of the A100 entries, not a test of the name."""
+    from moetide.sim.vllm_defaults import vllm_serving_defaults
+    from moetide.specs import get_gpu, get_host, host_for
+
+    assert host_for(None, get_gpu("h100")) == "ddr5-4800-8ch"
+    assert host_for(None, get_gpu("a100-80gb")) == "ddr4-3200-8ch"
+    assert host_for("ddr5-4800-12ch", get_gpu("a100-80gb")) == "ddr5-4800-12ch"
+    for name in preset_names("gpu"):
+        gpu = get_gpu(name)
+        assert get_host(gpu.host).name == gpu.host  # every preset's host is a host preset
+    assert vllm_serving_defaults(get_gpu("a100-80gb")) == (2048, 256)  # 80 GiB, but an A100
+    assert vllm_serving_defaults(get_gpu("h100")) == vllm_serving_defaults(get_gpu("h200")) == (8192, 1024)
+
+
+def test_a_gpu_file_without_a_host_needs_cpu_only_where_a_host_is_used(tmp_path):
+    from moetide.errors import UserError
+    from moetide.specs import get_gpu, host_for
+
+    path = tmp_path / "gpu.toml"
+    path.write_text('hbm_bytes = 85899345920\nhbm_bandwidth_bytes_per_s = 3.35e12\nmatmul_flops_per_s = 9.9e14\n'
+                    'matmul_dtype = "bf16"\nhost_link_bandwidth_bytes_per_s = 5.5e10\n'
+                    'gpu_link_bandwidth_bytes_per_s = 4.5e11\n')
+    gpu = get_gpu(str(path))
+    assert gpu.host == "" and gpu.max_num_batched_tokens == 0
+    with pytest.raises(UserError, match="names no host CPU"):
+        host_for(None, gpu)
+    from moetide.sim.setup import ReplayConfig, resolve_config
+    from moetide.specs import get_model
+
+    model = get_model("qwen3-30b-a3b")
+    assert resolve_config(ReplayConfig(gpu=str(path)), model, gpu).cpu is None  # no host is used: none is asked for
+    with pytest.raises(UserError, match="give --cpu"):
+        resolve_config(ReplayConfig(gpu=str(path), kv_host_memory=2**30), model, gpu)
+    assert resolve_config(ReplayConfig(gpu=str(path), kv_host_memory=2**30, cpu="ddr4-3200-8ch"), model,
+                          gpu).cpu == "ddr4-3200-8ch"

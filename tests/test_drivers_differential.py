@@ -11,9 +11,9 @@ counts the same bytes as the engine's tensors), and a tiny Qwen3-Next with prefi
 boundaries in both drivers, ``core.mamba_states``; ``Case``), each with six two-turn sessions that share a system
 prompt, each session's second turn extending its first (prefix hits, then evictions). The KV budget is
 ``Case.kv_blocks`` blocks on both sides, small enough that prefixes are evicted and requests preempted;
-``max_offload_ratio`` lets policies offload. Replay (``build_replay``, its fast paths off so every step goes through ``schedule()``) runs first, then
-the engine (``Engine.generate``, one call per turn round, each session's next turn sent in the order its previous
-one finished, as the replay sends them).
+``max_offload_ratio`` lets policies offload. Replay (``build_replay``, its fast paths off so every step goes
+through ``schedule()``) runs first, then the engine (``Engine.generate``, one call per turn round, each session's
+next turn sent in the order its previous one finished, as the replay sends them).
 
 Same inputs on both sides where the public API allows: the engine's ``clock`` replays the replay's clock, step for
 step; ``vamp``'s coefficients are one fixed ``VampParams`` (a ``FixedSteps`` step record counted from the log, not

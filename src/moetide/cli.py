@@ -73,22 +73,17 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moetide.commands.options import drop_warnings, flush_warnings
-
     verb = f"moetide {_verb_of(argv)}" if _verb_of(argv) in VERBS else "moetide"
     try:
         args = _parse(argv)
         code = int(args._run(args) or 0)
-        flush_warnings()
         sys.stdout.flush()
         return code
     except UserError as exc:
-        drop_warnings()  # the error is the one line to act on
         print(f"{verb}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the goodbye
-        flush_warnings()
         print(f"{verb}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

@@ -18,7 +18,7 @@ import random
 import statistics
 
 from moetide.commands.generate import add_engine_arguments, build_engine, max_model_len, read_config
-from moetide.commands.options import add_max_model_len, flush_warnings, int_list
+from moetide.commands.options import add_max_model_len, int_list
 from moetide.errors import UserError
 
 
@@ -56,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--prompt-tokens {args.prompt_tokens:,} + --decode-tokens {args.decode_tokens:,} is past "
                         f"--max-model-len {limit:,} (the model's max_position_embeddings unless given)")
     engine = build_engine(args, ignore_eos=True)
-    flush_warnings()
     from moetide.engine import native  # imports torch: after build_engine, which says so clearly if it is missing
 
     native_kernels = native.available() or native.unavailable_reason()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moetide.commands.options import add_json_argument, add_plot_argument, add_workload_arguments, check_outputs
-from moetide.commands.options import flush_warnings, human_output
+from moetide.commands.options import human_output
 from moetide.commands.replay import add_engine_arguments, config_from, load, refused_line, write_json
 from moetide.errors import UserError
 from moetide.report.progress import ProgressBar
@@ -150,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
     configs = {policy: config_from(args, policy) for policy in policies}  # every bad setting before any replay
     check_outputs(args)
     workload = load(args)
-    flush_warnings()
 
     def header(runs: dict[str, dict]) -> str:
         first = next(iter(runs.values()))["config"]

@@ -48,7 +48,6 @@ from moetide.commands.options import (
     check_output_path,
     checkpoint_dir,
     flag_message,
-    flush_warnings,
     human_output,
     write_json_output,
 )
@@ -220,7 +219,6 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = [tokenizer.encode(text) for text in texts]
     check_lengths(texts, prompt_ids, args.max_tokens, max_model_len(args, config))
     engine = build_engine(args, ignore_eos=args.ignore_eos)
-    flush_warnings()
     if args.routing_out:
         engine.parts.experts.record_totals()
     # a request whose prompt and output can never be held fails now, not after the steps it would run first (the

@@ -75,30 +75,7 @@ def flag_message(message: str) -> str:
                   lambda m: FLAG_OF_FIELD.get(m.group(1), "--" + m.group(1).replace("_", "-")), message)
 
 
-# ---- warnings and removed spellings -------------------------------------------------------------------------
-
-_WARNED: set[str] = set()
-_PENDING: list[str] = []
-
-
-def warn_once(key: str, message: str) -> None:
-    """One warning per process and key, held until the run starts (``flush_warnings``): a command that stops on a
-    ``UserError`` prints that one line only."""
-    if key not in _WARNED:
-        _WARNED.add(key)
-        _PENDING.append(f"moetide: warning: {message}")
-
-
-def flush_warnings() -> None:
-    """The held warnings on stderr; verbs call it once their input is checked, ``cli.main`` after every run."""
-    for line in _PENDING:
-        print(line, file=sys.stderr)
-    _PENDING.clear()
-
-
-def drop_warnings() -> None:
-    _PENDING.clear()
-
+# ---- removed spellings -------------------------------------------------------------------------
 
 # spellings 0.2.0 removed -> what replaces them (CHANGELOG.md); "FLAG (VERB)" where only one verb had it.
 # ``cli`` refuses each with its replacement.

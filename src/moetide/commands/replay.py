@@ -20,7 +20,6 @@ from moetide.commands.options import (
     bytes_text,
     check_outputs,
     flag_message,
-    flush_warnings,
     human_output,
     write_json_output,
 )
@@ -316,7 +315,6 @@ def run(args: argparse.Namespace) -> int:
     config = config_from(args, args.policy)
     check_outputs(args)
     workload = load(args)
-    flush_warnings()
     progress = ProgressBar("replay")
     result, metrics = run_replay(workload, config, progress)
     progress.close()

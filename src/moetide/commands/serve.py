@@ -17,8 +17,7 @@ from pathlib import Path
 
 from moetide.commands.generate import (add_engine_arguments, build_engine, kv_capacity_tokens, load_tokenizer,
                                        max_model_len, read_config)
-from moetide.commands.options import (add_max_model_len, add_memory_option, bytes_text, checkpoint_dir,
-                                      flush_warnings)
+from moetide.commands.options import add_max_model_len, add_memory_option, bytes_text, checkpoint_dir
 from moetide.errors import UserError, read_json
 
 API_KEY_ENV = "MOETIDE_API_KEY"  # vLLM reads VLLM_API_KEY the same way
@@ -182,6 +181,5 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("serve needs FastAPI and uvicorn: pip install 'moetide[serve]'") from None
     _check_port(args.host, args.port)
     app, _loop = build_app(args)
-    flush_warnings()  # before the server runs: it returns only at shutdown
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0

@@ -12,7 +12,7 @@ import sys
 
 from moetide.commands.compare import COLUMNS, comparison_rows, finish, replay_with_metrics, run_each
 from moetide.commands.options import add_json_argument, add_plot_argument, add_workload_arguments, check_outputs
-from moetide.commands.options import flush_warnings, human_output
+from moetide.commands.options import human_output
 from moetide.commands.replay import add_engine_arguments, config_from, load, refused_line
 from moetide.errors import UserError
 from moetide.report.tables import format_table
@@ -48,7 +48,6 @@ def run(args: argparse.Namespace) -> int:
     base = config_from(args, args.policy)
     check_outputs(args)
     workload = load(args)
-    flush_warnings()
     def one(key: str):
         return replay_with_metrics(workload, dataclasses.replace(base, max_offload_ratio=ratios[key]),
                                    f"{args.policy} cap {key}")

@@ -155,14 +155,12 @@ def build_engine(args: argparse.Namespace, **overrides: object):
         if args.threads < 1:
             raise UserError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    active = args.kv_host_active_memory
-    memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory)
-    options = dict(kv_cache_memory=memory, block_size=args.block_size, policy=args.policy,
+    options = dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, policy=args.policy,
                    max_offload_ratio=args.max_offload_ratio, static_offload=args.static_offload,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   device=args.device, kv_host_memory=int(args.kv_host_memory),
-                   kv_host_active_memory=None if active is None else int(active),
-                   device_prefixes=args.device_prefixes, split_policy=args.split_policy,
+                   device=args.device, kv_host_memory=args.kv_host_memory,
+                   kv_host_active_memory=args.kv_host_active_memory, device_prefixes=args.device_prefixes,
+                   split_policy=args.split_policy,
                    split_fixed_ratio=args.split_fixed_ratio, split_gpu=args.split_gpu, cpu=args.cpu,
                    vamp_horizon_s=args.vamp_horizon_s, cold_experts=args.cold_experts,
                    costs=read_costs(args.vamp_costs) if args.vamp_costs else None)

@@ -26,9 +26,8 @@ from moetide.core.kv_manager import DEVICE_PREFIXES
 from moetide.core.pressure import POLICIES
 from moetide.core.splits import SPLIT_POLICIES
 from moetide.errors import UserError
-from moetide.units import bytes_text  # noqa: F401 (the verbs import it from here)
+from moetide.units import GiB, KiB, MiB, bytes_text  # noqa: F401 (bytes_text: the verbs import it from here)
 
-KiB, MiB, GiB = 2**10, 2**20, 2**30
 _SUFFIXES = {"": 1, "b": 1, "B": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
              "K": KiB, "M": MiB, "G": GiB, "T": 2**40,
              "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -38,7 +37,7 @@ POLICY_HELP = ", ".join(POLICIES)
 
 
 def parse_bytes(text: str) -> float:
-    """``2GiB`` -> 2147483648; ``1e9`` -> 1e9. A float, so that a size given in GiB divides back exactly."""
+    """``2GiB`` -> 2147483648; ``1e9`` -> 1e9; ``1.5k`` -> 1500.0 (a float: a token count refuses fractions)."""
     match = _SIZE.fullmatch(text)
     if match is None:
         raise argparse.ArgumentTypeError(f"a size in bytes such as 2GiB, 512MiB or 1e9, got {text!r}")
@@ -51,6 +50,11 @@ def parse_bytes(text: str) -> float:
     if scale is None or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"a size in bytes such as 2GiB, 512MiB or 1e9, got {text!r}")
     return value * scale
+
+
+def parse_size(text: str) -> int:
+    """A memory size as every ``SIZE`` option takes it: ``parse_bytes``, in whole bytes."""
+    return int(parse_bytes(text))
 
 
 def int_list(text: str) -> list[int]:
@@ -103,8 +107,8 @@ def check_removed(verb: str | None, argv: list[str]) -> None:
 
 
 def add_memory_option(parser: argparse.ArgumentParser, flag: str, default: float | None, help: str) -> None:
-    """A size in bytes with unit suffixes (``parse_bytes``)."""
-    parser.add_argument(flag, type=parse_bytes, default=default, metavar="SIZE", help=help)
+    """A size in whole bytes with unit suffixes (``parse_size``)."""
+    parser.add_argument(flag, type=parse_size, default=default, metavar="SIZE", help=help)
 
 
 # ---- outputs ------------------------------------------------------------------------------------------------
@@ -282,11 +286,11 @@ def add_serving_arguments(parser: argparse.ArgumentParser, driver: str, *, with_
         add_model_argument(parser, default=None, what="checkpoint folder (config.json + safetensors) or its "
                            "config.json", metavar="DIR|CONFIG_JSON")
     what = "KV cache per GPU" if driver == "replay" else "device memory for the KV cache beyond the routed experts"
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory, metavar="SIZE",
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=d.kv_cache_memory, metavar="SIZE",
                         help=_size_help(f"{what}, e.g. 8GiB or 1e9 (vLLM's --kv-cache-memory-bytes, also accepted)",
                                         resolved.get("kv_cache_memory"), "what is left of --gpu-memory-utilization x "
                                         "HBM after weights and activations"))
-    parser.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_bytes, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_size, help=argparse.SUPPRESS)
     if driver == "replay":  # each engine verb declares its own: serve's answers requests, generate's refuses
         add_max_model_len(parser, "no limit")
     _add_batch_arguments(parser, resolved)
@@ -320,11 +324,11 @@ def _add_batch_arguments(parser: argparse.ArgumentParser, resolved: dict[str, ob
 
 
 def _add_host_kv_arguments(parser: argparse.ArgumentParser, d) -> None:
-    parser.add_argument("--kv-host-memory", type=parse_bytes, default=d.kv_host_memory, metavar="SIZE",
+    parser.add_argument("--kv-host-memory", type=parse_size, default=d.kv_host_memory, metavar="SIZE",
                         help="host memory for KV blocks that spill past the device KV cache, e.g. 64GiB: attention "
                              "then splits each step between the device, the CPU in place and blocks streamed to the "
                              "device, as --split-policy chooses (default: none)")
-    parser.add_argument("--kv-host-active-memory", type=parse_bytes, default=d.kv_host_active_memory, metavar="SIZE",
+    parser.add_argument("--kv-host-active-memory", type=parse_size, default=d.kv_host_active_memory, metavar="SIZE",
                         help="--kv-host-memory: admit a request only while the host KV that running requests attend "
                              "each step stays within this size (the rest holds cached prefixes) (default: no bound)")
     parser.add_argument("--split-policy", choices=list(SPLIT_POLICIES), default=d.split_policy,

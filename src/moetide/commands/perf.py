@@ -87,7 +87,7 @@ def _build(args: argparse.Namespace, model: ModelSpec, gpu: HardwareSpec) -> tup
     budget = memory_budget(model, gpu, tp=args.tp, block_size=block_size, dtype_bytes=args.dtype_bytes,
                            kv_dtype_bytes=args.kv_dtype_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
                            max_num_batched_tokens=args.max_num_batched_tokens,
-                           kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory),
+                           kv_cache_memory=args.kv_cache_memory,
                            state_checkpoints=args.state_checkpoints)
     return step, budget
 

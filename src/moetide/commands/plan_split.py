@@ -10,7 +10,7 @@ import json
 import math
 import re
 
-from moetide.commands.options import (add_json_argument, check_outputs, human_output, parse_bytes,
+from moetide.commands.options import (add_json_argument, check_outputs, human_output, parse_size,
                                       write_json_output)
 from moetide.errors import UserError
 from moetide.perf.engines import DEFAULT_ENGINE_PROFILE, engine_profiles
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", metavar="NAME|FILE",
                         help="host CPU socket, a preset or hardware file (default: the GPU's host, e.g. ddr4-3200-8ch "
                              "beside an A100)")
-    parser.add_argument("--gpu-memory", type=parse_bytes, default=32 * GiB, metavar="SIZE",
+    parser.add_argument("--gpu-memory", type=parse_size, default=32 * GiB, metavar="SIZE",
                         help="device memory the layout may use: weights, reserve, ring, device KV and resident "
                              "experts (default 32GiB)")
     parser.add_argument("--context", default=DEFAULT_CONTEXTS, metavar="LIST",
@@ -56,9 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, metavar="B", help="sequences per step (default: aggregate / context)")
     parser.add_argument("--aggregate-tokens", default="1M", metavar="N",
                         help="without --batch: batch = max(1, N / context) (default 1M)")
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=4 * GiB, metavar="SIZE",
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=4 * GiB, metavar="SIZE",
                         help="device KV cache (default 4GiB)")
-    parser.add_argument("--ring-memory", type=parse_bytes, default=256 * MiB, metavar="SIZE",
+    parser.add_argument("--ring-memory", type=parse_size, default=256 * MiB, metavar="SIZE",
                         help="staging ring (default 256MiB)")
     parser.add_argument("--ring-slots", type=int, default=4, metavar="N", help="ring slots (default 4)")
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="KV block size in tokens (16)")
@@ -130,8 +130,8 @@ def study_config(args: argparse.Namespace) -> SplitStudyConfig:
     fixed = None if args.split_fixed_ratio == "tuned" else float(args.split_fixed_ratio)
     return SplitStudyConfig(
         model=args.model, gpu=args.gpu, cpu=host_for(args.cpu, get_gpu(args.gpu)), engine_profile=args.engine_profile,
-        plan=tuple(zip(contexts, _batches(args, contexts))), gpu_memory=int(args.gpu_memory),
-        kv_cache_memory=int(args.kv_cache_memory), ring_memory=int(args.ring_memory), ring_slots=args.ring_slots,
+        plan=tuple(zip(contexts, _batches(args, contexts))), gpu_memory=args.gpu_memory,
+        kv_cache_memory=args.kv_cache_memory, ring_memory=args.ring_memory, ring_slots=args.ring_slots,
         block_size=args.block_size, blocks_per_transfer=args.blocks_per_transfer, split_fixed_ratio=fixed,
         cpu_slowdown=args.cpu_slowdown, feedback_steps=args.feedback_steps, host_experts=args.host_experts,
         kv_prefetch=not args.no_kv_prefetch, sparse_density=args.sparse_density,

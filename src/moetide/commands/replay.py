@@ -209,15 +209,11 @@ def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
     return config
 
 
-def _bytes(size: float | None) -> int | None:
-    return None if size is None else int(size)
-
-
 def _config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
     return ReplayConfig(
         model=args.model, gpu=args.gpu, tp=args.tp, policy=policy, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=_bytes(args.kv_cache_memory),
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
         vllm_version=args.vllm_version, engine_profile=args.engine_profile, enable_prefix_caching=args.prefix_caching,
         scheduler_reserve_full_isl=args.scheduler_reserve_full_isl, seed=args.seed,
         mamba_cache_mode=args.mamba_cache_mode, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
@@ -227,10 +223,10 @@ def _config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         host_link_shared_by=args.host_link_shared_by,
         cold_experts=args.cold_experts, cpu=args.cpu, gpus_per_socket=args.gpus_per_socket,
         cpu_matmul_tflops=args.cpu_matmul_tflops,
-        vamp_horizon_s=args.vamp_horizon_s, kv_host_memory=int(args.kv_host_memory or 0),
+        vamp_horizon_s=args.vamp_horizon_s, kv_host_memory=args.kv_host_memory,
         split_policy=args.split_policy,
         split_fixed_ratio=args.split_fixed_ratio, cpu_slowdown=args.cpu_slowdown,
-        device_prefixes=args.device_prefixes, kv_host_active_memory=_bytes(args.kv_host_active_memory),
+        device_prefixes=args.device_prefixes, kv_host_active_memory=args.kv_host_active_memory,
         dtype=args.dtype,
     )
 

@@ -85,7 +85,7 @@ def serve_config(args: argparse.Namespace):
         raise UserError("--api-key must be a non-empty key without spaces")
     return ServeConfig(model_name=args.served_model_name or args.model, model_dir=str(checkpoint_dir(args.model)),
                        max_model_len=limit, max_num_queued_reqs=args.max_num_queued_reqs, api_key=key,
-                       max_request_bytes=int(body_limit),
+                       max_request_bytes=body_limit,
                        chat_template=read_chat_template(args.chat_template),
                        default_temperature=float(generation.get("temperature", 1.0)),
                        default_top_p=float(generation.get("top_p", 1.0)))

@@ -25,7 +25,6 @@ from moetide.commands.options import (
 )
 from moetide.perf.engines import engine_profiles
 from moetide.perf.staging import STAGING_MODES
-from moetide.core.pressure import policy_entry
 from moetide.errors import UserError
 from moetide.report.progress import ProgressBar
 from moetide.report.tables import format_table
@@ -190,10 +189,6 @@ def _retention(text: str) -> int | None:
 def config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
     """The replay's config, every setting checked (the policy's name and --tensor-parallel-size against the heads
     included) before any replay runs."""
-    try:
-        policy_entry(policy)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
     active, host = args.kv_host_active_memory, args.kv_host_memory
     if active is not None and host and not 0 < active <= host:
         raise UserError(f"--kv-host-active-memory {bytes_text(active)} must be more than 0 and at most "

@@ -205,8 +205,9 @@ def resolve_config(config: ReplayConfig, model: ModelSpec, gpu: HardwareSpec) ->
     """Every ``None`` of the config resolved as vLLM resolves it for this model and GPU (the result's config
     records what was used)."""
     config = replace(config, dtype=resolve_dtype(config.dtype, gpu))
-    if config.cpu is None and (config.kv_host_memory or config.cold_experts == CPU or gpu.host):
-        config = replace(config, cpu=host_for(config.cpu, gpu))
+    uses_host = bool(config.kv_host_memory) or config.cold_experts == CPU
+    if config.cpu is None and (uses_host or gpu.host):  # the GPU's host; an error only where one is used
+        config = replace(config, cpu=host_for(None, gpu))
     if config.block_size is None:
         config = replace(config, block_size=default_block_size(model, tp=config.tp, ssm_dtype_bytes=ssm_bytes(config)))
     config = vllm_defaults(config, model)

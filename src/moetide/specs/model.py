@@ -109,11 +109,6 @@ class LinearAttentionSpec:
     def recurrent_numel_per_seq(self) -> int:
         return self.num_value_heads * self.key_head_dim * self.value_head_dim
 
-    @property
-    def state_numel_per_seq(self) -> int:
-        """Elements of conv state plus recurrent state for one sequence in one layer."""
-        return self.conv_numel_per_seq + self.recurrent_numel_per_seq
-
     def params(self, hidden_size: int) -> int:
         in_proj = hidden_size * (2 * self.key_dim + 2 * self.value_dim)  # in_proj_qkvz
         in_proj += hidden_size * 2 * self.num_value_heads  # in_proj_ba

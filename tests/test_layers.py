@@ -20,8 +20,9 @@ ALLOWED = {
     "sim": {"errors", "specs", "perf", "core", "workloads"},
     "engine": {"errors", "specs", "perf", "core"},
     "serve": {"errors", "specs", "perf", "core", "workloads", "engine"},
+    "vllm": {"errors", "specs", "perf", "core", "workloads", "engine"},
     "report": {"errors", "sim"},
-    "commands": {"errors", "specs", "perf", "core", "workloads", "sim", "engine", "serve", "report"},
+    "commands": {"errors", "specs", "perf", "core", "workloads", "sim", "engine", "serve", "vllm", "report"},
     "cli": {"errors", "commands"},
     "__init__": set(),
 }

@@ -171,6 +171,11 @@ class ExpertLine:
         self.num_new_blocks += len(new_ids)
         return new_ids
 
+    @property
+    def num_granted_blocks(self) -> int:
+        """Blocks the offloaded regions have given the pool and not taken back."""
+        return sum(len(ids) for _, ids in self._regions)
+
     def last_region(self) -> tuple[tuple[ExpertKey, ...], list[int]] | None:
         if not self._regions:
             return None

@@ -1,13 +1,14 @@
-"""Drive vLLM 0.32's real v1 ``Scheduler`` step by step with no model.
+"""Drive vLLM 0.32's real v1 ``Scheduler`` step by step with no model, stock or with moetide's plugin.
 
-Why: the fidelity benchmark compares our scheduler with vLLM's, step by step.
-Re-implementing vLLM's rules would only test our reading of them, so this
-module builds the real ``Scheduler`` + ``KVCacheManager`` + ``BlockPool`` the
-way vLLM's own tests do (``create_scheduler`` in tests/v1/core/utils.py), then
-loops ``schedule()`` -> fake ``ModelRunnerOutput`` -> ``update_from_output()``.
+Why: the fidelity benchmark and the plugin's differential tests compare vLLM's scheduling with moetide's core,
+step by step. Re-implementing vLLM's rules would only test our reading of them, so this module builds the real
+``Scheduler`` + ``KVCacheManager`` + ``BlockPool`` the way vLLM's own tests do (``create_scheduler`` in
+tests/v1/core/utils.py), then loops ``schedule()`` -> fake ``ModelRunnerOutput`` -> ``update_from_output()``.
+With ``VllmSideConfig.plugin`` the scheduler is moetide's (``vllm.scheduler``) with its connector configured as
+``vllm serve`` would configure it, and the pool is built with the line's reserve beyond ``num_blocks``.
 
-Import it only under the vLLM venv (/work/venv-vllm/bin/python). In-process:
-the ``Scheduler`` is built directly, so no engine core or worker processes.
+Import it only where vLLM is installed. In-process: the ``Scheduler`` is built directly, so no engine core or
+worker processes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
@@ -39,6 +40,10 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from moetide.vllm.line import LineStep, kv_block_bytes, line_reserve_blocks  # noqa: E402
+from moetide.vllm.scheduler import MoetideScheduler  # noqa: E402
+from moetide.vllm.settings import PluginSettings  # noqa: E402
 
 
 @dataclass
@@ -95,6 +100,7 @@ class VllmSideConfig:
     hash_algo: str = "sha256"  # vLLM's default; xxhash is faster but not installed
     hybrid: HybridSpec | None = None  # None: one full-attention group
     retention_interval: int | str | None = "default"  # prefix_cache_retention_interval: "default" is vLLM's (0)
+    plugin: PluginSettings | None = None  # moetide's scheduler and connector with these settings (experts given)
 
 
 @dataclass
@@ -109,6 +115,9 @@ class StepRecord:
     finished: list[str]
     num_free_blocks: int
     num_scheduled: int = 0  # sum(scheduled.values())
+    num_evicted: int = 0  # cached blocks evicted this step: by vLLM's allocations, plus the plugin's policy's
+    line: LineStep | None = None  # with the plugin: what moetide's policy did this step
+    line_ops: tuple = ()  # with the plugin: the line moves this step's connector metadata carries to the workers
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,7 +127,7 @@ def _tiny_model_dir(max_model_len: int) -> str:
     The Scheduler reads no hybrid flag from ModelConfig (it reads
     ``kv_cache_config.has_mamba_layers`` and ``cache_config.mamba_cache_mode``),
     so a plain llama config serves the hybrid case too."""
-    d = tempfile.mkdtemp(prefix="vllm_driver_cfg_")
+    d = tempfile.mkdtemp(prefix="moetide_vllm_harness_")
     atexit.register(shutil.rmtree, d, True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
            "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -156,6 +165,14 @@ def _hybrid_layer_specs(h: HybridSpec, cfg: VllmSideConfig, mode: str) -> dict:
     return specs
 
 
+def _queue_head(block_pool, n: int):
+    """The first ``n`` blocks of vLLM's free queue (those ``get_new_blocks(n)`` takes)."""
+    block = block_pool.free_block_queue.fake_free_list_head.next_free_block
+    for _ in range(n):
+        yield block
+        block = block.next_free_block
+
+
 class VllmSide:
     """One real vLLM Scheduler, advanced one step per ``step()`` call."""
 
@@ -182,8 +199,9 @@ class VllmSide:
                                    enable_prefix_caching=cfg.enable_prefix_caching,
                                    prefix_caching_hash_algo=cfg.hash_algo,
                                    mamba_cache_mode=mode)
+        transfer = None if cfg.plugin is None else KVTransferConfig(**cfg.plugin.kv_transfer_config())
         vc = VllmConfig(model_config=model_config, scheduler_config=sched_config,
-                        cache_config=cache_config)
+                        cache_config=cache_config, kv_transfer_config=transfer)
         # The CPU platform's config hooks must not have changed what we compare.
         s, c = vc.scheduler_config, vc.cache_config
         assert (s.max_num_seqs, s.max_num_batched_tokens, s.enable_chunked_prefill,
@@ -191,19 +209,29 @@ class VllmSide:
             cfg.max_num_seqs, cfg.max_num_batched_tokens, True,
             cfg.long_prefill_token_threshold, cfg.enable_prefix_caching), (s, c)
         if h is None:
-            groups = [KVCacheGroupSpec(["layer"], FullAttentionSpec(
-                block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))]
+            # Qwen3-30B-A3B's attention (48 layers, 4 KV heads of 128, bf16): the scheduler sees block counts only,
+            # the plugin's line prices a block by these bytes
+            groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(48)], FullAttentionSpec(
+                block_size=cfg.block_size, num_kv_heads=4, head_size=128, dtype=torch.bfloat16))]
         else:  # pages are equal, so the layout (normally the engine's pick) is moot
             c.kv_cache_layout = c.kv_cache_layout or "LBNHC"
             groups = get_kv_cache_groups(vc, _hybrid_layer_specs(h, cfg, mode))
         # get_kv_cache_config_from_groups copies the cache config's retention interval (0 by default in 0.32:
         # keep only the replay boundary's and junctions' states); None keeps every state (dense)
-        kv_cfg = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+        num_blocks = cfg.num_blocks
+        # one block's bytes over every layer (what the line prices a block at)
+        self.block_bytes = kv_block_bytes(KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                                        kv_cache_groups=groups))
+        if cfg.plugin is not None:  # what the plugin's engine patch adds: the line's reserve
+            if cfg.plugin.experts is None:
+                raise ValueError("VllmSideConfig.plugin needs its experts' shape: the driver loads no model")
+            num_blocks += line_reserve_blocks(cfg.plugin, cfg.plugin.experts, self.block_bytes)
+        kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
                                prefix_cache_retention_interval=(c.prefix_cache_retention_interval if
                                                                 cfg.retention_interval == "default"
                                                                 else cfg.retention_interval))
         # What EngineCore._initialize_kv_caches sets after profiling.
-        c.num_gpu_blocks = cfg.num_blocks
+        c.num_gpu_blocks = num_blocks
         c.block_size = min(g.kv_cache_spec.block_size for g in groups
                            if g.kv_cache_spec.prefix_cacheable)
         if h is not None:
@@ -212,7 +240,8 @@ class VllmSide:
         sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cfg, vc)
         kv_cfg.hash_block_size = hash_bs
         self.scheduler_block_size, self.hash_block_size = sched_bs, hash_bs
-        self.sched = Scheduler(vllm_config=vc, kv_cache_config=kv_cfg,
+        scheduler_cls = Scheduler if cfg.plugin is None else MoetideScheduler
+        self.sched = scheduler_cls(vllm_config=vc, kv_cache_config=kv_cfg,
                                structured_output_manager=StructuredOutputManager(vc),
                                block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
         self.group_kinds = [type(g.kv_cache_spec).__name__ for g in groups]
@@ -231,6 +260,17 @@ class VllmSide:
             self._preempted_order.append(request.request_id)
             return real_preempt(request, *args, **kwargs)
         self.sched._preempt_request = preempt
+        # cached blocks vLLM's pool evicts as it allocates (the plugin's policy evicts before, so none there)
+        self.num_implicit_evictions = 0
+        block_pool = self.sched.kv_cache_manager.block_pool
+        real_get_new_blocks = block_pool.get_new_blocks
+
+        def get_new_blocks(num_blocks):
+            cached = sum(1 for b in _queue_head(block_pool, num_blocks) if b.block_hash is not None
+                         or b.block_id in block_pool.cached_block_hashes_by_block)
+            self.num_implicit_evictions += cached
+            return real_get_new_blocks(num_blocks)
+        block_pool.get_new_blocks = get_new_blocks
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Exactly ``max_tokens`` outputs: ignore_eos and no stop tokens."""
@@ -244,6 +284,7 @@ class VllmSide:
     def step(self, sampled_token: Callable[[str, int], int]) -> StepRecord:
         """schedule() -> one token for each request whose prompt is done -> update."""
         self._preempted_order = []
+        implicit = self.num_implicit_evictions
         so = self.sched.schedule()
         scheduled = dict(so.num_scheduled_tokens)
         new_hits: dict[str, int] = {}
@@ -274,7 +315,11 @@ class VllmSide:
         return StepRecord(scheduled=scheduled, preempted=list(preempted), new_hits=new_hits,
                           new_block_ids=new_blocks, finished=finished,
                           num_free_blocks=self.sched.kv_cache_manager.block_pool.get_num_free_blocks(),
-                          num_scheduled=so.total_num_scheduled_tokens)
+                          num_scheduled=so.total_num_scheduled_tokens,
+                          num_evicted=self.num_implicit_evictions - implicit + (
+                              self.sched.moetide.step.num_evicted if self.cfg.plugin is not None else 0),
+                          line=self.sched.moetide.step if self.cfg.plugin is not None else None,
+                          line_ops=so.kv_connector_metadata.ops if self.cfg.plugin is not None else ())
 
     @property
     def has_work(self) -> bool:
@@ -284,7 +329,13 @@ class VllmSide:
         """Pool accounting and the budgets; O(num_blocks), so call it sparingly."""
         pool = self.sched.kv_cache_manager.block_pool
         in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0 and not b.is_null)
-        assert in_use + pool.get_num_free_blocks() == self.cfg.num_blocks - 1, in_use
+        if self.cfg.plugin is None:
+            assert in_use + pool.get_num_free_blocks() == self.cfg.num_blocks - 1, in_use
+        else:
+            moetide_pool = self.sched.moetide.pool
+            moetide_pool.check_invariants()
+            assert (in_use + pool.get_num_free_blocks() + moetide_pool.num_drained_blocks
+                    == pool.num_gpu_blocks - 1), in_use
         assert len(self.sched.running) <= self.cfg.max_num_seqs
         for r in self.sched.running:
             assert r.num_computed_tokens <= r.num_tokens, r.request_id

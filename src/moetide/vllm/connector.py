@@ -1,0 +1,89 @@
+"""moetide's KV connector: how line moves travel from vLLM's scheduler to its workers, through vLLM's own channel.
+
+vLLM ships a connector's metadata inside every step's ``SchedulerOutput``, to every worker, in-process or across
+its multiprocessing, and calls ``start_load_kv`` before the step's forward. The scheduler side here carries the
+plugin's settings and drains the line's queued ``LineOp``s into each step's metadata; the worker side applies them
+to the KV backing (``vllm.backing``) before the forward runs, so a grown block is backed before any kernel writes
+it and a given-back one is released only once no request holds it.
+
+It loads no KV and saves none (``get_num_new_matched_tokens`` is ``(0, False)``, frees are never deferred), so vLLM
+schedules exactly as without a connector. ``SupportsHMA`` lets vLLM keep its hybrid allocator, which hybrid
+models (Qwen3-Next's Gated DeltaNet groups) need to start at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from moetide.vllm.line import LineOp
+from moetide.vllm.settings import PluginSettings
+
+
+class MoetideConnectorMetadata(KVConnectorMetadata):
+    """One step's line moves, in the order the scheduler made them (plain data: it crosses processes)."""
+
+    def __init__(self, ops: tuple[LineOp, ...] = ()) -> None:
+        self.ops = ops
+
+
+class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.settings = PluginSettings.from_extra_config(extra)
+        self._line = None  # scheduler side: the LineBooks whose ops go out
+        self.backing = None  # worker side: the KV backing the ops are applied to
+        self.applied: list[LineOp] = []  # worker side: every op applied, in order
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # nothing is handed off: a preempted request is recomputed as without a connector
+
+    # ---- scheduler side -----------------------------------------------------------------------------------
+    def bind_line(self, books) -> None:
+        self._line = books
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output) -> MoetideConnectorMetadata:
+        ops = tuple(self._line.take_ops()) if self._line is not None else ()
+        return MoetideConnectorMetadata(ops)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    # ---- worker side --------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        from moetide.vllm.backing import registered_backing
+
+        self.backing = registered_backing(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for op in meta.ops:
+            if self.backing is not None:
+                self.backing.apply(op)
+            self.applied.append(op)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None

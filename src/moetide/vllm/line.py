@@ -1,0 +1,165 @@
+"""The core's state inside vLLM's engine core: the policy, the expert line over vLLM's pool, the step costs.
+
+``LineBooks`` is built once per scheduler from the plugin's settings, the model's experts and vLLM's KV cache
+config, with the same builders as the replay's and the engine's (``core.config``). It owns nothing of vLLM's; the
+scheduler (``vllm.scheduler``) asks it at each allocation that cannot be met from never-cached free blocks and
+carries out its plan on vLLM's pool. What the line does is queued as ``LineOp``s for the workers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from moetide.core.config import expert_residency, make_policy
+from moetide.core.expert_line import ByteLayout, ExpertLine
+from moetide.core.experts import ExpertKey, ExpertResidency
+from moetide.core.pressure import policy_entry, start_offload
+from moetide.engine.vamp import ASSUMED_FLOPS, EngineCosts, engine_vamp_params
+from moetide.specs.hf_config import model_from_hf_dict
+from moetide.specs.model import ModelSpec
+from moetide.vllm.costs import RecordSteps
+from moetide.vllm.settings import ExpertShape, PluginSettings
+
+HOST_COPY_BYTES_PER_S = 10e9  # default copy speed of a host expert into its staging slot, when no record gives it
+
+
+@dataclass(frozen=True)
+class LineOp:
+    """One move of the line, as the workers apply it before the step's forward: ``grow`` gives the block ids to
+    the KV cache (the region's experts are served from host copies), else takes them back to the experts."""
+
+    grow: bool
+    block_ids: tuple[int, ...]
+    region: tuple[ExpertKey, ...]
+
+
+@dataclass
+class LineStep:
+    """What the policy did in one scheduler step (plain data, for tests and metrics)."""
+
+    num_evicted: int = 0
+    offloaded: list[ExpertKey] = field(default_factory=list)
+    reclaimed: int = 0  # regions given back
+
+
+def model_spec(hf_config: dict) -> ModelSpec:
+    """moetide's model spec from the Hugging Face config vLLM loaded (``specs.hf_config``)."""
+    return model_from_hf_dict(hf_config, hf_config.get("model_type", "model"), "the model's config.json")
+
+
+def expert_shape(spec: ModelSpec, tensor_parallel_size: int = 1, dtype_bytes: int = 2) -> ExpertShape:
+    """The routed experts of one rank; an expert's bytes are split over the tensor-parallel ranks."""
+    return ExpertShape(num_layers=spec.num_moe_layers, num_experts=spec.num_experts,
+                       experts_per_token=spec.num_experts_per_tok,
+                       expert_bytes=max(spec.expert_bytes(dtype_bytes) // tensor_parallel_size, 1))
+
+
+def kv_block_bytes(kv_cache_config) -> int:
+    """Bytes one block id takes over every layer: the KV tensors' total over the blocks, or (a config with no
+    tensors, as a scheduler-only test builds) the largest group's layers times the page size."""
+    tensors = kv_cache_config.kv_cache_tensors
+    if tensors:
+        return sum(t.size for t in tensors) // kv_cache_config.num_blocks
+    groups = kv_cache_config.kv_cache_groups
+    return max(len(g.layer_names) for g in groups) * max(g.kv_cache_spec.page_size_bytes for g in groups)
+
+
+def line_reserve_blocks(settings: PluginSettings, shape: ExpertShape, block_bytes: int) -> int:
+    """Blocks the whole offload cap can add: the ids the pool is built with beyond its base (none for a policy
+    that never offloads)."""
+    if not policy_entry(settings.policy).offloads_experts:
+        return 0
+    residency = expert_residency(settings.serving_config(), num_layers=shape.num_layers,
+                                 num_experts=shape.num_experts, expert_bytes=shape.expert_bytes)
+    return residency.max_num_offloaded * shape.expert_bytes // block_bytes
+
+
+def plugin_costs(settings: PluginSettings, shape: ExpertShape, active_params: int | None) -> EngineCosts:
+    """The cost record: the settings' own, else priced as moetide's engine prices a step (2 FLOP per active
+    parameter at ``ASSUMED_FLOPS``) with a host copy at ``HOST_COPY_BYTES_PER_S`` (both modeled)."""
+    if settings.costs is not None:
+        try:
+            return EngineCosts(**settings.costs)
+        except TypeError as exc:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.costs: {exc}") from None
+    if active_params is None:
+        raise ValueError("kv_transfer_config.kv_connector_extra_config.costs is needed: the model's active "
+                         "parameters are unknown")
+    return EngineCosts(prefill_s_per_token=2.0 * active_params / ASSUMED_FLOPS,
+                       copy_s_per_expert=shape.expert_bytes / HOST_COPY_BYTES_PER_S)
+
+
+class LineBooks:
+    """The policy, the line over vLLM's pool (``vllm.pool.VllmPool``), the steps' costs and the clock."""
+
+    def __init__(self, settings: PluginSettings, shape: ExpertShape, pool, *, block_bytes: int, block_size: int,
+                 max_num_batched_tokens: int, costs: EngineCosts) -> None:
+        self.settings = settings
+        config = settings.serving_config()
+        self.residency: ExpertResidency = expert_residency(config, num_layers=shape.num_layers,
+                                                           num_experts=shape.num_experts,
+                                                           expert_bytes=shape.expert_bytes)
+        self.pool = pool
+        self.line = None
+        if policy_entry(settings.policy).offloads_experts:
+            layout = ByteLayout(pool, block_bytes=block_bytes, kv_bytes_per_expert=shape.expert_bytes,
+                                first_block_id=pool.num_blocks + 1)
+            self.line = ExpertLine(self.residency, layout)
+        self.steps = RecordSteps(costs, self.residency, shape.experts_per_token)
+        self.policy = make_policy(config, costs=lambda: engine_vamp_params(
+            self.steps, block_size=block_size, chunk_tokens=max_num_batched_tokens, horizon_s=config.vamp_horizon_s))
+        self._started = time.monotonic()
+        self.ops: list[LineOp] = []  # for the workers, drained by the connector's metadata
+        self.step = LineStep()
+        self.num_evicted_blocks = 0
+        self.num_line_moves = 0
+        start_offload(self.policy, self.line)
+        if self.line is not None and self.line.residency.num_offloaded:
+            region, ids = self.line.last_region()
+            self._moved(LineOp(True, tuple(ids), tuple(region)))
+
+    @property
+    def now_s(self) -> float:
+        return self.steps.busy_s() if self.settings.clock == "modeled" else time.monotonic() - self._started
+
+    def begin_step(self) -> None:
+        """Before the step is scheduled: the policy may give a drained region back."""
+        self.step = LineStep()
+        if self.line is None:
+            return
+        last = self.line.last_region()
+        if self.policy.maybe_reclaim(self.line, self.pool, self.now_s):
+            region, ids = last
+            self.step.reclaimed += 1
+            self._moved(LineOp(False, tuple(ids), tuple(region)))
+
+    def end_step(self, num_scheduled_tokens: int) -> None:
+        self.steps.record(num_scheduled_tokens)
+
+    def offload(self, region) -> int:
+        """Carry out ``OffloadExperts``: the line gives the region's blocks to the pool; returns how many."""
+        new_ids = self.line.offload(region)
+        self.step.offloaded.extend(region)
+        self._moved(LineOp(True, tuple(new_ids), tuple(tuple(k) for k in region)))
+        return len(new_ids)
+
+    def evict(self, num_blocks: int, protect) -> int:
+        """Carry out ``EvictPrefix`` on vLLM's pool; returns the blocks evicted."""
+        evicted = len(self.pool.evict(num_blocks, protect))
+        self.step.num_evicted += evicted
+        self.num_evicted_blocks += evicted
+        return evicted
+
+    def _moved(self, op: LineOp) -> None:
+        self.ops.append(op)
+        self.num_line_moves += 1
+
+    def take_ops(self) -> list[LineOp]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    @property
+    def num_kv_blocks_granted(self) -> int:
+        """Blocks the line has given the KV cache and not taken back."""
+        return 0 if self.line is None else self.line.num_granted_blocks

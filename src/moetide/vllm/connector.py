@@ -1,10 +1,11 @@
 """moetide's KV connector: how line moves travel from vLLM's scheduler to its workers, through vLLM's own channel.
 
 vLLM ships a connector's metadata inside every step's ``SchedulerOutput``, to every worker, in-process or across
-its multiprocessing, and calls ``start_load_kv`` before the step's forward. The scheduler side here carries the
-plugin's settings and drains the line's queued ``LineOp``s into each step's metadata; the worker side applies them
-to the KV backing (``vllm.backing``) before the forward runs, so a grown block is backed before any kernel writes
-it and a given-back one is released only once no request holds it.
+its multiprocessing. The scheduler side here carries the plugin's settings and drains the line's queued
+``LineOp``s into each step's metadata; each worker applies them to its KV backing (``vllm.backing``) as the step
+starts (``vllm.plugin`` patches the runner's ``execute_model`` for that: the connector's ``start_load_kv`` runs
+after the forward of a step that loads nothing), so a granted block is backed before any kernel zeroes or writes
+it, and a given-back one is released only once no request holds it.
 
 It loads no KV and saves none (``get_num_new_matched_tokens`` is ``(0, False)``, frees are never deferred), so vLLM
 schedules exactly as without a connector. ``SupportsHMA`` lets vLLM keep its hybrid allocator, which hybrid
@@ -29,8 +30,8 @@ from moetide.vllm.settings import PluginSettings
 class MoetideConnectorMetadata(KVConnectorMetadata):
     """One step's line moves, in the order the scheduler made them (plain data: it crosses processes)."""
 
-    def __init__(self, ops: tuple[LineOp, ...] = ()) -> None:
-        self.ops = ops
+    def __init__(self, line_ops: tuple[LineOp, ...] = ()) -> None:
+        self.line_ops = line_ops
 
 
 class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
@@ -39,8 +40,6 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.settings = PluginSettings.from_extra_config(extra)
         self._line = None  # scheduler side: the LineBooks whose ops go out
-        self.backing = None  # worker side: the KV backing the ops are applied to
-        self.applied: list[LineOp] = []  # worker side: every op applied, in order
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -66,18 +65,9 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return False, None
 
-    # ---- worker side --------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches) -> None:
-        from moetide.vllm.backing import registered_backing
-
-        self.backing = registered_backing(kv_caches)
-
+    # ---- worker side: nothing to load or save (the line ops are applied as the step starts) --------------
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        for op in meta.ops:
-            if self.backing is not None:
-                self.backing.apply(op)
-            self.applied.append(op)
+        return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

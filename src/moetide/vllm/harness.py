@@ -319,7 +319,7 @@ class VllmSide:
                           num_evicted=self.num_implicit_evictions - implicit + (
                               self.sched.moetide.step.num_evicted if self.cfg.plugin is not None else 0),
                           line=self.sched.moetide.step if self.cfg.plugin is not None else None,
-                          line_ops=so.kv_connector_metadata.ops if self.cfg.plugin is not None else ())
+                          line_ops=so.kv_connector_metadata.line_ops if self.cfg.plugin is not None else ())
 
     @property
     def has_work(self) -> bool:

@@ -56,11 +56,12 @@ def expert_shape(spec: ModelSpec, tensor_parallel_size: int = 1, dtype_bytes: in
 
 
 def kv_block_bytes(kv_cache_config) -> int:
-    """Bytes one block id takes over every layer: the KV tensors' total over the blocks, or (a config with no
-    tensors, as a scheduler-only test builds) the largest group's layers times the page size."""
+    """Bytes one block id takes over every layer: the KV backing over the blocks (every ``KVCacheTensor`` names the
+    one backing allocation's size), or (a config with no tensors, as a scheduler-only test builds) the largest
+    group's layers times the page size."""
     tensors = kv_cache_config.kv_cache_tensors
     if tensors:
-        return sum(t.size for t in tensors) // kv_cache_config.num_blocks
+        return tensors[0].size // kv_cache_config.num_blocks
     groups = kv_cache_config.kv_cache_groups
     return max(len(g.layer_names) for g in groups) * max(g.kv_cache_spec.page_size_bytes for g in groups)
 
@@ -114,6 +115,8 @@ class LineBooks:
         self.step = LineStep()
         self.num_evicted_blocks = 0
         self.num_line_moves = 0
+        self.num_steps = 0
+        self._cycling: list[int] | None = None  # line_cycle_steps: the region being given back
         start_offload(self.policy, self.line)
         if self.line is not None and self.line.residency.num_offloaded:
             region, ids = self.line.last_region()
@@ -130,12 +133,41 @@ class LineBooks:
             return
         last = self.line.last_region()
         if self.policy.maybe_reclaim(self.line, self.pool, self.now_s):
-            region, ids = last
-            self.step.reclaimed += 1
-            self._moved(LineOp(False, tuple(ids), tuple(region)))
+            self._reclaimed(last)
+        if self.settings.line_cycle_steps:
+            self._cycle()
 
     def end_step(self, num_scheduled_tokens: int) -> None:
         self.steps.record(num_scheduled_tokens)
+        self.num_steps += 1
+
+    def _reclaimed(self, last) -> None:
+        region, ids = last
+        self.step.reclaimed += 1
+        self._moved(LineOp(False, tuple(ids), tuple(region)))
+
+    def _cycle(self) -> None:
+        """``line_cycle_steps`` (settings): start giving the last region back, or grow the line again, every that
+        many steps; a region going back returns once every block of it has drained."""
+        line, pool = self.line, self.pool
+        if self._cycling is not None:
+            if pool.num_drained_blocks >= len(self._cycling):
+                last = line.last_region()
+                if line.reclaim_last():
+                    self._cycling = None
+                    self._reclaimed(last)
+            return
+        if self.num_steps == 0 or self.num_steps % self.settings.line_cycle_steps:
+            return
+        last = line.last_region()
+        if last is not None:
+            self._cycling = list(last[1])
+            pool.drain(self._cycling)
+        else:
+            residency = line.residency
+            region = residency.next_offload_region(max_experts=residency.max_num_offloaded - residency.num_offloaded)
+            if region:
+                self.offload(region)
 
     def offload(self, region) -> int:
         """Carry out ``OffloadExperts``: the line gives the region's blocks to the pool; returns how many."""

@@ -12,6 +12,9 @@ One JSON object configures both halves of the plugin (the scheduler and the work
   ``expert_call_s``); default: priced from the model's active parameters (``plugin_costs``).
 * ``experts``: the routed experts' shape (``num_layers``, ``num_experts``, ``experts_per_token``,
   ``expert_bytes``) where the model config does not say it; normally read from the model's config.
+* ``line_cycle_steps``: exercise the line (0, the default: off). Every that many steps the last region starts
+  going back (it drains, then returns to its experts), or, with none out, the rest of the cap goes out again. For
+  soak tests of the KV mechanics under a policy that does not move the line itself (``static-offload``).
 
 No vLLM import here: the CLI builds these settings and vLLM's side parses them.
 """
@@ -24,7 +27,7 @@ from typing import Any
 
 from moetide.core.config import ServingConfig
 from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO
-from moetide.core.pressure import VampParams
+from moetide.core.pressure import VampParams, policy_entry
 
 CONNECTOR_NAME = "MoetideConnector"
 CONNECTOR_MODULE = "moetide.vllm.connector"
@@ -57,14 +60,22 @@ class PluginSettings:
     clock: str = "modeled"
     costs: dict[str, float] | None = None
     experts: ExpertShape | None = None
+    line_cycle_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
             raise ValueError(f"{WHERE}.clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
+        cycle = self.line_cycle_steps
+        if not isinstance(cycle, int) or isinstance(cycle, bool) or cycle < 0:
+            raise ValueError(f"{WHERE}.line_cycle_steps must be a whole number >= 0, got {cycle!r}")
         try:
             self.serving_config()
         except ValueError as exc:  # name the key as the user wrote it
             raise ValueError(str(exc).replace("ServingConfig.", f"{WHERE}.")) from None
+        entry = policy_entry(self.policy)
+        if cycle and (not entry.offloads_experts or entry.moves_line):
+            raise ValueError(f"{WHERE}.line_cycle_steps exercises the line under a policy that offloads experts and "
+                             f"does not move the line itself (static-offload), not {self.policy!r}")
 
     def serving_config(self) -> ServingConfig:
         return ServingConfig(policy=self.policy, max_offload_ratio=self.max_offload_ratio,
@@ -95,7 +106,8 @@ class PluginSettings:
     def as_extra_config(self) -> dict[str, Any]:
         """The JSON-ready object ``from_extra_config`` reads back."""
         out: dict[str, Any] = {"policy": self.policy, "max_offload_ratio": self.max_offload_ratio,
-                               "vamp_horizon_s": self.vamp_horizon_s, "clock": self.clock}
+                               "vamp_horizon_s": self.vamp_horizon_s, "clock": self.clock,
+                               "line_cycle_steps": self.line_cycle_steps}
         if self.costs is not None:
             out["costs"] = dict(self.costs)
         if self.experts is not None:

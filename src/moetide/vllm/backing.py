@@ -1,0 +1,185 @@
+"""The KV backing on the CPU: one allocation for the whole line, its reserve's pages committed only as granted.
+
+vLLM allocates the KV cache as one ``torch.zeros`` buffer every layer views (``v1/worker/utils.py``,
+``allocate_kv_cache``). The plugin's patch (``vllm.plugin``) builds that buffer from an anonymous private ``mmap``
+instead: the kernel backs a page only when it is first written, and gives zeros until then, as ``torch.zeros``
+does. The blocks past the base (the line's reserve, ``vllm.pool``) are then made inaccessible (``PROT_NONE``), so:
+
+* pages of a region never granted are never touched: resident memory does not include them;
+* granting a region (a ``LineOp`` with ``grow``) makes its pages readable and writable, and they count once written;
+* giving one back drops its pages (``MADV_DONTNEED``: the memory returns to the system, and reads zeros after) and
+  makes them inaccessible again;
+* reading or writing an ungranted block faults at once (``SIGSEGV``): a bug that would read unbacked KV cannot
+  pass silently.
+
+A block's bytes in one layer are ``[offset + l*layer_stride + b*block_stride, + min(layer_stride, block_stride))``
+for each ``KVCacheTensor`` (groups overlay the same bytes). Pages shared by a granted and an ungranted block stay
+accessible (grants round out to pages, releases round in), so protection is exact when a block's bytes are whole
+pages and off by less than a page per layer at each region edge otherwise.
+
+One backing per process: the worker's connector finds it with ``registered_backing``. CUDA's counterpart (driver
+virtual memory: reserve, create, map, unmap) is ``vllm.cuda_backing``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Iterable
+
+import torch
+
+from moetide.vllm.line import LineOp
+
+PAGE = mmap.PAGESIZE
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+_MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+_BACKING: CpuBacking | None = None
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (``VmRSS``)."""
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")
+
+
+def _call(fn, address: int, length: int, arg: int) -> None:
+    if length > 0 and fn(address, length, arg) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{fn.__name__}({address:#x}, {length}, {arg}): {os.strerror(err)}")
+
+
+def _merge(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+class CpuBacking:
+    """The KV buffer of one worker, with the reserve past ``num_base_blocks`` committed only as granted."""
+
+    def __init__(self, size: int, tensors, *, num_base_blocks: int, num_blocks: int) -> None:
+        self._mmap = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.buffer = torch.frombuffer(self._mmap, dtype=torch.int8, count=size)
+        self.address = self.buffer.data_ptr()
+        self.num_base_blocks, self.num_blocks = num_base_blocks, num_blocks
+        self._layout = [(t.offset, t.layer_stride, t.block_stride, len(t.layers),
+                         min(t.layer_stride, t.block_stride) if len(t.layers) > 1 else t.block_stride)
+                        for t in tensors]
+        self.granted: set[int] = set()
+        self.applied: list[LineOp] = []
+        # per op applied: (grow, the reserve's resident bytes before it, after it): what the memory did
+        self.history: list[tuple[bool, int, int]] = []
+        self._reserve_pages = self._pages(range(num_base_blocks, num_blocks), inward=False)
+        self._protect(self._pages(range(num_base_blocks, num_blocks), inward=True), _PROT_NONE)
+
+    @property
+    def reserve_bytes(self) -> int:
+        """Bytes of the reserve's pages (what granting all of it would commit at most)."""
+        return sum(e - s for s, e in self._reserve_pages)
+
+    def resident_reserve_bytes(self) -> int:
+        """Bytes of the reserve's pages the kernel holds in memory now (``mincore``): what granted, written blocks
+        cost, and what giving them back returns."""
+        total = 0
+        for start, end in self._reserve_pages:
+            pages = (end - start) // PAGE
+            vec = ctypes.create_string_buffer(pages)
+            _call(_libc.mincore, self.address + start, end - start, vec)
+            total += sum(b & 1 for b in vec.raw) * PAGE
+        return total
+
+    def _intervals(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
+        spans = []
+        for block_id in block_ids:
+            for offset, layer_stride, block_stride, num_layers, extent in self._layout:
+                start = offset + block_id * block_stride
+                spans.extend((start + i * layer_stride, start + i * layer_stride + extent) for i in range(num_layers))
+        return _merge(spans)
+
+    def _pages(self, block_ids: Iterable[int], *, inward: bool) -> list[tuple[int, int]]:
+        """Page-aligned byte ranges of the blocks: pages fully inside them (``inward``) or touching them."""
+        out = []
+        for start, end in self._intervals(block_ids):
+            if inward:
+                start, end = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+            else:
+                start, end = start // PAGE * PAGE, min(-(-end // PAGE) * PAGE, len(self._mmap))
+            if end > start:
+                out.append((start, end))
+        return out
+
+    def _protect(self, ranges: list[tuple[int, int]], prot: int) -> None:
+        for start, end in ranges:
+            _call(_libc.mprotect, self.address + start, end - start, prot)
+
+    def apply(self, op: LineOp) -> None:
+        """Grant or give back the op's blocks (module docstring)."""
+        before = self.resident_reserve_bytes()
+        self._apply(op)
+        self.history.append((op.grow, before, self.resident_reserve_bytes()))
+
+    def _apply(self, op: LineOp) -> None:
+        ids = set(op.block_ids)
+        if any(not self.num_base_blocks <= b < self.num_blocks for b in ids):
+            raise ValueError(f"line op outside the reserve [{self.num_base_blocks}, {self.num_blocks}): {op}")
+        if op.grow:
+            if ids & self.granted:
+                raise ValueError(f"blocks granted twice: {sorted(ids & self.granted)[:8]}")
+            self.granted |= ids
+            self._protect(self._pages(ids, inward=False), _PROT_RW)
+        else:
+            if not ids <= self.granted:
+                raise ValueError(f"blocks given back that were not granted: {sorted(ids - self.granted)[:8]}")
+            self.granted -= ids
+            # pages wholly inside ungranted blocks: those of the released run, not a granted neighbour's
+            released = self._pages(ids, inward=True)
+            keep = self._pages(self.granted, inward=False)
+            for start, end in released:
+                for s, e in _subtract((start, end), keep):
+                    _call(_libc.madvise, self.address + s, e - s, _MADV_DONTNEED)
+                    _call(_libc.mprotect, self.address + s, e - s, _PROT_NONE)
+        self.applied.append(op)
+
+    def stats(self) -> dict:
+        """Plain data for a worker RPC: process RSS, the reserve's size and resident bytes, grants, history."""
+        return {"rss_bytes": rss_bytes(), "reserve_bytes": self.reserve_bytes,
+                "resident_reserve_bytes": self.resident_reserve_bytes(), "granted_blocks": len(self.granted),
+                "applied_ops": len(self.applied), "history": list(self.history)}
+
+
+def _subtract(span: tuple[int, int], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``span`` less the (sorted, merged) ``holes``."""
+    out, (start, end) = [], span
+    for s, e in holes:
+        if e <= start or s >= end:
+            continue
+        if s > start:
+            out.append((start, s))
+        start = max(start, e)
+    if start < end:
+        out.append((start, end))
+    return out
+
+
+def install(backing: CpuBacking) -> None:
+    global _BACKING
+    _BACKING = backing
+
+
+def registered_backing() -> CpuBacking | None:
+    """This process's backing (None where the plugin's allocation did not run: another device, or no reserve)."""
+    return _BACKING

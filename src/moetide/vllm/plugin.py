@@ -1,0 +1,161 @@
+"""vLLM's general plugin entry point (``vllm.general_plugins``): what vLLM cannot be told by a flag.
+
+vLLM loads general plugins in every process it starts (API server, engine core, workers), possibly more than once.
+``register`` is idempotent, checks that the installed vLLM is the 0.32 series the seams were written against, and
+does nothing when ``MOETIDE_VLLM_DISABLE=1`` or when moetide's connector is not configured (the patches look at
+the config they are handed and step aside). It patches two things, neither of which vLLM exposes:
+
+* **KV sizing** (engine core, ``kv_cache_utils.get_kv_cache_config_from_groups``): the pool and its backing are
+  built for the whole line, the base vLLM sized plus the blocks the offload cap can add (``line_reserve_blocks``).
+  The scheduler (``vllm.scheduler``) holds the extra ids out of its free queue until the line grants them.
+* **KV allocation** (workers, ``allocate_kv_cache`` as ``gpu_model_runner`` imports it): on the CPU the buffer is
+  a ``vllm.backing.CpuBacking`` whose reserve pages are committed only while granted.
+* **Line moves** (workers, ``GPUModelRunner.execute_model``): the step's ``LineOp``s, which arrive in the
+  connector's metadata of that step (``vllm.connector``), are applied to the backing first, before the runner zeroes
+  the step's new blocks and before the forward. The connector's own hook, ``start_load_kv``, runs after the
+  forward when a step loads nothing, too late for a block the step writes.
+
+The scheduler class and the connector are ordinary vLLM options (``--scheduler-cls``, ``--kv-transfer-config``);
+``PluginSettings.kv_transfer_config`` and ``moetide serve --engine vllm`` give them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+
+SUPPORTED = "0.32."
+DISABLE_ENV = "MOETIDE_VLLM_DISABLE"
+_REGISTERED = False
+_EXTRA_BLOCKS: contextvars.ContextVar[int] = contextvars.ContextVar("moetide_extra_blocks", default=0)
+_RUNNER_CONFIG: contextvars.ContextVar[object | None] = contextvars.ContextVar("moetide_runner_config", default=None)
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """The entry point: apply the patches once per process (module docstring)."""
+    global _REGISTERED
+    if _REGISTERED or os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return
+    import vllm
+
+    if not vllm.__version__.startswith(SUPPORTED):
+        logger.warning("moetide's vLLM plugin supports vLLM %sx; found %s: not loaded", SUPPORTED, vllm.__version__)
+        return
+    _patch_sizing()
+    _patch_worker()
+    _REGISTERED = True
+
+
+def plugin_settings(vllm_config):
+    """The plugin's settings when moetide's connector is configured, else None."""
+    from moetide.vllm.settings import CONNECTOR_NAME, PluginSettings
+
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
+        return None
+    return PluginSettings.from_extra_config(transfer.kv_connector_extra_config)
+
+
+def reserve_blocks(vllm_config, kv_cache_config) -> int:
+    """The line's reserve for this config (0 without moetide's connector or for a policy that never offloads)."""
+    from moetide.vllm.line import expert_shape, kv_block_bytes, line_reserve_blocks, model_spec
+
+    settings = plugin_settings(vllm_config)
+    if settings is None or not kv_cache_config.kv_cache_groups:
+        return 0
+    model = vllm_config.model_config
+    shape = settings.experts or expert_shape(model_spec(model.hf_config.to_dict()),
+                                             vllm_config.parallel_config.tensor_parallel_size, model.dtype.itemsize)
+    return line_reserve_blocks(settings, shape, kv_block_bytes(kv_cache_config))
+
+
+def _patch_sizing() -> None:
+    from vllm.v1.core import kv_cache_utils
+
+    from_groups, override = kv_cache_utils.get_kv_cache_config_from_groups, kv_cache_utils.may_override_num_blocks
+
+    def config_from_groups(vllm_config, kv_cache_groups, available_memory):
+        config = from_groups(vllm_config, kv_cache_groups, available_memory)
+        extra = reserve_blocks(vllm_config, config) if config.kv_cache_tensors else 0
+        if not extra:
+            return config
+        token = _EXTRA_BLOCKS.set(extra)
+        try:
+            return from_groups(vllm_config, kv_cache_groups, available_memory)
+        finally:
+            _EXTRA_BLOCKS.reset(token)
+
+    def override_num_blocks(vllm_config, num_blocks):
+        return override(vllm_config, num_blocks) + _EXTRA_BLOCKS.get()
+
+    kv_cache_utils.get_kv_cache_config_from_groups = config_from_groups
+    kv_cache_utils.may_override_num_blocks = override_num_blocks
+
+
+def _patch_worker() -> None:
+    from vllm.v1.worker import gpu_model_runner
+
+    from moetide.vllm.backing import registered_backing
+    from moetide.vllm.connector import MoetideConnectorMetadata
+
+    allocate = gpu_model_runner.allocate_kv_cache
+    runner = gpu_model_runner.GPUModelRunner
+    initialize, execute = runner.initialize_kv_cache_tensors, runner.execute_model
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        metadata, backing = scheduler_output.kv_connector_metadata, registered_backing()
+        if isinstance(metadata, MoetideConnectorMetadata) and backing is not None:
+            for op in metadata.line_ops:
+                backing.apply(op)
+        return execute(self, scheduler_output, *args, **kwargs)
+
+    def initialize_kv_cache_tensors(self, *args, **kwargs):
+        token = _RUNNER_CONFIG.set(self.vllm_config)
+        try:
+            return initialize(self, *args, **kwargs)
+        finally:
+            _RUNNER_CONFIG.reset(token)
+
+    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
+        vllm_config = _RUNNER_CONFIG.get()
+        extra = reserve_blocks(vllm_config, kv_cache_config) if vllm_config is not None else 0
+        if not extra or device.type != "cpu" or not kv_cache_config.kv_cache_tensors:
+            return allocate(kv_cache_config, device, layout, kernel_block_sizes)
+        return _allocate_on_cpu_backing(kv_cache_config, layout, kernel_block_sizes, extra)
+
+    gpu_model_runner.allocate_kv_cache = allocate_kv_cache
+    runner.initialize_kv_cache_tensors = initialize_kv_cache_tensors
+    runner.execute_model = execute_model
+
+
+def _allocate_on_cpu_backing(kv_cache_config, layout, kernel_block_sizes, extra: int):
+    """vLLM's ``allocate_kv_cache`` over a ``CpuBacking`` (views built by vLLM's own ``create_kv_cache_views``)."""
+    import torch
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+    from vllm.v1.worker.utils import create_kv_cache_views
+
+    from moetide.vllm.backing import CpuBacking, install
+
+    tensors = kv_cache_config.kv_cache_tensors
+    num_blocks = kv_cache_config.num_blocks
+    backing = CpuBacking(tensors[0].size, tensors, num_base_blocks=num_blocks - extra, num_blocks=num_blocks)
+    install(backing)
+    kv_caches: dict[str, torch.Tensor] = {}
+    for tensor in tensors:
+        layer_name = tensor.layers[0]
+        group_id, group = next((i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups)
+                               if layer_name in g.layer_names)
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[layer_name]
+        if not spec.has_layer_views:
+            kv_caches.update((name, backing.buffer) for name in tensor.layers)
+            continue
+        kernel_block_size = kernel_block_sizes[group_id] if kernel_block_sizes and group_id < len(
+            kernel_block_sizes) else None
+        views = create_kv_cache_views(backing.buffer, spec, kv_cache_config.num_blocks_of(tensor), layout, tensor,
+                                      kernel_block_size=kernel_block_size)
+        kv_caches.update(zip(tensor.layers, views))
+    return kv_caches

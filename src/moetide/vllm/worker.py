@@ -1,0 +1,16 @@
+"""``--worker-extension-cls moetide.vllm.worker.MoetideWorkerExtension``: the KV backing's state, by RPC.
+
+vLLM splices the class into its worker's bases, so ``LLM.collective_rpc("moetide_backing_stats")`` (or the engine
+core's) asks every worker, in-process or in worker processes, what its backing holds (``vllm.backing``).
+"""
+
+from __future__ import annotations
+
+
+class MoetideWorkerExtension:
+    def moetide_backing_stats(self) -> dict | None:
+        """This worker's ``CpuBacking.stats()``, or None where the plugin did not allocate its KV cache."""
+        from moetide.vllm.backing import registered_backing
+
+        backing = registered_backing()
+        return None if backing is None else backing.stats()

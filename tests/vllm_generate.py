@@ -1,0 +1,37 @@
+"""Run vLLM once on a checkpoint and print what the plugin's engine tests compare.
+
+A subprocess of ``tests/test_vllm_plugin_engine.py``: each run gets the environment its test picks
+(``VLLM_ENABLE_V1_MULTIPROCESSING``, ``MOETIDE_VLLM_DISABLE`` for stock vLLM) and a fresh process, so vLLM's
+process-wide state never carries from one engine to the next. Prints one line ``RESULT {json}``: greedy token ids
+per prompt per batch and, with the plugin, every worker's KV backing stats (``vllm.backing.CpuBacking.stats``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings
+
+    kwargs = dict(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"],
+                  kv_cache_memory_bytes=spec["kv_cache_memory"], max_num_seqs=8, enforce_eager=True, seed=0)
+    plugin = spec.get("plugin")
+    if plugin is not None:
+        kwargs.update(scheduler_cls=SCHEDULER_CLS,
+                      kv_transfer_config=PluginSettings.from_extra_config(plugin).kv_transfer_config(),
+                      worker_extension_cls="moetide.vllm.worker.MoetideWorkerExtension")
+    llm = LLM(**kwargs)
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0)
+    outputs = [[list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
+               for batch in spec["batches"]]
+    stats = llm.collective_rpc("moetide_backing_stats") if plugin is not None else None
+    print("RESULT " + json.dumps({"outputs": outputs, "stats": stats}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

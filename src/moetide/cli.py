@@ -45,8 +45,9 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         verb_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == verb:
             module = importlib.import_module(f"moetide.commands.{module_name}")
+            # _unknown: what to do with options the verb does not know (None: an error; a verb may take them)
+            verb_parser.set_defaults(_run=module.run, _parser=verb_parser, _unknown=None)
             module.add_arguments(verb_parser)
-            verb_parser.set_defaults(_run=module.run, _parser=verb_parser)
     return parser
 
 
@@ -61,8 +62,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
     check_removed(_verb_of(argv), sys.argv[1:] if argv is None else argv)
     args, extra = build_parser(_verb_of(argv)).parse_known_args(argv)
-    if extra:
+    if extra and args._unknown is None:
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args._unknown(args, extra)
     return args
 
 

@@ -26,6 +26,10 @@ API_KEY_ENV = "MOETIDE_API_KEY"  # vLLM reads VLLM_API_KEY the same way
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     add = parser.add_argument
+    add("--engine", choices=("moetide", "vllm"), default="moetide",
+        help="moetide: moetide's engine (default); vllm: vLLM's own server with moetide's plugin, the shared options "
+             "translated and any other option passed to vllm serve (docs/vllm_plugin.md)")
+    parser.set_defaults(_unknown=_vllm_passthrough, _vllm_args=[])
     add("--host", default="0.0.0.0", help="address to listen on (default %(default)s)")
     add("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
     add("--served-model-name", metavar="NAME", help="the model's name in the API (default: --model as given)")
@@ -174,7 +178,19 @@ def _check_port(host: str, port: int) -> None:
         raise UserError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
 
 
+def _vllm_passthrough(args: argparse.Namespace, extra: list[str]) -> None:
+    """Options moetide does not know go to ``vllm serve`` with ``--engine vllm``; without it they are errors."""
+    if args.engine != "vllm":
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)} (vLLM's flags need --engine vllm)")
+    args._vllm_args = extra
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from moetide.commands.serve_vllm import exec_vllm, vllm_argv
+
+        defaults = args._parser.parse_known_args(["--model", args.model])[0]
+        exec_vllm(vllm_argv(args, defaults, args._vllm_args))
     try:
         import uvicorn
     except ImportError:

@@ -40,6 +40,7 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.settings = PluginSettings.from_extra_config(extra)
         self._line = None  # scheduler side: the LineBooks whose ops go out
+        self._reported_moves = 0  # line moves already reported in the stats
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -58,6 +59,28 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> MoetideConnectorMetadata:
         ops = tuple(self._line.take_ops()) if self._line is not None else ()
         return MoetideConnectorMetadata(ops)
+
+    def get_kv_connector_stats(self):
+        """The line's gauges and new moves, every step (``vllm.metrics``)."""
+        from moetide.vllm.metrics import line_stats
+
+        if self._line is None:
+            return None
+        stats = line_stats(self._line, self._reported_moves)
+        self._reported_moves = self._line.num_line_moves
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        from moetide.vllm.metrics import MoetideConnectorStats
+
+        return MoetideConnectorStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from moetide.vllm.metrics import MoetidePromMetrics
+
+        return MoetidePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return False, None

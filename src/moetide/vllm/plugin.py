@@ -7,7 +7,9 @@ the config they are handed and step aside). It patches two things, neither of wh
 
 * **KV sizing** (engine core, ``kv_cache_utils.get_kv_cache_config_from_groups``): the pool and its backing are
   built for the whole line, the base vLLM sized plus the blocks the offload cap can add (``line_reserve_blocks``).
-  The scheduler (``vllm.scheduler``) holds the extra ids out of its free queue until the line grants them.
+  The scheduler (``vllm.scheduler``) holds the extra ids out of its free queue until the line grants them. vLLM's
+  start-up check that one ``max_model_len`` sequence fits counts the offload cap's bytes too
+  (``get_kv_cache_configs``): a sequence longer than the base pool is served once the line has grown for it.
 * **KV allocation** (workers, ``allocate_kv_cache`` as ``gpu_model_runner`` imports it): on the CPU the buffer is
   a ``vllm.backing.CpuBacking`` whose reserve pages are committed only while granted.
 * **Line moves** (workers, ``GPUModelRunner.execute_model``): the step's ``LineOp``s, which arrive in the
@@ -29,6 +31,7 @@ SUPPORTED = "0.32."
 DISABLE_ENV = "MOETIDE_VLLM_DISABLE"
 _REGISTERED = False
 _EXTRA_BLOCKS: contextvars.ContextVar[int] = contextvars.ContextVar("moetide_extra_blocks", default=0)
+_CAP_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("moetide_cap_bytes", default=0)
 _RUNNER_CONFIG: contextvars.ContextVar[object | None] = contextvars.ContextVar("moetide_runner_config", default=None)
 logger = logging.getLogger(__name__)
 
@@ -58,23 +61,52 @@ def plugin_settings(vllm_config):
     return PluginSettings.from_extra_config(transfer.kv_connector_extra_config)
 
 
-def reserve_blocks(vllm_config, kv_cache_config) -> int:
-    """The line's reserve for this config (0 without moetide's connector or for a policy that never offloads)."""
-    from moetide.vllm.line import expert_shape, kv_block_bytes, line_reserve_blocks, model_spec
+def _settings_and_shape(vllm_config):
+    from moetide.vllm.line import expert_shape, model_spec
 
     settings = plugin_settings(vllm_config)
+    if settings is None:
+        return None, None
+    model = vllm_config.model_config
+    return settings, settings.experts or expert_shape(model_spec(model.hf_config.to_dict()),
+                                                      vllm_config.parallel_config.tensor_parallel_size,
+                                                      model.dtype.itemsize)
+
+
+def reserve_blocks(vllm_config, kv_cache_config) -> int:
+    """The line's reserve for this config (0 without moetide's connector or for a policy that never offloads)."""
+    from moetide.vllm.line import kv_block_bytes, line_reserve_blocks
+
+    settings, shape = _settings_and_shape(vllm_config)
     if settings is None or not kv_cache_config.kv_cache_groups:
         return 0
-    model = vllm_config.model_config
-    shape = settings.experts or expert_shape(model_spec(model.hf_config.to_dict()),
-                                             vllm_config.parallel_config.tensor_parallel_size, model.dtype.itemsize)
     return line_reserve_blocks(settings, shape, kv_block_bytes(kv_cache_config))
+
+
+def cap_bytes(vllm_config) -> int:
+    """Bytes of experts the offload cap can give the KV cache (0 without the plugin or a policy that offloads)."""
+    from moetide.vllm.line import line_reserve_blocks
+
+    settings, shape = _settings_and_shape(vllm_config)
+    return 0 if settings is None else line_reserve_blocks(settings, shape, block_bytes=1)
 
 
 def _patch_sizing() -> None:
     from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
 
     from_groups, override = kv_cache_utils.get_kv_cache_config_from_groups, kv_cache_utils.may_override_num_blocks
+    configs, check = kv_cache_utils.get_kv_cache_configs, kv_cache_utils._check_enough_kv_cache_memory
+
+    def kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
+        token = _CAP_BYTES.set(cap_bytes(vllm_config))
+        try:
+            return configs(vllm_config, kv_cache_specs, available_memory)
+        finally:
+            _CAP_BYTES.reset(token)
+
+    def check_enough(available_memory, *args, **kwargs):
+        return check(available_memory + _CAP_BYTES.get(), *args, **kwargs)
 
     def config_from_groups(vllm_config, kv_cache_groups, available_memory):
         config = from_groups(vllm_config, kv_cache_groups, available_memory)
@@ -92,6 +124,8 @@ def _patch_sizing() -> None:
 
     kv_cache_utils.get_kv_cache_config_from_groups = config_from_groups
     kv_cache_utils.may_override_num_blocks = override_num_blocks
+    kv_cache_utils.get_kv_cache_configs = core.get_kv_cache_configs = kv_cache_configs  # core imports it by name
+    kv_cache_utils._check_enough_kv_cache_memory = check_enough
 
 
 def _patch_worker() -> None:

@@ -1,0 +1,78 @@
+"""The line's Prometheus series beside vLLM's own, through vLLM's KV-connector stats channel.
+
+The scheduler's connector reports ``MoetideConnectorStats`` every step (``get_kv_connector_stats``); vLLM carries
+them in ``SchedulerStats`` to the API server, whose Prometheus logger hands them to ``MoetidePromMetrics`` (the
+connector's ``build_prom_metrics``). Series, each labelled like vLLM's (model name, engine):
+
+* ``moetide:expert_offload_ratio`` (gauge): the share of routed experts whose memory the KV cache holds now.
+* ``moetide:kv_blocks_granted`` (gauge): KV blocks the line has granted and not taken back.
+* ``moetide:line_moves_total`` (counter): regions granted plus regions given back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+GAUGES = ("expert_offload_ratio", "kv_blocks_granted")  # the latest value wins
+COUNTERS = ("line_moves",)  # summed over the interval
+
+
+@dataclass
+class MoetideConnectorStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = dict(self.data)
+        for key, value in other.data.items():
+            merged[key] = merged.get(key, 0) + value if key in COUNTERS else value
+        return MoetideConnectorStats(merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+def line_stats(books, reported_moves: int) -> MoetideConnectorStats:
+    """One step's report: the gauges now, the moves since ``reported_moves``."""
+    config = books.residency.config
+    return MoetideConnectorStats({
+        "expert_offload_ratio": books.residency.num_offloaded / (config.num_layers * config.num_experts),
+        "kv_blocks_granted": books.num_kv_blocks_granted,
+        "line_moves": books.num_line_moves - reported_moves,
+    })
+
+
+class MoetidePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.series = {
+            "expert_offload_ratio": self._gauge_cls(
+                name="moetide:expert_offload_ratio", labelnames=labelnames, multiprocess_mode="mostrecent",
+                documentation="Share of routed experts whose memory moetide's line has given to the KV cache."),
+            "kv_blocks_granted": self._gauge_cls(
+                name="moetide:kv_blocks_granted", labelnames=labelnames, multiprocess_mode="mostrecent",
+                documentation="KV cache blocks moetide's line has granted and not taken back."),
+            "line_moves": self._counter_cls(
+                name="moetide:line_moves", labelnames=labelnames,
+                documentation="Moves of moetide's line: regions granted to the KV cache plus regions given back."),
+        }
+        self.per_engine = {key: create_metric_per_engine(metric, per_engine_labelvalues)
+                           for key, metric in self.series.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key in GAUGES:
+            if key in transfer_stats_data:
+                self.per_engine[key][engine_idx].set(transfer_stats_data[key])
+        moves = transfer_stats_data.get("line_moves", 0)
+        if moves:
+            self.per_engine["line_moves"][engine_idx].inc(moves)

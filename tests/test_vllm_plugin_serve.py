@@ -1,0 +1,111 @@
+"""``moetide serve --engine vllm``: vLLM's own OpenAI server with the plugin, driven by the OpenAI client.
+
+A burst of requests sharing a prefix, the last one longer than the base KV pool holds (2 MiB: under 2,000 tokens
+of this checkpoint), against ``--policy vamp``: the line moves to admit it (``moetide:line_moves_total`` > 0 on
+``/metrics``, beside vLLM's own series), every request completes, and the text equals ``--policy vllm``'s on a
+pool large enough for the burst (greedy text does not depend on the pool).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.32 is not installed here (scripts/install_vllm.sh installs it)")
+openai = pytest.importorskip("openai")
+
+SHARED = "shared " * 250
+PROMPTS = [SHARED + f"tail {i} " + "x " * (20 + 15 * i) for i in range(8)] + [SHARED + "long " * 600]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from moetide.engine.testmodel import TinyModelArgs, make_test_model
+
+    # experts of 1.5 MiB each, so that the default offload cap of a 2-layer, 4-expert model is worth KV blocks
+    return make_test_model(TinyModelArgs(arch="qwen3_moe", head_dim=64, dtype="bfloat16", moe_intermediate_size=4096),
+                           tmp_path_factory.mktemp("vllm_serve") / "qwen3_moe")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, policy: str, kv_cache_memory: str) -> None:
+        self.port = free_port()
+        argv = [sys.executable, "-m", "moetide.cli", "serve", "--engine", "vllm", "--model", str(model),
+                "--policy", policy, "--max-offload-ratio", "0.5", "--kv-cache-memory", kv_cache_memory,
+                "--max-model-len", "3072", "--host", "127.0.0.1", "--port", str(self.port),
+                "--served-model-name", "tiny", "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "16"]
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"the server exited ({self.process.returncode}):\n{self.process.stdout.read()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1)
+        self.close()
+        raise AssertionError("the server did not answer /health within 300 s")
+
+    def complete_all(self) -> list[str]:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none")
+
+        def one(prompt: str) -> str:
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+            assert answer.choices[0].finish_reason == "length"
+            return answer.choices[0].text
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # a burst: all in flight at once
+            return list(pool.map(one, PROMPTS))
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        assert "vllm:num_requests_running" in text  # vLLM's own series are there too
+        values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)]
+        assert values, f"{name} not on /metrics"
+        return sum(values)
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+@pytest.mark.slow
+def test_vamp_moves_the_line_for_a_burst_and_answers_as_vllm(checkpoint):
+    server = Server(checkpoint, "vamp", "2MiB")
+    try:
+        vamp_texts = server.complete_all()
+        moves = server.metric("moetide:line_moves_total")
+        granted = server.metric("moetide:kv_blocks_granted")
+        ratio = server.metric("moetide:expert_offload_ratio")
+    finally:
+        server.close()
+    assert moves > 0 and granted > 0 and 0 < ratio <= 0.5
+    server = Server(checkpoint, "vllm", "8MiB")
+    try:
+        vllm_texts = server.complete_all()
+        assert server.metric("moetide:line_moves_total") == 0
+    finally:
+        server.close()
+    assert vamp_texts == vllm_texts

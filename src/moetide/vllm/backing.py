@@ -68,6 +68,48 @@ def _merge(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+class BlockSpans:
+    """Where each block's bytes lie in a backing laid out by vLLM's ``KVCacheTensor``s, in units of ``granule``
+    (the CPU's page; the CUDA driver's mapping granularity): the units fully inside some blocks, or touching them."""
+
+    def __init__(self, tensors, granule: int, size: int, num_blocks: int) -> None:
+        self.granule, self.size, self.num_blocks = granule, size, num_blocks
+        self._layout = [(t.offset, t.layer_stride, t.block_stride, len(t.layers),
+                         min(t.layer_stride, t.block_stride) if len(t.layers) > 1 else t.block_stride)
+                        for t in tensors]
+
+    def intervals(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
+        spans = []
+        for block_id in block_ids:
+            for offset, layer_stride, block_stride, num_layers, extent in self._layout:
+                start = offset + block_id * block_stride
+                spans.extend((start + i * layer_stride, start + i * layer_stride + extent) for i in range(num_layers))
+        return _merge(spans)
+
+    def units(self, block_ids: Iterable[int], *, inward: bool) -> list[tuple[int, int]]:
+        """Granule-aligned byte ranges: those fully inside the blocks (``inward``) or touching them."""
+        g, out = self.granule, []
+        for start, end in self.intervals(block_ids):
+            if inward:
+                start, end = -(-start // g) * g, end // g * g
+            else:
+                start, end = start // g * g, min(-(-end // g) * g, -(-self.size // g) * g)
+            if end > start:
+                out.append((start, end))
+        return _merge(out)
+
+    def released(self, block_ids: Iterable[int], is_kept) -> list[tuple[int, int]]:
+        """Units wholly inside ``block_ids`` that no kept block (``is_kept(id)``) touches: what giving them back
+        frees. Only blocks a unit's width away can share a unit, so only those neighbours are looked at (modulo the
+        pool: a layer's last block lies next to the following layer's first)."""
+        ids = set(block_ids)
+        extent = min(layout[4] for layout in self._layout)
+        radius = -(-self.granule // max(extent, 1)) + 1
+        near = {(b + d) % self.num_blocks for b in ids for d in range(-radius, radius + 1)} - ids
+        holes = self.units((b for b in near if is_kept(b)), inward=False)
+        return [piece for span in self.units(ids, inward=True) for piece in _subtract(span, holes)]
+
+
 class CpuBacking:
     """The KV buffer of one worker, with the reserve past ``num_base_blocks`` committed only as granted."""
 
@@ -76,19 +118,18 @@ class CpuBacking:
         self.buffer = torch.frombuffer(self._mmap, dtype=torch.int8, count=size)
         self.address = self.buffer.data_ptr()
         self.num_base_blocks, self.num_blocks = num_base_blocks, num_blocks
-        self._layout = [(t.offset, t.layer_stride, t.block_stride, len(t.layers),
-                         min(t.layer_stride, t.block_stride) if len(t.layers) > 1 else t.block_stride)
-                        for t in tensors]
+        self.spans = BlockSpans(tensors, PAGE, len(self._mmap), num_blocks)
         self.granted: set[int] = set()
         self.applied: list[LineOp] = []
         # per op applied: (grow, the reserve's resident bytes before it, after it): what the memory did
         self.history: list[tuple[bool, int, int]] = []
-        self._reserve_pages = self._pages(range(num_base_blocks, num_blocks), inward=False)
-        self._protect(self._pages(range(num_base_blocks, num_blocks), inward=True), _PROT_NONE)
+        reserve = range(num_base_blocks, num_blocks)
+        self._reserve_pages = self.spans.released(reserve, lambda b: b < num_base_blocks)
+        self._protect(self._reserve_pages, _PROT_NONE)
 
     @property
     def reserve_bytes(self) -> int:
-        """Bytes of the reserve's pages (what granting all of it would commit at most)."""
+        """Bytes of the pages only the reserve's blocks use (what granting all of it would commit at most)."""
         return sum(e - s for s, e in self._reserve_pages)
 
     def resident_reserve_bytes(self) -> int:
@@ -102,25 +143,8 @@ class CpuBacking:
             total += sum(b & 1 for b in vec.raw) * PAGE
         return total
 
-    def _intervals(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
-        spans = []
-        for block_id in block_ids:
-            for offset, layer_stride, block_stride, num_layers, extent in self._layout:
-                start = offset + block_id * block_stride
-                spans.extend((start + i * layer_stride, start + i * layer_stride + extent) for i in range(num_layers))
-        return _merge(spans)
-
-    def _pages(self, block_ids: Iterable[int], *, inward: bool) -> list[tuple[int, int]]:
-        """Page-aligned byte ranges of the blocks: pages fully inside them (``inward``) or touching them."""
-        out = []
-        for start, end in self._intervals(block_ids):
-            if inward:
-                start, end = -(-start // PAGE) * PAGE, end // PAGE * PAGE
-            else:
-                start, end = start // PAGE * PAGE, min(-(-end // PAGE) * PAGE, len(self._mmap))
-            if end > start:
-                out.append((start, end))
-        return out
+    def _backed(self, block_id: int) -> bool:
+        return block_id < self.num_base_blocks or block_id in self.granted
 
     def _protect(self, ranges: list[tuple[int, int]], prot: int) -> None:
         for start, end in ranges:
@@ -134,24 +158,16 @@ class CpuBacking:
 
     def _apply(self, op: LineOp) -> None:
         ids = set(op.block_ids)
-        if any(not self.num_base_blocks <= b < self.num_blocks for b in ids):
-            raise ValueError(f"line op outside the reserve [{self.num_base_blocks}, {self.num_blocks}): {op}")
+        check_op(op, self.granted, self.num_base_blocks, self.num_blocks)
         if op.grow:
-            if ids & self.granted:
-                raise ValueError(f"blocks granted twice: {sorted(ids & self.granted)[:8]}")
             self.granted |= ids
-            self._protect(self._pages(ids, inward=False), _PROT_RW)
+            self._protect(self.spans.units(ids, inward=False), _PROT_RW)
         else:
-            if not ids <= self.granted:
-                raise ValueError(f"blocks given back that were not granted: {sorted(ids - self.granted)[:8]}")
             self.granted -= ids
-            # pages wholly inside ungranted blocks: those of the released run, not a granted neighbour's
-            released = self._pages(ids, inward=True)
-            keep = self._pages(self.granted, inward=False)
-            for start, end in released:
-                for s, e in _subtract((start, end), keep):
-                    _call(_libc.madvise, self.address + s, e - s, _MADV_DONTNEED)
-                    _call(_libc.mprotect, self.address + s, e - s, _PROT_NONE)
+            # pages wholly inside the released blocks that no granted or base block touches
+            for start, end in self.spans.released(ids, self._backed):
+                _call(_libc.madvise, self.address + start, end - start, _MADV_DONTNEED)
+                _call(_libc.mprotect, self.address + start, end - start, _PROT_NONE)
         self.applied.append(op)
 
     def stats(self) -> dict:
@@ -159,6 +175,17 @@ class CpuBacking:
         return {"rss_bytes": rss_bytes(), "reserve_bytes": self.reserve_bytes,
                 "resident_reserve_bytes": self.resident_reserve_bytes(), "granted_blocks": len(self.granted),
                 "applied_ops": len(self.applied), "history": list(self.history)}
+
+
+def check_op(op: LineOp, granted: set[int], num_base_blocks: int, num_blocks: int) -> None:
+    """A line op a backing can apply: inside the reserve, granting only ungranted blocks, giving back granted ones."""
+    ids = set(op.block_ids)
+    if any(not num_base_blocks <= b < num_blocks for b in ids):
+        raise ValueError(f"line op outside the reserve [{num_base_blocks}, {num_blocks}): {op}")
+    if op.grow and ids & granted:
+        raise ValueError(f"blocks granted twice: {sorted(ids & granted)[:8]}")
+    if not op.grow and not ids <= granted:
+        raise ValueError(f"blocks given back that were not granted: {sorted(ids - granted)[:8]}")
 
 
 def _subtract(span: tuple[int, int], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -175,11 +202,12 @@ def _subtract(span: tuple[int, int], holes: list[tuple[int, int]]) -> list[tuple
     return out
 
 
-def install(backing: CpuBacking) -> None:
+def install(backing) -> None:
+    """Make ``backing`` (a ``CpuBacking`` or a ``cuda_backing.CudaVmmBacking``) this process's."""
     global _BACKING
     _BACKING = backing
 
 
-def registered_backing() -> CpuBacking | None:
+def registered_backing():
     """This process's backing (None where the plugin's allocation did not run: another device, or no reserve)."""
     return _BACKING

@@ -155,17 +155,18 @@ def _patch_worker() -> None:
     def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
         vllm_config = _RUNNER_CONFIG.get()
         extra = reserve_blocks(vllm_config, kv_cache_config) if vllm_config is not None else 0
-        if not extra or device.type != "cpu" or not kv_cache_config.kv_cache_tensors:
+        if not extra or device.type not in ("cpu", "cuda") or not kv_cache_config.kv_cache_tensors:
             return allocate(kv_cache_config, device, layout, kernel_block_sizes)
-        return _allocate_on_cpu_backing(kv_cache_config, layout, kernel_block_sizes, extra)
+        return _allocate_on_backing(kv_cache_config, device, layout, kernel_block_sizes, extra)
 
     gpu_model_runner.allocate_kv_cache = allocate_kv_cache
     runner.initialize_kv_cache_tensors = initialize_kv_cache_tensors
     runner.execute_model = execute_model
 
 
-def _allocate_on_cpu_backing(kv_cache_config, layout, kernel_block_sizes, extra: int):
-    """vLLM's ``allocate_kv_cache`` over a ``CpuBacking`` (views built by vLLM's own ``create_kv_cache_views``)."""
+def _allocate_on_backing(kv_cache_config, device, layout, kernel_block_sizes, extra: int):
+    """vLLM's ``allocate_kv_cache`` over a ``CpuBacking`` or, on CUDA, a ``CudaVmmBacking`` (which has not run
+    inside vLLM yet: docs/vllm_plugin.md); the views are built by vLLM's own ``create_kv_cache_views``."""
     import torch
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
     from vllm.v1.worker.utils import create_kv_cache_views
@@ -174,7 +175,13 @@ def _allocate_on_cpu_backing(kv_cache_config, layout, kernel_block_sizes, extra:
 
     tensors = kv_cache_config.kv_cache_tensors
     num_blocks = kv_cache_config.num_blocks
-    backing = CpuBacking(tensors[0].size, tensors, num_base_blocks=num_blocks - extra, num_blocks=num_blocks)
+    sizes = dict(num_base_blocks=num_blocks - extra, num_blocks=num_blocks)
+    if device.type == "cuda":
+        from moetide.vllm.cuda_backing import CudaVmmBacking
+
+        backing = CudaVmmBacking(tensors[0].size, tensors, device=device.index or 0, **sizes)
+    else:
+        backing = CpuBacking(tensors[0].size, tensors, **sizes)
     install(backing)
     kv_caches: dict[str, torch.Tensor] = {}
     for tensor in tensors:

@@ -44,7 +44,7 @@ class VllmPool:
         full-attention group)."""
         if not 1 < num_base_blocks <= len(pool.blocks):
             raise ValueError(f"num_base_blocks must be in (1, {len(pool.blocks)}], got {num_base_blocks}")
-        self.pool, self.hash_group_id = pool, hash_group_id
+        self.pool, self.hash_group_id, self.num_base_blocks = pool, hash_group_id, num_base_blocks
         self.enable_caching = pool.enable_caching
         reserve = pool.blocks[num_base_blocks:]
         if any(b.ref_cnt or b.prev_free_block is None for b in reserve):
@@ -269,9 +269,9 @@ class VllmPool:
         """Take the blocks back into the reserve if every one is free (drained ones count); else change nothing."""
         ids = list(block_ids)
         blocks = self.pool.blocks
-        if (len(set(ids)) != len(ids) or any(b in self._reserve or b == 0 for b in ids)
+        if (len(set(ids)) != len(ids) or any(b in self._reserve or b < self.num_base_blocks for b in ids)
                 or any(blocks[b].ref_cnt for b in ids)):
-            return False
+            return False  # only granted blocks leave, and only when every one is free
         for block_id in ids:
             if self._is_cached(blocks[block_id]):
                 self._uncache_chain(blocks[block_id])
@@ -288,8 +288,8 @@ class VllmPool:
     def drain(self, block_ids: Iterable[int]) -> None:
         """Mark blocks to leave the pool: free ones leave the free queue now, the rest when vLLM frees them."""
         ids = [b for b in block_ids if b not in self._draining]
-        if any(b in self._reserve or b == 0 for b in ids):
-            raise ValueError(f"cannot drain blocks the pool does not own: {sorted(ids)[:8]}")
+        if any(b in self._reserve or b < self.num_base_blocks for b in ids):
+            raise ValueError(f"only blocks the line granted can drain, not {sorted(ids)[:8]}")
         self._draining.update(ids)
         for block_id in ids:
             block = self.pool.blocks[block_id]

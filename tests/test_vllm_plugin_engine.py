@@ -2,7 +2,8 @@
 qwen3_next in bf16 with linear-attention heads of 128).
 
 The line is exercised (``line_cycle_steps``: grant the reserve, give it back once drained, grant it again) while
-batches of prompts longer than the base pool holds run, in-process and with vLLM's multiprocessing. Greedy outputs
+batches of prompts longer than the base pool holds run, in-process and with vLLM's multiprocessing. While a region
+is out its experts are offloaded and the expert pager stages them from host copies when routed. Greedy outputs
 must equal stock vLLM's (the plugin disabled by ``MOETIDE_VLLM_DISABLE``), and the worker's KV backing must show
 the memory: the reserve's resident bytes rise while a granted region holds KV and fall to nothing when it goes back.
 Each engine runs in a fresh process (``tests/vllm_generate.py``).
@@ -82,3 +83,5 @@ def test_outputs_equal_stock_vllm_through_grants_and_give_backs(checkpoints, sto
     assert all(after == 0 for _, _, after in backs), stats["history"]
     assert all(before == after == 0 for _, before, after in grows)  # a grant commits nothing by itself
     assert stats["resident_reserve_bytes"] <= stats["reserve_bytes"]
+    # the regions' experts were served from their host copies: staged into slots when routed
+    assert stats["pager"]["stagings"] > 0 and stats["pager"]["staged_bytes"] > 0

@@ -13,9 +13,10 @@ the config they are handed and step aside). It patches two things, neither of wh
 * **KV allocation** (workers, ``allocate_kv_cache`` as ``gpu_model_runner`` imports it): on the CPU the buffer is
   a ``vllm.backing.CpuBacking`` whose reserve pages are committed only while granted.
 * **Line moves** (workers, ``GPUModelRunner.execute_model``): the step's ``LineOp``s, which arrive in the
-  connector's metadata of that step (``vllm.connector``), are applied to the backing first, before the runner zeroes
-  the step's new blocks and before the forward. The connector's own hook, ``start_load_kv``, runs after the
-  forward when a step loads nothing, too late for a block the step writes.
+  connector's metadata of that step (``vllm.connector``), are applied to the backing and to the expert pager
+  (``vllm.pager``: vLLM's unquantized fused-MoE method, replaced through ``CustomOp.register_oot``) first, before
+  the runner zeroes the step's new blocks and before the forward. The connector's own hook, ``start_load_kv``,
+  runs after the forward when a step loads nothing, too late for a block the step writes.
 
 The scheduler class and the connector are ordinary vLLM options (``--scheduler-cls``, ``--kv-transfer-config``);
 ``PluginSettings.kv_transfer_config`` and ``moetide serve --engine vllm`` give them.
@@ -46,6 +47,9 @@ def register() -> None:
     if not vllm.__version__.startswith(SUPPORTED):
         logger.warning("moetide's vLLM plugin supports vLLM %sx; found %s: not loaded", SUPPORTED, vllm.__version__)
         return
+    from moetide.vllm import pager
+
+    pager.register()
     _patch_sizing()
     _patch_worker()
     _REGISTERED = True
@@ -133,6 +137,7 @@ def _patch_worker() -> None:
 
     from moetide.vllm.backing import registered_backing
     from moetide.vllm.connector import MoetideConnectorMetadata
+    from moetide.vllm.pager import apply_line_op
 
     allocate = gpu_model_runner.allocate_kv_cache
     runner = gpu_model_runner.GPUModelRunner
@@ -140,9 +145,11 @@ def _patch_worker() -> None:
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         metadata, backing = scheduler_output.kv_connector_metadata, registered_backing()
-        if isinstance(metadata, MoetideConnectorMetadata) and backing is not None:
+        if isinstance(metadata, MoetideConnectorMetadata):
             for op in metadata.line_ops:
-                backing.apply(op)
+                if backing is not None:
+                    backing.apply(op)
+                apply_line_op(op)
         return execute(self, scheduler_output, *args, **kwargs)
 
     def initialize_kv_cache_tensors(self, *args, **kwargs):

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 class MoetideWorkerExtension:
     def moetide_backing_stats(self) -> dict | None:
-        """This worker's ``CpuBacking.stats()``, or None where the plugin did not allocate its KV cache."""
+        """This worker's ``CpuBacking.stats()`` with the expert pager's counts, or None where the plugin did not
+        allocate its KV cache."""
+        from moetide.vllm import pager
         from moetide.vllm.backing import registered_backing
 
         backing = registered_backing()
-        return None if backing is None else backing.stats()
+        return None if backing is None else {**backing.stats(), "pager": pager.stats()}

@@ -2,8 +2,9 @@
 
 A burst of requests sharing a prefix, the last one longer than the base KV pool holds (2 MiB: under 2,000 tokens
 of this checkpoint), against ``--policy vamp``: the line moves to admit it (``moetide:line_moves_total`` > 0 on
-``/metrics``, beside vLLM's own series), every request completes, and the text equals ``--policy vllm``'s on a
-pool large enough for the burst (greedy text does not depend on the pool).
+``/metrics``, beside vLLM's own series), the offloaded experts are staged from their host copies when routed
+(``moetide:stagings_total``), every request completes, and the text equals ``--policy vllm``'s on a pool large
+enough for the burst (greedy text does not depend on the pool).
 """
 
 from __future__ import annotations
@@ -99,9 +100,12 @@ def test_vamp_moves_the_line_for_a_burst_and_answers_as_vllm(checkpoint):
         moves = server.metric("moetide:line_moves_total")
         granted = server.metric("moetide:kv_blocks_granted")
         ratio = server.metric("moetide:expert_offload_ratio")
+        stagings = server.metric("moetide:stagings_total")
+        staged_bytes = server.metric("moetide:staged_bytes_total")
     finally:
         server.close()
     assert moves > 0 and granted > 0 and 0 < ratio <= 0.5
+    assert stagings > 0 and staged_bytes >= stagings * 3 * 64 * 4096 * 2  # whole experts, copied when routed
     server = Server(checkpoint, "vllm", "8MiB")
     try:
         vllm_texts = server.complete_all()

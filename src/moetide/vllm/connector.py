@@ -41,6 +41,7 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = PluginSettings.from_extra_config(extra)
         self._line = None  # scheduler side: the LineBooks whose ops go out
         self._reported_moves = 0  # line moves already reported in the stats
+        self._reported_stagings = (0, 0)  # worker side: the pager's (stagings, staged bytes) already reported
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -61,14 +62,21 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
         return MoetideConnectorMetadata(ops)
 
     def get_kv_connector_stats(self):
-        """The line's gauges and new moves, every step (``vllm.metrics``)."""
-        from moetide.vllm.metrics import line_stats
+        """Every step: on the scheduler, the line's gauges and new moves; on a worker, the expert pager's new
+        stagings (vLLM sums the workers' and adds the scheduler's, ``vllm.metrics``)."""
+        from moetide.vllm import pager
+        from moetide.vllm.metrics import MoetideConnectorStats, line_stats
 
-        if self._line is None:
+        if self._line is not None:
+            stats = line_stats(self._line, self._reported_moves)
+            self._reported_moves = self._line.num_line_moves
+            return stats
+        if self.role != KVConnectorRole.WORKER:
             return None
-        stats = line_stats(self._line, self._reported_moves)
-        self._reported_moves = self._line.num_line_moves
-        return stats
+        counts = pager.stats()
+        now = (counts["stagings"], counts["staged_bytes"])
+        before, self._reported_stagings = self._reported_stagings, now
+        return MoetideConnectorStats({"stagings": now[0] - before[0], "staged_bytes": now[1] - before[1]})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):

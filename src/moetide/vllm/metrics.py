@@ -7,6 +7,9 @@ connector's ``build_prom_metrics``). Series, each labelled like vLLM's (model na
 * ``moetide:expert_offload_ratio`` (gauge): the share of routed experts whose memory the KV cache holds now.
 * ``moetide:kv_blocks_granted`` (gauge): KV blocks the line has granted and not taken back.
 * ``moetide:line_moves_total`` (counter): regions granted plus regions given back.
+* ``moetide:stagings_total``, ``moetide:staged_bytes_total`` (counters): offloaded experts the pager copied from
+  their host copies into staging slots, and their bytes, summed over the workers (each tensor-parallel rank
+  stages its own shard).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 GAUGES = ("expert_offload_ratio", "kv_blocks_granted")  # the latest value wins
-COUNTERS = ("line_moves",)  # summed over the interval
+COUNTERS = ("line_moves", "stagings", "staged_bytes")  # summed over the interval and the workers
 
 
 @dataclass
@@ -65,6 +68,12 @@ class MoetidePromMetrics(KVConnectorPromMetrics):
             "line_moves": self._counter_cls(
                 name="moetide:line_moves", labelnames=labelnames,
                 documentation="Moves of moetide's line: regions granted to the KV cache plus regions given back."),
+            "stagings": self._counter_cls(
+                name="moetide:stagings", labelnames=labelnames,
+                documentation="Offloaded experts staged from their host copies when routed (all workers)."),
+            "staged_bytes": self._counter_cls(
+                name="moetide:staged_bytes", labelnames=labelnames,
+                documentation="Bytes of offloaded experts staged from their host copies (all workers)."),
         }
         self.per_engine = {key: create_metric_per_engine(metric, per_engine_labelvalues)
                            for key, metric in self.series.items()}
@@ -73,6 +82,7 @@ class MoetidePromMetrics(KVConnectorPromMetrics):
         for key in GAUGES:
             if key in transfer_stats_data:
                 self.per_engine[key][engine_idx].set(transfer_stats_data[key])
-        moves = transfer_stats_data.get("line_moves", 0)
-        if moves:
-            self.per_engine["line_moves"][engine_idx].inc(moves)
+        for key in COUNTERS:
+            amount = transfer_stats_data.get(key, 0)
+            if amount:
+                self.per_engine[key][engine_idx].inc(amount)

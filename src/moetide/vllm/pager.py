@@ -7,7 +7,8 @@ to slots, and an offloaded expert that a step routes to is copied from its host 
 appended after the experts' own rows, then computed there as if it were resident.
 
 * The host copies are the weights as the kernel reads them: snapshotted after vLLM's
-  ``process_weights_after_loading`` (the CPU prepacks them; a GPU may permute them).
+  ``process_weights_after_loading`` (the CPU prepacks them; a GPU may permute them). On CUDA they would be device
+  clones: pinned host copies and a copy stream are not written yet.
 * Which experts are offloaded is moetide's ``ExpertResidency``'s choice, made in the scheduler: the step's
   ``LineOp``s name the (MoE layer, expert) keys, and the worker hands them to ``apply_line_op`` before the forward.
 * With nothing offloaded in a layer its ``apply`` is vLLM's, unchanged but for one check. The staging slots are

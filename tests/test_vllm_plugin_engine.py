@@ -84,4 +84,8 @@ def test_outputs_equal_stock_vllm_through_grants_and_give_backs(checkpoints, sto
     assert all(before == after == 0 for _, before, after in grows)  # a grant commits nothing by itself
     assert stats["resident_reserve_bytes"] <= stats["reserve_bytes"]
     # the regions' experts were served from their host copies: staged into slots when routed
-    assert stats["pager"]["stagings"] > 0 and stats["pager"]["staged_bytes"] > 0
+    pager = stats["pager"]
+    assert pager["stagings"] > 0 and pager["staged_bytes"] > 0
+    # ... and their home rows' pages went back to the system while they were out (none while all are home)
+    assert pager["peak_released_bytes"] > 0
+    assert (pager["released_bytes"] > 0) == (pager["offloaded_experts"] > 0)

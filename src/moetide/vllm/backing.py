@@ -58,6 +58,20 @@ def _call(fn, address: int, length: int, arg: int) -> None:
         raise OSError(err, f"{fn.__name__}({address:#x}, {length}, {arg}): {os.strerror(err)}")
 
 
+def release_size(address: int, nbytes: int) -> int:
+    """Bytes of the whole pages inside ``[address, address + nbytes)``: what ``release_pages`` returns."""
+    return max((address + nbytes) // PAGE * PAGE - -(-address // PAGE) * PAGE, 0)
+
+
+def release_pages(address: int, nbytes: int) -> int:
+    """Return the whole pages inside the range to the system (``MADV_DONTNEED``: they read zeros if touched again);
+    the bytes released. For memory nobody reads until it is written again."""
+    start = -(-address // PAGE) * PAGE
+    size = release_size(address, nbytes)
+    _call(_libc.madvise, start, size, _MADV_DONTNEED)
+    return size
+
+
 def _merge(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for start, end in sorted(intervals):

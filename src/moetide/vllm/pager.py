@@ -12,9 +12,10 @@ appended after the experts' own rows, then computed there as if it were resident
 * Which experts are offloaded is moetide's ``ExpertResidency``'s choice, made in the scheduler: the step's
   ``LineOp``s name the (MoE layer, expert) keys, and the worker hands them to ``apply_line_op`` before the forward.
 * With nothing offloaded in a layer its ``apply`` is vLLM's, unchanged but for one check. The staging slots are
-  added to a layer's weights when its first expert goes out (one copy of that layer's weights, once).
-* Slots stand in for the expert memory the line will hand to the KV cache; until the backing takes an offloaded
-  expert's pages (the whole line), an offloaded expert's own row stays allocated and unread.
+  added to a layer's weights as its offloaded count first reaches each new high (a copy of the layer's weights).
+* An offloaded expert's home rows are not read while it is out; on the CPU their pages go back to the system
+  (``MADV_DONTNEED``), and the expert is written home from its copy when the region comes back. The KV blocks the
+  line grants still come from the backing's reserve: the two sides of the line are not yet one memory.
 
 ``CustomOp.register_oot(name="UnquantizedFusedMoEMethod")`` makes vLLM build this class wherever it would build
 its own (``register``, called once by the plugin).
@@ -30,6 +31,7 @@ from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.utils import replace_parameter
 
+from moetide.vllm.backing import release_pages, release_size
 from moetide.vllm.line import LineOp
 
 # this process's paged MoE layers (weakly: a model that is deleted takes its layers along)
@@ -46,8 +48,11 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         match = _LAYER_NUMBER.search(f"{layer.layer_name}.")
         self.layer_number = int(match.group(1)) if match else len(_LAYERS)
         self.num_experts = layer.w13_weight.shape[0]
-        self.host = None  # (w13, w2) host copies, taken when the first expert goes out
+        self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # offloaded expert -> its (w13, w2) copy
+        self.num_staging_slots = 0
         self.offloaded: set[int] = set()
+        self.released_bytes = 0  # bytes of offloaded experts' home rows returned to the system now
+        self.peak_released_bytes = 0
         self.num_staged = 0  # staged copies so far (the step costs' touches)
         self.staged_bytes = 0
         _LAYERS.add(self)
@@ -57,15 +62,35 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         return self._layer()
 
     def set_offloaded(self, experts: set[int]) -> None:
-        """The layer's offloaded experts from now on; the first offload adds staging slots for all of them."""
-        if experts and self.host is None:
-            w13, w2 = self.layer.w13_weight.data, self.layer.w2_weight.data
-            self.host = (w13.clone(), w2.clone())
-            spare13 = w13.new_zeros((self.num_experts, *w13.shape[1:]))
-            spare2 = w2.new_zeros((self.num_experts, *w2.shape[1:]))
-            replace_parameter(self.layer, "w13_weight", torch.cat([w13, spare13]))
-            replace_parameter(self.layer, "w2_weight", torch.cat([w2, spare2]))
+        """The layer's offloaded experts from now on. An expert going out is copied to the host and its home rows'
+        pages are returned to the system (CPU; ``backing.release_pages``); one coming back is written home from
+        its copy. A layer gets as many staging slots as it has ever had experts out."""
+        layer = self.layer
+        if len(experts) > self.num_staging_slots:  # more staging rows: rebuild the weights once, then re-release
+            w13, w2 = layer.w13_weight.data[:self.num_experts], layer.w2_weight.data[:self.num_experts]
+            spare = len(experts)
+            replace_parameter(layer, "w13_weight", torch.cat([w13, w13.new_zeros((spare, *w13.shape[1:]))]))
+            replace_parameter(layer, "w2_weight", torch.cat([w2, w2.new_zeros((spare, *w2.shape[1:]))]))
+            self.num_staging_slots = spare
+            self.released_bytes = sum(self._release(e) for e in self.offloaded)
+        w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        for expert in sorted(set(experts) - self.offloaded):
+            self.host[expert] = (w13[expert].clone(), w2[expert].clone())
+            self.released_bytes += self._release(expert)
+        for expert in sorted(self.offloaded - set(experts)):
+            host13, host2 = self.host.pop(expert)
+            w13[expert].copy_(host13)
+            w2[expert].copy_(host2)
+            self.released_bytes -= _released_size(w13[expert]) + _released_size(w2[expert])
         self.offloaded = set(experts)
+        self.peak_released_bytes = max(self.peak_released_bytes, self.released_bytes)
+
+    def _release(self, expert: int) -> int:
+        """Return an offloaded expert's home-row pages to the system (CPU); the bytes released."""
+        rows = (self.layer.w13_weight.data[expert], self.layer.w2_weight.data[expert])
+        if rows[0].device.type != "cpu":
+            return 0
+        return sum(release_pages(row.data_ptr(), row.nbytes) for row in rows)
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         if self.offloaded:
@@ -81,12 +106,16 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         w13, w2 = self.layer.w13_weight.data, self.layer.w2_weight.data
         for j, expert in enumerate(routed):
             slot = self.num_experts + j
-            w13[slot].copy_(self.host[0][expert])
-            w2[slot].copy_(self.host[1][expert])
+            w13[slot].copy_(self.host[expert][0])
+            w2[slot].copy_(self.host[expert][1])
             slot_of[expert] = slot
             self.staged_bytes += w13[slot].nbytes + w2[slot].nbytes
         self.num_staged += len(routed)
         return slot_of[topk_ids.long()]
+
+
+def _released_size(row: torch.Tensor) -> int:
+    return release_size(row.data_ptr(), row.nbytes) if row.device.type == "cpu" else 0
 
 
 def paged_layers() -> list[PagedUnquantizedFusedMoEMethod]:
@@ -118,4 +147,6 @@ def register() -> None:
 def stats() -> dict[str, int]:
     layers = paged_layers()
     return {"paged_layers": len(layers), "offloaded_experts": sum(len(m.offloaded) for m in layers),
-            "stagings": sum(m.num_staged for m in layers), "staged_bytes": sum(m.staged_bytes for m in layers)}
+            "stagings": sum(m.num_staged for m in layers), "staged_bytes": sum(m.staged_bytes for m in layers),
+            "released_bytes": sum(m.released_bytes for m in layers),
+            "peak_released_bytes": sum(m.peak_released_bytes for m in layers)}

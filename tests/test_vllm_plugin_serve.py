@@ -1,4 +1,5 @@
-"""``moetide serve --engine vllm``: vLLM's own OpenAI server with the plugin, driven by the OpenAI client.
+"""``moetide serve --engine vllm``: vLLM's own OpenAI server with the plugin, driven by the OpenAI client, on
+qwen3_moe and mixtral checkpoints.
 
 A burst of requests sharing a prefix, the last one longer than the base KV pool holds (2 MiB: under 2,000 tokens
 of this checkpoint), against ``--policy vamp``: the line moves to admit it (``moetide:line_moves_total`` > 0 on
@@ -26,14 +27,15 @@ SHARED = "shared " * 250
 PROMPTS = [SHARED + f"tail {i} " + "x " * (20 + 15 * i) for i in range(8)] + [SHARED + "long " * 600]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def checkpoint(request, tmp_path_factory):
     pytest.importorskip("transformers")
     from moetide.engine.testmodel import TinyModelArgs, make_test_model
 
-    # experts of 1.5 MiB each, so that the default offload cap of a 2-layer, 4-expert model is worth KV blocks
-    return make_test_model(TinyModelArgs(arch="qwen3_moe", head_dim=64, dtype="bfloat16", moe_intermediate_size=4096),
-                           tmp_path_factory.mktemp("vllm_serve") / "qwen3_moe")
+    # experts of 1.5 MiB each, so that the offload cap of a 2-layer, 4-expert model is worth KV blocks
+    return make_test_model(TinyModelArgs(arch=request.param, head_dim=64, dtype="bfloat16",
+                                         moe_intermediate_size=4096),
+                           tmp_path_factory.mktemp("vllm_serve") / request.param)
 
 
 def free_port() -> int:

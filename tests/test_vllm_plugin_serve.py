@@ -1,8 +1,7 @@
 """``moetide serve --engine vllm``: vLLM's own OpenAI server with the plugin, driven by the OpenAI client, on
-qwen3_moe and mixtral checkpoints.
+qwen3_moe, mixtral and qwen3_next checkpoints.
 
-A burst of requests sharing a prefix, the last one longer than the base KV pool holds (2 MiB: under 2,000 tokens
-of this checkpoint), against ``--policy vamp``: the line moves to admit it (``moetide:line_moves_total`` > 0 on
+A burst of requests sharing a prefix, the last one longer than the base KV pool holds (2 MiB), against ``--policy vamp``: the line moves to admit it (``moetide:line_moves_total`` > 0 on
 ``/metrics``, beside vLLM's own series), the offloaded experts are staged from their host copies when routed
 (``moetide:stagings_total``), every request completes, and the text equals ``--policy vllm``'s on a pool large
 enough for the burst (greedy text does not depend on the pool).
@@ -24,18 +23,25 @@ pytest.importorskip("vllm", reason="vLLM 0.32 is not installed here (scripts/ins
 openai = pytest.importorskip("openai")
 
 SHARED = "shared " * 250
-PROMPTS = [SHARED + f"tail {i} " + "x " * (20 + 15 * i) for i in range(8)] + [SHARED + "long " * 600]
+# the last request's length per architecture: longer than its base pool holds (qwen3_next's 640-token blocks and
+# its linear-attention states need a longer one)
+LONG_WORDS = {"qwen3_moe": 600, "mixtral": 600, "qwen3_next": 800}
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def prompts(arch: str) -> list[str]:
+    return [SHARED + f"tail {i} " + "x " * (20 + 15 * i) for i in range(8)] + [SHARED + "long " * LONG_WORDS[arch]]
+
+
+@pytest.fixture(scope="module", params=list(LONG_WORDS))
 def checkpoint(request, tmp_path_factory):
     pytest.importorskip("transformers")
     from moetide.engine.testmodel import TinyModelArgs, make_test_model
 
-    # experts of 1.5 MiB each, so that the offload cap of a 2-layer, 4-expert model is worth KV blocks
-    return make_test_model(TinyModelArgs(arch=request.param, head_dim=64, dtype="bfloat16",
-                                         moe_intermediate_size=4096),
-                           tmp_path_factory.mktemp("vllm_serve") / request.param)
+    # experts of 1.5 MiB each, so that the offload cap of a tiny model is worth KV blocks
+    extra = {"linear_head_dim": 128} if request.param == "qwen3_next" else {}
+    return request.param, make_test_model(
+        TinyModelArgs(arch=request.param, head_dim=64, dtype="bfloat16", moe_intermediate_size=4096, **extra),
+        tmp_path_factory.mktemp("vllm_serve") / request.param)
 
 
 def free_port() -> int:
@@ -51,7 +57,7 @@ class Server:
         self.port = free_port()
         argv = [sys.executable, "-m", "moetide.cli", "serve", "--engine", "vllm", "--model", str(model),
                 "--policy", policy, "--max-offload-ratio", "0.5", "--kv-cache-memory", kv_cache_memory,
-                "--max-model-len", "3072", "--host", "127.0.0.1", "--port", str(self.port),
+                "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(self.port),
                 "--served-model-name", "tiny", "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "16"]
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1"))
@@ -67,7 +73,7 @@ class Server:
         self.close()
         raise AssertionError("the server did not answer /health within 300 s")
 
-    def complete_all(self) -> list[str]:
+    def complete_all(self, prompts: list[str]) -> list[str]:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none")
 
         def one(prompt: str) -> str:
@@ -75,8 +81,8 @@ class Server:
             assert answer.choices[0].finish_reason == "length"
             return answer.choices[0].text
 
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # a burst: all in flight at once
-            return list(pool.map(one, PROMPTS))
+        with ThreadPoolExecutor(len(prompts)) as pool:  # a burst: all in flight at once
+            return list(pool.map(one, prompts))
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:
@@ -96,9 +102,10 @@ class Server:
 
 @pytest.mark.slow
 def test_vamp_moves_the_line_for_a_burst_and_answers_as_vllm(checkpoint):
-    server = Server(checkpoint, "vamp", "2MiB")
+    arch, model = checkpoint
+    server = Server(model, "vamp", "2MiB")
     try:
-        vamp_texts = server.complete_all()
+        vamp_texts = server.complete_all(prompts(arch))
         moves = server.metric("moetide:line_moves_total")
         granted = server.metric("moetide:kv_blocks_granted")
         ratio = server.metric("moetide:expert_offload_ratio")
@@ -108,9 +115,9 @@ def test_vamp_moves_the_line_for_a_burst_and_answers_as_vllm(checkpoint):
         server.close()
     assert moves > 0 and granted > 0 and 0 < ratio <= 0.5
     assert stagings > 0 and staged_bytes >= stagings * 3 * 64 * 4096 * 2  # whole experts, copied when routed
-    server = Server(checkpoint, "vllm", "8MiB")
+    server = Server(model, "vllm", "8MiB")
     try:
-        vllm_texts = server.complete_all()
+        vllm_texts = server.complete_all(prompts(arch))
         assert server.metric("moetide:line_moves_total") == 0
     finally:
         server.close()

@@ -74,6 +74,14 @@ def measure_costs(provider: StagedExpertProvider, active_params: int) -> EngineC
                        host_s_per_expert=host_a, host_s_per_row=host_b)
 
 
+def step_compute_s(num_tokens: int, config, experts_per_token: int, *, prefill_s_per_token: float,
+                   expert_call_s: float) -> float:
+    """A step's modeled seconds without staging: the tokens' compute plus one call per expert each MoE layer runs
+    (``config``: the ``ExpertResidencyConfig``). moetide's engine and the vLLM plugin price a step by this."""
+    calls = config.num_layers * min(config.num_experts, num_tokens * experts_per_token)
+    return num_tokens * prefill_s_per_token + calls * expert_call_s
+
+
 class EngineStepStats:
     """``core.pressure.vamp_params.StepStats`` from the engine's step counts and its cost record (module
     docstring); the copy and host times may be changed to price what-ifs."""
@@ -115,10 +123,9 @@ class EngineStepStats:
         return seconds
 
     def compute_s(self, num_tokens: int) -> float:
-        """A step's seconds without staging: the tokens' FLOPs plus one call per expert each MoE layer runs."""
-        config = self.residency.config
-        calls = config.num_layers * min(config.num_experts, num_tokens * self.experts_per_token)
-        return num_tokens * self.prefill_s_per_token + calls * self.expert_call_s
+        """A step's seconds without staging (``step_compute_s``)."""
+        return step_compute_s(num_tokens, self.residency.config, self.experts_per_token,
+                              prefill_s_per_token=self.prefill_s_per_token, expert_call_s=self.expert_call_s)
 
     # ---- StepStats ------------------------------------------------------------------------------------------
     def busy_s(self) -> float:

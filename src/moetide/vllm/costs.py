@@ -13,7 +13,7 @@ expert pager (routing counted from vLLM's ``topk_ids``) replaces this estimate w
 from __future__ import annotations
 
 from moetide.core.experts import ExpertResidency
-from moetide.engine.vamp import STEP_DECAY, EngineCosts
+from moetide.engine.vamp import STEP_DECAY, EngineCosts, step_compute_s
 
 
 class RecordSteps:
@@ -32,10 +32,10 @@ class RecordSteps:
         return 1.0 - (1.0 - share) ** num_tokens
 
     def compute_s(self, num_tokens: int) -> float:
-        """A step's seconds without staging: the tokens' compute plus one call per expert each MoE layer runs."""
-        config = self.residency.config
-        calls = config.num_layers * min(config.num_experts, num_tokens * self.experts_per_token)
-        return num_tokens * self.costs.prefill_s_per_token + calls * self.costs.expert_call_s
+        """A step's seconds without staging, as moetide's engine prices one (``engine.vamp.step_compute_s``)."""
+        return step_compute_s(num_tokens, self.residency.config, self.experts_per_token,
+                              prefill_s_per_token=self.costs.prefill_s_per_token,
+                              expert_call_s=self.costs.expert_call_s)
 
     def record(self, num_tokens: int) -> float:
         """One step of ``num_tokens`` tokens ran; returns its modeled seconds, the staging of what is offloaded in."""

@@ -55,6 +55,19 @@ def expert_shape(spec: ModelSpec, tensor_parallel_size: int = 1, dtype_bytes: in
                        expert_bytes=max(spec.expert_bytes(dtype_bytes) // tensor_parallel_size, 1))
 
 
+def model_experts(settings: PluginSettings, vllm_config) -> tuple[ExpertShape, int | None]:
+    """The routed experts of one rank (the settings' own, else read from vLLM's model config) and the model's
+    active parameters (None when the settings give both experts and costs, so the config need not be read): what the
+    engine core's sizing, the scheduler and the workers all derive the line from."""
+    if settings.experts is not None and settings.costs is not None:
+        return settings.experts, None
+    model = vllm_config.model_config
+    spec = model_spec(model.hf_config.to_dict())
+    shape = settings.experts or expert_shape(spec, vllm_config.parallel_config.tensor_parallel_size,
+                                             model.dtype.itemsize)
+    return shape, spec.params_active
+
+
 def kv_block_bytes(kv_cache_config) -> int:
     """Bytes one block id takes over every layer: the KV backing over the blocks (every ``KVCacheTensor`` names the
     one backing allocation's size), or (a config with no tensors, as a scheduler-only test builds) the largest

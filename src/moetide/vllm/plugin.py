@@ -66,15 +66,10 @@ def plugin_settings(vllm_config):
 
 
 def _settings_and_shape(vllm_config):
-    from moetide.vllm.line import expert_shape, model_spec
+    from moetide.vllm.line import model_experts
 
     settings = plugin_settings(vllm_config)
-    if settings is None:
-        return None, None
-    model = vllm_config.model_config
-    return settings, settings.experts or expert_shape(model_spec(model.hf_config.to_dict()),
-                                                      vllm_config.parallel_config.tensor_parallel_size,
-                                                      model.dtype.itemsize)
+    return (None, None) if settings is None else (settings, model_experts(settings, vllm_config)[0])
 
 
 def reserve_blocks(vllm_config, kv_cache_config) -> int:

@@ -30,10 +30,18 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
 from moetide.core.pressure import EvictPrefix, OffloadExperts, Preempt, PressureView
-from moetide.vllm.line import LineBooks, expert_shape, kv_block_bytes, line_reserve_blocks, model_spec, plugin_costs
+from moetide.vllm.line import LineBooks, kv_block_bytes, line_reserve_blocks, model_experts, plugin_costs
 from moetide.vllm.pool import VllmPool
 
-_ALLOCATE = inspect.signature(KVCacheManager.allocate_slots)
+# vLLM 0.32's allocate_slots parameters, which the seam repeats by name (checked at import: a vLLM that changed
+# them is refused rather than called with what it no longer means)
+_ALLOCATE_PARAMETERS = ("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+                        "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
+                        "num_encoder_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs",
+                        "skip_zeroing_group_ids")
+if tuple(inspect.signature(KVCacheManager.allocate_slots).parameters) != _ALLOCATE_PARAMETERS:
+    raise ImportError("moetide's scheduler seam was written against vLLM 0.32's KVCacheManager.allocate_slots, "
+                      "whose parameters this vLLM has changed")
 
 
 class RequestView:
@@ -74,11 +82,7 @@ class _MoetideScheduling:
             raise ValueError("moetide's scheduler needs moetide's connector: pass --kv-transfer-config with "
                              "kv_connector MoetideConnector (moetide.vllm.settings.PluginSettings.kv_transfer_config)")
         settings = self.connector.settings
-        model = self.vllm_config.model_config
-        spec = None if settings.experts is not None and settings.costs is not None else model_spec(
-            model.hf_config.to_dict())
-        shape = settings.experts or expert_shape(spec, self.vllm_config.parallel_config.tensor_parallel_size,
-                                                 model.dtype.itemsize)
+        shape, active = model_experts(settings, self.vllm_config)
         kv_config = self.kv_cache_config
         block_bytes = kv_block_bytes(kv_config)
         reserve = line_reserve_blocks(settings, shape, block_bytes)
@@ -86,7 +90,6 @@ class _MoetideScheduling:
         groups = kv_config.kv_cache_groups
         self._hash_group = next((i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)), 0)
         pool = VllmPool(kvm.block_pool, num_base_blocks=kv_config.num_blocks - reserve, hash_group_id=self._hash_group)
-        active = None if spec is None else spec.params_active
         self.moetide = LineBooks(settings, shape, pool, block_bytes=block_bytes, block_size=self.block_size,
                                  max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
                                  costs=plugin_costs(settings, shape, active))
@@ -116,13 +119,16 @@ class _MoetideScheduling:
             hashes = BlockHashListWithBlockSize(hashes, kvm.block_pool.hash_block_size, self.block_size)
         return RequestView(request, hashes, num_computed_tokens)
 
-    def _allocate_slots(self, request, num_new_tokens, *args, **kwargs):
-        """``KVCacheManager.allocate_slots`` with the policy asked first (module docstring)."""
-        a = _ALLOCATE.bind(None, request, num_new_tokens, *args, **kwargs)
-        a.apply_defaults()
-        a = a.arguments
+    def _allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+                        num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False,
+                        num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
+                        has_scheduled_reqs=True, skip_zeroing_group_ids=()):
+        """``KVCacheManager.allocate_slots`` (its parameters and defaults, ``_ALLOCATE_PARAMETERS``) with the policy
+        asked first (module docstring)."""
+        a = dict(locals())
+        del a["self"], a["request"]
         hits = self._hit_blocks(a)
-        if a["full_sequence_must_fit"]:
+        if full_sequence_must_fit:
             while True:
                 short, cached = self._shortfall(request, a, hits, full=True)
                 if short == 0 or short <= cached:
@@ -132,7 +138,7 @@ class _MoetideScheduling:
         while True:
             short, _ = self._shortfall(request, a, hits, full=False)
             if short == 0:
-                return self._vllm_allocate(request, num_new_tokens, *args, **kwargs)
+                return self._vllm_allocate(request, **a)
             if not self._relieve(request, short, hits, running=request.status == RequestStatus.RUNNING):
                 return None
 

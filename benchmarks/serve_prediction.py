@@ -57,9 +57,14 @@ MOETIDE = [sys.executable, "-c", "import sys; from moetide.cli import main; sys.
 
 
 def calibrate(args: argparse.Namespace, out: str) -> dict:
-    subprocess.run(["taskset", "-c", args.server_core, *MOETIDE, "calibrate", "--threads", "1", "--model",
-                    args.model, "--device-out", out, "--json", out + ".json"], check=True,
-                   stdout=subprocess.DEVNULL)
+    return calibrate_command(args.server_core, args.model, out)
+
+
+def calibrate_command(core: str, model: str, out: str, extra: list[str] = ()) -> dict:
+    """``moetide calibrate --model`` on ``core`` with one thread (``extra``: more flags, e.g. ``--engine vllm``):
+    the device file written to ``out``; returns the step fit."""
+    subprocess.run(["taskset", "-c", core, *MOETIDE, "calibrate", "--threads", "1", "--model", model,
+                    "--device-out", out, "--json", out + ".json", *extra], check=True, stdout=subprocess.DEVNULL)
     with open(out + ".json") as f:
         return json.load(f)["engine_steps"]["fit"]
 
@@ -153,11 +158,15 @@ def engine_alone_flags(args: argparse.Namespace) -> list[str]:
 
 
 def predict(args: argparse.Namespace, device: str, out: str) -> dict:
+    return predict_replay([*workload_flags(args), "--model", args.model, "--gpu", device, *serving_flags(args)], out)
+
+
+def predict_replay(flags: list[str], out: str) -> dict:
+    """``moetide replay FLAGS --json OUT`` in this process, its table silenced; the replay's metrics."""
     saved = sys.stdout
     sys.stdout = open(os.devnull, "w")
     try:
-        status = moetide_main(["replay", *workload_flags(args), "--model", args.model, "--gpu", device,
-                               *serving_flags(args), "--json", out])
+        status = moetide_main(["replay", *flags, "--json", out])
     finally:
         sys.stdout.close()
         sys.stdout = saved

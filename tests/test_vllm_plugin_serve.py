@@ -1,8 +1,9 @@
 """``moetide serve --engine vllm``: vLLM's own OpenAI server with the plugin, driven by the OpenAI client, on
 qwen3_moe, mixtral and qwen3_next checkpoints.
 
-A burst of requests sharing a prefix, the last one longer than the base KV pool holds (2 MiB), against ``--policy vamp``: the line moves to admit it (``moetide:line_moves_total`` > 0 on
-``/metrics``, beside vLLM's own series), the offloaded experts are staged from their host copies when routed
+A burst of requests sharing a prefix, the last one longer than the base KV pool holds (2 MiB), against
+``--policy vamp``: the line moves to admit it (``moetide:line_moves_total`` > 0 on ``/metrics``, beside vLLM's own
+series), the offloaded experts are staged from their host copies when routed
 (``moetide:stagings_total``), every request completes, and the text equals ``--policy vllm``'s on a pool large
 enough for the burst (greedy text does not depend on the pool).
 """

@@ -30,7 +30,23 @@ def main() -> None:
     outputs = [[list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
                for batch in spec["batches"]]
     stats = llm.collective_rpc("moetide_backing_stats") if plugin is not None else None
-    print("RESULT " + json.dumps({"outputs": outputs, "stats": stats}), flush=True)
+    print("RESULT " + json.dumps({"outputs": outputs, "stats": stats, "line": line_books(llm)}), flush=True)
+
+
+def line_books(llm) -> dict | None:
+    """In-process only (the scheduler lives here): what the line's books learnt of the workers' routing."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    from moetide.vllm.scheduler import MoetideScheduler
+
+    client = llm.llm_engine.engine_core
+    if not isinstance(client, InprocClient) or not isinstance(client.engine_core.scheduler, MoetideScheduler):
+        return None
+    books = client.engine_core.scheduler.moetide
+    config = books.residency.config
+    return {"routed_steps": books.num_routed_steps,
+            "hotness": [[books.residency.hotness(m, e) for e in range(config.num_experts)]
+                        for m in range(config.num_layers)]}
 
 
 if __name__ == "__main__":

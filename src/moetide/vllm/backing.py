@@ -1,4 +1,4 @@
-"""The KV backing on the CPU: one allocation for the whole line, its reserve's pages committed only as granted.
+"""The KV backing on the CPU: one allocation for the whole line, its reserve backed by the experts' own pages.
 
 vLLM allocates the KV cache as one ``torch.zeros`` buffer every layer views (``v1/worker/utils.py``,
 ``allocate_kv_cache``). The plugin's patch (``vllm.plugin``) builds that buffer from an anonymous private ``mmap``
@@ -6,9 +6,13 @@ instead: the kernel backs a page only when it is first written, and gives zeros 
 does. The blocks past the base (the line's reserve, ``vllm.pool``) are then made inaccessible (``PROT_NONE``), so:
 
 * pages of a region never granted are never touched: resident memory does not include them;
-* granting a region (a ``LineOp`` with ``grow``) makes its pages readable and writable, and they count once written;
-* giving one back drops its pages (``MADV_DONTNEED``: the memory returns to the system, and reads zeros after) and
-  makes them inaccessible again;
+* granting a region (a ``LineOp`` with ``grow``) maps the pages of the region's experts, which the expert pager
+  lends (``vllm.arena``), over the pages only the granted blocks use (``mmap(MAP_FIXED | MAP_SHARED)``): the KV
+  cache grows into the experts' memory, with no copy and no new memory. What the lent pages do not cover (the
+  pages a granted block shares with another, or a region whose experts have no whole pages, as on another
+  device) is made readable and writable and counts once written;
+* giving one back maps fresh inaccessible anonymous memory over the blocks' pages: lent pages go back to the
+  experts (the pager then writes them home), anonymous ones to the system;
 * reading or writing an ungranted block faults at once (``SIGSEGV``): a bug that would read unbacked KV cannot
   pass silently.
 
@@ -26,18 +30,17 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
+from moetide.vllm.arena import PageRun, map_fixed, punch
 from moetide.vllm.line import LineOp
 
 PAGE = mmap.PAGESIZE
 _PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
-_MADV_DONTNEED = 4
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 
 _BACKING: CpuBacking | None = None
@@ -56,20 +59,6 @@ def _call(fn, address: int, length: int, arg: int) -> None:
     if length > 0 and fn(address, length, arg) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{fn.__name__}({address:#x}, {length}, {arg}): {os.strerror(err)}")
-
-
-def release_size(address: int, nbytes: int) -> int:
-    """Bytes of the whole pages inside ``[address, address + nbytes)``: what ``release_pages`` returns."""
-    return max((address + nbytes) // PAGE * PAGE - -(-address // PAGE) * PAGE, 0)
-
-
-def release_pages(address: int, nbytes: int) -> int:
-    """Return the whole pages inside the range to the system (``MADV_DONTNEED``: they read zeros if touched again);
-    the bytes released. For memory nobody reads until it is written again."""
-    start = -(-address // PAGE) * PAGE
-    size = release_size(address, nbytes)
-    _call(_libc.madvise, start, size, _MADV_DONTNEED)
-    return size
 
 
 def _merge(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -135,8 +124,10 @@ class CpuBacking:
         self.spans = BlockSpans(tensors, PAGE, len(self._mmap), num_blocks)
         self.granted: set[int] = set()
         self.applied: list[LineOp] = []
-        # per op applied: (grow, the reserve's resident bytes before it, after it): what the memory did
-        self.history: list[tuple[bool, int, int]] = []
+        # per op applied: (grow, the reserve's anonymous resident bytes before it, after it, the bytes of lent expert
+        # pages it held after it): what the memory did
+        self.history: list[tuple[bool, int, int, int]] = []
+        self._lent_pages: dict[int, tuple[int, int]] = {}  # buffer offset of a page -> (expert file, its offset)
         reserve = range(num_base_blocks, num_blocks)
         self._reserve_pages = self.spans.released(reserve, lambda b: b < num_base_blocks)
         self._protect(self._reserve_pages, _PROT_NONE)
@@ -147,8 +138,7 @@ class CpuBacking:
         return sum(e - s for s, e in self._reserve_pages)
 
     def resident_reserve_bytes(self) -> int:
-        """Bytes of the reserve's pages the kernel holds in memory now (``mincore``): what granted, written blocks
-        cost, and what giving them back returns."""
+        """Bytes of the reserve's pages the kernel holds in memory now (``mincore``), lent expert pages included."""
         total = 0
         for start, end in self._reserve_pages:
             pages = (end - start) // PAGE
@@ -164,30 +154,64 @@ class CpuBacking:
         for start, end in ranges:
             _call(_libc.mprotect, self.address + start, end - start, prot)
 
-    def apply(self, op: LineOp) -> None:
-        """Grant or give back the op's blocks (module docstring)."""
-        before = self.resident_reserve_bytes()
-        self._apply(op)
-        self.history.append((op.grow, before, self.resident_reserve_bytes()))
+    def apply(self, op: LineOp, lent: Sequence[PageRun] = ()) -> None:
+        """Grant the op's blocks over the ``lent`` expert pages, or give them back (module docstring)."""
+        before = self.anonymous_reserve_bytes()
+        self._apply(op, lent)
+        self.history.append((op.grow, before, self.anonymous_reserve_bytes(), self.lent_bytes))
 
-    def _apply(self, op: LineOp) -> None:
+    def _apply(self, op: LineOp, lent: Sequence[PageRun]) -> None:
         ids = set(op.block_ids)
         check_op(op, self.granted, self.num_base_blocks, self.num_blocks)
         if op.grow:
+            whole = self.spans.released(ids, self._backed)  # pages only these blocks use
             self.granted |= ids
             self._protect(self.spans.units(ids, inward=False), _PROT_RW)
+            self._lend(whole, lent)
         else:
             self.granted -= ids
-            # pages wholly inside the released blocks that no granted or base block touches
+            # pages wholly inside the released blocks that no granted or base block touches: fresh inaccessible
+            # memory over them (what was lent goes back to its file, anonymous pages to the system)
             for start, end in self.spans.released(ids, self._backed):
-                _call(_libc.madvise, self.address + start, end - start, _MADV_DONTNEED)
-                _call(_libc.mprotect, self.address + start, end - start, _PROT_NONE)
+                map_fixed(self.address + start, end - start, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                for page in range(start, end, PAGE):
+                    self._lent_pages.pop(page, None)
         self.applied.append(op)
+
+    def _lend(self, ranges: list[tuple[int, int]], lent: Sequence[PageRun]) -> None:
+        """Map the lent expert pages over ``ranges`` of the buffer, in order, as far as they go; expert pages
+        left over (the blocks took less than the region's bytes) are given back to the system."""
+        runs = [(run.fd, run.offset, run.nbytes) for run in lent]
+        for start, end in ranges:
+            while start < end and runs:
+                fd, offset, nbytes = runs[0]
+                length = min(end - start, nbytes)
+                map_fixed(self.address + start, length, _PROT_RW, mmap.MAP_SHARED, fd, offset)
+                for page in range(start, start + length, PAGE):
+                    self._lent_pages[page] = (fd, offset + page - start)
+                start += length
+                runs[0] = (fd, offset + length, nbytes - length)
+                if runs[0][2] == 0:
+                    runs.pop(0)
+        for fd, offset, nbytes in runs:
+            punch(fd, offset, nbytes)
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of granted blocks held in pages lent by the experts now."""
+        return len(self._lent_pages) * PAGE
+
+    def anonymous_reserve_bytes(self) -> int:
+        """Bytes of the reserve's resident pages that are not lent expert pages: memory the KV cache took beyond
+        the experts' (what granted, written blocks cost where no expert page backs them, and what giving them
+        back returns)."""
+        return self.resident_reserve_bytes() - self.lent_bytes
 
     def stats(self) -> dict:
         """Plain data for a worker RPC: process RSS, the reserve's size and resident bytes, grants, history."""
         return {"rss_bytes": rss_bytes(), "reserve_bytes": self.reserve_bytes,
-                "resident_reserve_bytes": self.resident_reserve_bytes(), "granted_blocks": len(self.granted),
+                "resident_reserve_bytes": self.resident_reserve_bytes(), "lent_bytes": self.lent_bytes,
+                "anonymous_reserve_bytes": self.anonymous_reserve_bytes(), "granted_blocks": len(self.granted),
                 "applied_ops": len(self.applied), "history": list(self.history)}
 
 

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from moetide.core.pressure import policy_entry
 from moetide.vllm.line import LineOp
 from moetide.vllm.settings import PluginSettings
 
@@ -42,6 +43,8 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
         self._line = None  # scheduler side: the LineBooks whose ops go out
         self._reported_moves = 0  # line moves already reported in the stats
         self._reported_stagings = (0, 0)  # worker side: the pager's (stagings, staged bytes) already reported
+        # worker side: the pager's layers count routing (``pager.line_may_offload``), sent on with the stats
+        self._counting = role == KVConnectorRole.WORKER and policy_entry(self.settings.policy).offloads_experts
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -57,13 +60,23 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         return None
 
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' routing of the step (in their stats) goes to the line's ``ExpertResidency``, and is taken
+        out of the stats, which go on to the API server."""
+        from moetide.vllm.metrics import MoetideConnectorStats
+
+        stats = connector_output.kv_connector_stats
+        if self._line is not None and isinstance(stats, MoetideConnectorStats) and "routing" in stats.data:
+            self._line.record_routing(stats.data.pop("routing"))
+
     def build_connector_meta(self, scheduler_output) -> MoetideConnectorMetadata:
         ops = tuple(self._line.take_ops()) if self._line is not None else ()
         return MoetideConnectorMetadata(ops)
 
     def get_kv_connector_stats(self):
         """Every step: on the scheduler, the line's gauges and new moves; on a worker, the expert pager's new
-        stagings (vLLM sums the workers' and adds the scheduler's, ``vllm.metrics``)."""
+        stagings (vLLM sums the workers' and adds the scheduler's, ``vllm.metrics``) and, where it counts routing,
+        the step's routing (``update_connector_output`` takes it)."""
         from moetide.vllm import pager
         from moetide.vllm.metrics import MoetideConnectorStats, line_stats
 
@@ -73,10 +86,12 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
             return stats
         if self.role != KVConnectorRole.WORKER:
             return None
-        counts = pager.stats()
-        now = (counts["stagings"], counts["staged_bytes"])
+        now = pager.staging_totals()
         before, self._reported_stagings = self._reported_stagings, now
-        return MoetideConnectorStats({"stagings": now[0] - before[0], "staged_bytes": now[1] - before[1]})
+        data = {"stagings": now[0] - before[0], "staged_bytes": now[1] - before[1]}
+        if self._counting:
+            data["routing"] = pager.take_routing()
+        return MoetideConnectorStats(data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):

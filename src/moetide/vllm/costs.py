@@ -7,7 +7,8 @@ The policy's clock is these modeled seconds unless the plugin is told to use the
 
 Staging is modeled from uniform routing: an offloaded expert is touched by a step of ``t`` tokens with probability
 ``1 - (1 - k/E)^t`` (``k`` experts per token out of ``E``) and each touch costs one ``copy_s_per_expert``. The
-expert pager (routing counted from vLLM's ``topk_ids``) replaces this estimate with counted touches.
+pager's counted routing decides which experts leave (the residency's hotness), not this price, which stays a
+function of the record and the steps' tokens, so one record drives both sides of the differential tests.
 """
 
 from __future__ import annotations

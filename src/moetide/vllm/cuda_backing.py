@@ -128,7 +128,7 @@ class CudaVmmBacking:
         """Device memory the backing holds now: the base's chunks and the granted ones."""
         return len(self.handles) * self.granule
 
-    def apply(self, op: LineOp) -> None:
+    def apply(self, op: LineOp, lent=()) -> None:
         """Grant (map) or give back (unmap and release) the op's blocks; the device must be idle for a give-back
         (the runner applies ops as a step starts, after the previous step's kernels were waited for)."""
         check_op(op, self.granted, self.num_base_blocks, self.num_blocks)

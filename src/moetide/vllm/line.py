@@ -8,6 +8,7 @@ carries out its plan on vLLM's pool. What the line does is queued as ``LineOp``s
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from moetide.specs.model import ModelSpec
 from moetide.vllm.costs import RecordSteps
 from moetide.vllm.settings import ExpertShape, PluginSettings
 
+logger = logging.getLogger(__name__)
 HOST_COPY_BYTES_PER_S = 10e9  # default copy speed of a host expert into its staging slot, when no record gives it
 
 
@@ -130,6 +132,8 @@ class LineBooks:
         self.num_line_moves = 0
         self.num_steps = 0
         self._cycling: list[int] | None = None  # line_cycle_steps: the region being given back
+        self._warned_routing = False
+        self.num_routed_steps = 0  # steps whose routing the workers reported
         start_offload(self.policy, self.line)
         if self.line is not None and self.line.residency.num_offloaded:
             region, ids = self.line.last_region()
@@ -149,6 +153,23 @@ class LineBooks:
             self._reclaimed(last)
         if self.settings.line_cycle_steps:
             self._cycle()
+
+    def record_routing(self, rows) -> None:
+        """A step's routing as the workers counted it (tokens per expert, one row per MoE layer): the residency's
+        hotness, so the next region offloaded is the coldest. A count of another shape than the line's experts
+        (settings that give ``experts`` unlike the model's) is ignored, with one warning."""
+        config = self.residency.config
+        if len(rows) != config.num_layers or any(len(row) != config.num_experts for row in rows):
+            if not self._warned_routing:
+                logger.warning("moetide: the workers count %d MoE layers of %d experts; the line has %d of %d: "
+                               "routing not used", len(rows), len(rows[0]) if rows else 0, config.num_layers,
+                               config.num_experts)
+                self._warned_routing = True
+            return
+        for layer, row in enumerate(rows):
+            self.residency.record_counts(layer, row)
+        self.residency.end_step()
+        self.num_routed_steps += 1
 
     def end_step(self, num_scheduled_tokens: int) -> None:
         self.steps.record(num_scheduled_tokens)

@@ -56,14 +56,18 @@ def step_shape(output, requests) -> StepShape | None:
     return StepShape(output.total_num_scheduled_tokens, len(output.num_scheduled_tokens), num_decode, kv_read, pairs)
 
 
-def measure_vllm_steps(model_dir: str, *, quick: bool, dtype: str = "auto", block_size: int = 32,
-                       max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+def measure_vllm_steps(model_dir: str, *, quick: bool, num_threads: int | None = None, dtype: str = "auto",
+                       block_size: int = 32, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                        seed: int = 0) -> tuple[list[StepSample], list[tuple[int, float]]]:
     """Every step of the designed runs (``ENGINE_STEP_RUNS``, ``ENGINE_STEP_REPEATS`` times over) and every
     ``add_request`` as (prompt tokens, seconds), after one untimed warm-up run (module docstring). The scheduler's
     knobs are the served run's, so its steps are split as the server's are."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # vLLM's CPU worker binds its threads by the machine's topology unless told; bind them to the cores this
+    # process may use (``taskset``), as many as ``num_threads``
+    cores = sorted(os.sched_getaffinity(0))[:num_threads or None]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -11,7 +11,8 @@ the config they are handed and step aside). It patches two things, neither of wh
   start-up check that one ``max_model_len`` sequence fits counts the offload cap's bytes too
   (``get_kv_cache_configs``): a sequence longer than the base pool is served once the line has grown for it.
 * **KV allocation** (workers, ``allocate_kv_cache`` as ``gpu_model_runner`` imports it): on the CPU the buffer is
-  a ``vllm.backing.CpuBacking`` whose reserve pages are committed only while granted.
+  a ``vllm.backing.CpuBacking``, whose ids past the base are backed only while granted, by the offloaded experts'
+  own pages.
 * **Line moves** (workers, ``GPUModelRunner.execute_model``): the step's ``LineOp``s, which arrive in the
   connector's metadata of that step (``vllm.connector``), are applied to the backing and to the expert pager
   (``vllm.pager``: vLLM's unquantized fused-MoE method, replaced through ``CustomOp.register_oot``) first, before
@@ -142,9 +143,7 @@ def _patch_worker() -> None:
         metadata, backing = scheduler_output.kv_connector_metadata, registered_backing()
         if isinstance(metadata, MoetideConnectorMetadata):
             for op in metadata.line_ops:
-                if backing is not None:
-                    backing.apply(op)
-                apply_line_op(op)
+                apply_line_op(op, backing)
         return execute(self, scheduler_output, *args, **kwargs)
 
     def initialize_kv_cache_tensors(self, *args, **kwargs):

@@ -105,14 +105,25 @@ def serve_cost(url: str, model: str) -> dict[str, float]:
     """The HTTP thread's CPU seconds per engine step, per streamed token, per request and per prompt token: least
     squares (clipped at 0) over the ``PROBES``, designed loads, not the trace, each read from the server's
     counters."""
+    target = Target(url, model, "/v1/completions", True, 600.0)
+
+    def load(requests: int, prompt: int, output: int) -> tuple[float, float, float]:
+        d = probe(url, target, requests, prompt, output)
+        return d["moetide_engine_steps"], d["generation_tokens"], d["moetide_server_thread_cpu_seconds"]
+
+    return fit_serve_cost(load)
+
+
+def fit_serve_cost(load) -> dict[str, float]:
+    """Least squares (clipped at 0) of the server's CPU seconds over the ``PROBES``: ``load(requests, prompt,
+    output)`` sends one and returns (engine steps, streamed tokens, CPU seconds) it cost."""
     import numpy as np
 
-    target = Target(url, model, "/v1/completions", True, 600.0)
     rows, cpu = [], []
     for requests, prompt, output in PROBES:
-        d = probe(url, target, requests, prompt, output)
-        rows.append([d["moetide_engine_steps"], d["generation_tokens"], requests, requests * prompt])
-        cpu.append(d["moetide_server_thread_cpu_seconds"])
+        steps, tokens, seconds = load(requests, prompt, output)
+        rows.append([steps, tokens, requests, requests * prompt])
+        cpu.append(seconds)
     per_step, per_token, per_request, per_prompt_token = (max(float(x), 0.0) for x in
                                                           np.linalg.lstsq(np.array(rows), np.array(cpu), rcond=None)[0])
     return {"server_cpu_s_per_step": per_step, "server_cpu_s_per_token": per_token,

@@ -67,6 +67,12 @@ def bench(url: str, args: argparse.Namespace, out: str) -> dict:
                         ("--max-output-tokens", args.max_output_tokens)):
         if value is not None:
             argv += [flag, str(value)]
+    return bench_serve(argv, out)
+
+
+def bench_serve(argv: list[str], out: str) -> dict:
+    """``moetide bench-serve`` in this process (``argv`` names ``--json out``), its table silenced; its report,
+    with the exit status as ``status``."""
     saved = sys.stdout
     sys.stdout = open(os.devnull, "w")
     try:

@@ -41,20 +41,20 @@ import time
 import urllib.request
 from pathlib import Path
 
-from serve_prediction import PROBES, calibrate_command, predict_replay, with_serve_cost
-from serve_side_by_side import start, stop, wait_ready
+from serve_prediction import calibrate_command, fit_serve_cost, predict_replay, with_serve_cost
+from serve_side_by_side import bench_serve, start, stop, wait_ready
 
-from moetide.cli import main as moetide_main
 from moetide.commands.calibrate_device import CPU_DTYPE_BYTES, device_file_text, write_device_file
 from moetide.commands.options import parse_bytes
 from moetide.engine.measure import ENGINE_STEP_RUNS
-from moetide.perf.step_calibrate import fit_step_efficiency
+from moetide.perf.step import StepShape, StepTimeModel
+from moetide.perf.step_calibrate import fit_step_efficiency, step_efficiency_for_gpu
 from moetide.serve.bench_client import Target, replay
 from moetide.serve.bench_prompts import BenchSession, BenchTurn
 from moetide.serve.harness import free_port
 from moetide.specs import get_gpu, get_model
 from moetide.vllm.measure import STEP_LOG_ENV, served_samples
-from moetide.vllm.settings import PluginSettings
+from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings
 
 TIMED_SCHEDULER = "moetide.vllm.measure.TimedScheduler"
 
@@ -90,13 +90,11 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 
 
 def api_server_cost(url: str, pid: int, model: str) -> dict[str, float]:
-    """The API server's CPU seconds per engine step, per streamed token, per request and per prompt token: least
-    squares (clipped at 0) over ``serve_prediction.PROBES``, designed loads, not the trace."""
-    import numpy as np
-
+    """The API server's CPU seconds per engine step, per streamed token, per request and per prompt token, fitted
+    over ``serve_prediction.PROBES`` (designed loads, not the trace)."""
     target = Target(url, model, "/v1/completions", True, 600.0)
-    rows, cpu = [], []
-    for requests, prompt, output in PROBES:
+
+    def load(requests: int, prompt: int, output: int) -> tuple[float, float, float]:
         turns = tuple(BenchTurn(f"probe-{prompt}-{output}-{i}", [3 + (7 * i + j) % 250 for j in range(prompt)],
                                 output, 0.0, 0.0) for i in range(requests))
         before = scrape(url, pid)
@@ -104,12 +102,9 @@ def api_server_cost(url: str, pid: int, model: str) -> dict[str, float]:
         if not all(r.success for r in results):
             raise SystemExit("the probe load failed")
         d = delta(before, scrape(url, pid))
-        rows.append([d["steps"], d["generation_tokens"], requests, requests * prompt])
-        cpu.append(d["api_cpu_s"])
-    per_step, per_token, per_request, per_prompt_token = (max(float(x), 0.0) for x in
-                                                          np.linalg.lstsq(np.array(rows), np.array(cpu), rcond=None)[0])
-    return {"server_cpu_s_per_step": per_step, "server_cpu_s_per_token": per_token,
-            "server_cpu_s_per_request": per_request, "server_cpu_s_per_prompt_token": per_prompt_token}
+        return d["steps"], d["generation_tokens"], d["api_cpu_s"]
+
+    return fit_serve_cost(load)
 
 
 def slice_flags(args: argparse.Namespace, seed: int) -> list[str]:
@@ -124,36 +119,36 @@ def scheduler_flags(args: argparse.Namespace) -> list[str]:
             "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
 
 
-def start_server(args: argparse.Namespace, policy: str, port: int, step_log: str):
-    """Stock vLLM (the plugin disabled; its steps timed to ``step_log``) or ``moetide serve --engine vllm --policy
-    vamp``, on the server core."""
-    common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench", "--enforce-eager",
-              "--enable-prefix-caching", "--dtype", "float32", *scheduler_flags(args)]
-    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+def start_server(args: argparse.Namespace, policy: str, port: int, step_log: str, costs: dict | None):
+    """vLLM's OpenAI server on the server core, its threads bound there: stock (the plugin disabled; its steps
+    timed to ``step_log``) or with moetide's scheduler and connector, the policy deciding from ``costs``."""
+    command = [sys.executable, "-c", SERVER, "--model", args.model, "--kv-cache-memory-bytes",
+               str(int(parse_bytes(args.kv_cache_memory))), "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", "bench", "--enforce-eager", "--enable-prefix-caching", "--dtype", "float32",
+               *scheduler_flags(args)]
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": args.server_core}
     if policy == "stock":
-        command = [sys.executable, "-c", SERVER, "--model", args.model, "--kv-cache-memory-bytes",
-                   str(int(parse_bytes(args.kv_cache_memory))), "--scheduler-cls", TIMED_SCHEDULER, *common]
+        command += ["--scheduler-cls", TIMED_SCHEDULER]
         env.update({"MOETIDE_VLLM_DISABLE": "1", STEP_LOG_ENV: step_log})
     else:
-        command = [sys.executable, "-m", "moetide.cli", "serve", "--engine", "vllm", "--model", args.model,
-                   "--policy", policy, "--max-offload-ratio", str(args.max_offload_ratio), "--kv-cache-memory",
-                   args.kv_cache_memory, *common]
+        settings = PluginSettings(policy=policy, max_offload_ratio=args.max_offload_ratio, costs=costs)
+        command += ["--scheduler-cls", SCHEDULER_CLS, "--kv-transfer-config", json.dumps(settings.kv_transfer_config())]
     return start(command, env, args.server_core)
 
 
+def plugin_costs_of(device: str, model: str, chunk_tokens: int) -> dict[str, float]:
+    """The plugin's cost record from a device file, as the replay prices the same work: a prefill token at a full
+    chunk's modeled step seconds per token, a staged expert at its bytes over the device's host link."""
+    hardware, spec = get_gpu(device), get_model(str(Path(model) / "config.json"))
+    steps = StepTimeModel(spec, hardware, dtype_bytes=CPU_DTYPE_BYTES, kv_dtype_bytes=CPU_DTYPE_BYTES,
+                          efficiency=step_efficiency_for_gpu(device))
+    return {"prefill_s_per_token": steps.step_time_s(*StepShape.prefill(chunk_tokens).as_args()) / chunk_tokens,
+            "copy_s_per_expert": spec.expert_bytes(CPU_DTYPE_BYTES) / hardware.host_link_bandwidth_bytes_per_s}
+
+
 def bench(url: str, args: argparse.Namespace, seed: int, out: str) -> dict:
-    saved = sys.stdout
-    sys.stdout = open(os.devnull, "w")
-    try:
-        status = moetide_main(["bench-serve", *slice_flags(args, seed), "--url", url, "--model", "bench",
-                               "--json", out])
-    finally:
-        sys.stdout.close()
-        sys.stdout = saved
-    with open(out) as f:
-        report = json.load(f)
-    report["status"] = status
-    return report
+    return bench_serve(["bench-serve", *slice_flags(args, seed), "--url", url, "--model", "bench", "--json", out],
+                       out)
 
 
 def served_device(args: argparse.Namespace, url: str, device: str, cost: dict[str, float], step_log: str,
@@ -184,34 +179,35 @@ def served_device(args: argparse.Namespace, url: str, device: str, cost: dict[st
     return out
 
 
-def measure(args: argparse.Namespace, policy: str, device: str, work: str) -> tuple[list[dict], dict[str, str]]:
-    """One server: its probe fit (and for stock, the served fit), then one round per seed; the device files."""
+def measure(args: argparse.Namespace, policy: str, seed: int, device: str, served: str | None, work: str
+            ) -> tuple[dict, dict[str, str]]:
+    """A fresh server for one round: its probe fit, the served fit (the first stock server, ``served`` None), then
+    the round; the row and the device files it made."""
     port = free_port()
-    step_log = os.path.join(work, f"steps-{policy}.log")
-    server = start_server(args, policy, port, step_log)
+    step_log = os.path.join(work, f"steps-{policy}-{seed}.log")
+    costs = None if policy == "stock" else plugin_costs_of(served or device, args.model,
+                                                          args.max_num_batched_tokens)
+    server = start_server(args, policy, port, step_log, costs)
     url = f"http://127.0.0.1:{port}"
-    rows = []
     try:
         wait_ready(url, server, 900)
         cost = api_server_cost(url, server.pid, "bench")
-        print(json.dumps({"impl": policy, "probe": cost}), flush=True)
-        devices = {"engine": with_serve_cost(device, cost, os.path.join(work, f"device-{policy}.toml"))}
-        if policy == "stock":
+        print(json.dumps({"impl": policy, "seed": seed, "probe": cost, "plugin_costs": costs}), flush=True)
+        devices = {"engine": with_serve_cost(device, cost, os.path.join(work, f"device-{policy}-{seed}.toml"))}
+        if policy == "stock" and served is None:
             devices["served"] = served_device(args, url, device, cost, step_log,
                                               os.path.join(work, "device-served.toml"))
-        for seed in args.seeds:
-            before = scrape(url, server.pid)
-            report = bench(url, args, seed, os.path.join(work, f"bench-{policy}-{seed}.json"))
-            d = delta(before, scrape(url, server.pid))
-            row = {"impl": policy, "seed": seed, "completed": report["completed"], "failed": report["failed"],
-                   **{m: report[m] for m, _, _ in REPORTED}, "preemptions": d["preemptions"],
-                   "line_moves": d["line_moves"], "stagings": d["stagings"], "staged_bytes": d["staged_bytes"],
-                   "steps": d["steps"]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        before = scrape(url, server.pid)
+        report = bench(url, args, seed, os.path.join(work, f"bench-{policy}-{seed}.json"))
+        d = delta(before, scrape(url, server.pid))
+        row = {"impl": policy, "seed": seed, "completed": report["completed"], "failed": report["failed"],
+               **{m: report[m] for m, _, _ in REPORTED}, "preemptions": d["preemptions"],
+               "line_moves": d["line_moves"], "stagings": d["stagings"], "staged_bytes": d["staged_bytes"],
+               "steps": d["steps"]}
+        print(json.dumps(row), flush=True)
     finally:
         stop(server)
-    return rows, devices
+    return row, devices
 
 
 def main() -> int:
@@ -220,13 +216,13 @@ def main() -> int:
     parser.add_argument("--trace", required=True, help="the WEKA Claude Code trace")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--max-requests", type=int, default=90)
-    parser.add_argument("--session-rate", type=float, default=2.0)
-    parser.add_argument("--length-scale", type=float, default=0.03)
-    parser.add_argument("--max-input-tokens", type=int, default=2000)
-    parser.add_argument("--max-output-tokens", type=int, default=64)
+    parser.add_argument("--session-rate", type=float, default=8.0)
+    parser.add_argument("--length-scale", type=float, default=0.1)
+    parser.add_argument("--max-input-tokens", type=int, default=900)
+    parser.add_argument("--max-output-tokens", type=int, default=256)
     parser.add_argument("--time-scale", type=float, default=0.002)
-    parser.add_argument("--kv-cache-memory", default="5MiB", help="KV budget of both servers and the replay")
-    parser.add_argument("--max-model-len", type=int, default=2400)
+    parser.add_argument("--kv-cache-memory", default="4MiB", help="KV budget of both servers and the replay")
+    parser.add_argument("--max-model-len", type=int, default=2016)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -243,24 +239,26 @@ def main() -> int:
                                 str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens)])
         print(json.dumps({"calibration": fit, "device": device}), flush=True)
     PluginSettings(policy="vamp", max_offload_ratio=args.max_offload_ratio)  # refuse a bad ratio before any run
-    measured: dict[str, list[dict]] = {}
-    devices: dict[str, dict[str, str]] = {}
-    for policy in args.policies:
-        measured[policy], devices[policy] = measure(args, policy, device, work)
-    served = devices.get("stock", {}).get("served")
+    measured: dict[str, list[dict]] = {policy: [] for policy in args.policies}
+    devices: dict[tuple[str, int], str] = {}  # (policy, seed) -> its server's "engine" device file
+    served = None
+    for seed in args.seeds:  # interleaved, a fresh server each round: the rounds sample the servers' spread too
+        for policy in args.policies:
+            row, made = measure(args, policy, seed, device, served, work)
+            measured[policy].append(row)
+            served = served or made.get("served")
+            devices[policy, seed] = made["engine"]
     predicted: dict[tuple[str, str], dict[int, dict]] = {}
-    for policy in args.policies:
-        for name, path in {**devices[policy], **({"served": served} if served else {})}.items():
-            predicted[policy, name] = {}
-            for seed in args.seeds:
-                flags = [*slice_flags(args, seed), "--model", args.model, "--gpu", path, "--dtype", "float32",
-                         "--kv-cache-memory", args.kv_cache_memory, *scheduler_flags(args), "--policy",
-                         "vllm" if policy == "stock" else policy, "--max-offload-ratio", str(args.max_offload_ratio)]
-                metrics = predict_replay(flags, os.path.join(work, f"replay-{policy}-{name}-{seed}.json"))
-                predicted[policy, name][seed] = metrics
-                print(json.dumps({"replay": policy, "device": name, "seed": seed,
-                                  **{key: metrics[key] for _, key, _ in REPORTED},
-                                  **{key: metrics[key] for key in COUNTED}}), flush=True)
+    for (policy, seed), engine in devices.items():
+        for name, path in {"engine": engine, **({"served": served} if served else {})}.items():
+            flags = [*slice_flags(args, seed), "--model", args.model, "--gpu", path, "--dtype", "float32",
+                     "--kv-cache-memory", args.kv_cache_memory, *scheduler_flags(args), "--policy",
+                     "vllm" if policy == "stock" else policy, "--max-offload-ratio", str(args.max_offload_ratio)]
+            metrics = predict_replay(flags, os.path.join(work, f"replay-{policy}-{name}-{seed}.json"))
+            predicted.setdefault((policy, name), {})[seed] = metrics
+            print(json.dumps({"replay": policy, "device": name, "seed": seed,
+                              **{key: metrics[key] for _, key, _ in REPORTED},
+                              **{key: metrics[key] for key in COUNTED}}), flush=True)
     for policy, rows in measured.items():
         for metric, key, stat in REPORTED:
             values = [r[metric] for r in rows]

@@ -8,13 +8,18 @@ costs. Two long-lived peers, each one process running ``LLM`` in-process on one 
 * ``pager``: the plugin loaded (so every MoE layer is the pager's method, nothing offloaded) and nothing else
   configured: the pager's hot path alone;
 * ``plugin``: moetide's scheduler and connector configured too, with ``policy: vllm`` (the line never moves): the
-  scheduler seam and the step costs run every step as well.
+  scheduler seam and the step costs run every step as well;
+* ``vamp``: the same with ``policy: vamp`` and a KV cache that never runs short, so nothing is offloaded: the
+  pager also counts each layer's routing (a ``bincount`` per layer per step) and the workers send the counts to
+  the scheduler's residency every step.
 
 A round is, for each peer in turn (the order reversed every other round), two ``generate`` calls on the same
 fresh prompts: one token, then ``1 + --decode-tokens``; the decode rate is ``batch × decode_tokens`` over the
 difference. Warm-up rounds are discarded. Prints one JSON line per peer (decode tokens/s: min, median, max over the
-rounds) and one for ``plugin/stock``, the median of per-round paired ratios; a ratio whose paired range straddles
-1.0 says so. The peers run one after another within a round, each pinned to a core. Nothing asserts a speed.
+rounds) and one per peer against stock: the median of per-round paired ratios with their quartiles and range; a
+ratio whose paired range straddles 1.0 says so. The peers run one after another within a round, all pinned to the
+same core (``--core``), and ``--clock cpu`` (the default) times the process's CPU seconds rather than the wall
+clock, so time the core spends on other processes counts for no peer. Nothing asserts a speed.
 
     /work/venv-vllm/bin/python benchmarks/vllm_pager_hot_path.py [--model DIR] [--batch 8] [--rounds 7]
 """
@@ -31,16 +36,19 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PEERS = ("stock", "pager", "plugin", "vamp")
 PEER = r'''
 import json, os, sys, time, random
 from vllm import LLM, SamplingParams
 spec = json.loads(sys.argv[1])
 kwargs = dict(model=spec["model"], dtype="bfloat16", max_model_len=1024, enforce_eager=True, seed=0,
               kv_cache_memory_bytes=64 << 20, max_num_seqs=64)
-if spec["plugin"] == "plugin":
+if spec["plugin"] in ("plugin", "vamp"):
     from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings
-    kwargs.update(scheduler_cls=SCHEDULER_CLS, kv_transfer_config=PluginSettings(policy="vllm").kv_transfer_config())
+    policy = "vllm" if spec["plugin"] == "plugin" else "vamp"
+    kwargs.update(scheduler_cls=SCHEDULER_CLS, kv_transfer_config=PluginSettings(policy=policy).kv_transfer_config())
 llm = LLM(**kwargs)
+now = time.process_time if spec["clock"] == "cpu" else time.perf_counter
 print("READY", flush=True)
 for line in sys.stdin:
     seed, batch, decode = json.loads(line)
@@ -48,18 +56,18 @@ for line in sys.stdin:
     prompts = [{"prompt_token_ids": [rng.randrange(10, 500) for _ in range(64)]} for _ in range(batch)]
     times = []
     for n in (1, 1 + decode):
-        start = time.perf_counter()
+        start = now()
         llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
-        times.append(time.perf_counter() - start)
+        times.append(now() - start)
     print(json.dumps(times), flush=True)
 '''
 
 
-def start(model: str, peer: str, core: int) -> subprocess.Popen:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
+def start(model: str, peer: str, core: int, clock: str) -> subprocess.Popen:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
                MOETIDE_VLLM_DISABLE="1" if peer == "stock" else "0", PYTHONPATH=str(ROOT / "src"))
     process = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-c", PEER,
-                                json.dumps({"model": model, "plugin": peer})],
+                                json.dumps({"model": model, "plugin": peer, "clock": clock})],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                env=env)
     for line in process.stdout:
@@ -95,10 +103,13 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--core", type=int, default=os.cpu_count() - 1, help="the one core every peer runs on")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="time each generate call by the peer's CPU seconds (default) or the wall clock")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     model = args.model or make_model(Path(args.workdir))
-    peers = {name: start(model, name, i % os.cpu_count()) for i, name in enumerate(("stock", "pager", "plugin"))}
+    peers = {name: start(model, name, args.core, args.clock) for name in PEERS}
     rates: dict[str, list[float]] = {name: [] for name in peers}
     try:
         for r in range(args.warmup + args.rounds):
@@ -114,11 +125,13 @@ def main() -> None:
         print(json.dumps({"peer": name, "model": model, "batch": args.batch, "decode_tokens_per_s": {
             "min": round(min(values), 1), "median": round(statistics.median(values), 1),
             "max": round(max(values), 1)}, "rounds": len(values)}))
-    for name in ("pager", "plugin"):
+    for name in PEERS[1:]:
         paired = [p / s for p, s in zip(rates[name], rates["stock"])]
-        print(json.dumps({"ratio": f"{name}/stock decode", "value": round(statistics.median(paired), 4),
-                          "paired_min": round(min(paired), 4), "paired_max": round(max(paired), 4),
-                          "straddles_1": min(paired) < 1.0 < max(paired)}))
+        low, _, high = statistics.quantiles(paired, n=4) if len(paired) > 1 else (paired[0],) * 3
+        print(json.dumps({"ratio": f"{name}/stock decode", "clock": args.clock,
+                          "value": round(statistics.median(paired), 4), "paired_q1": round(low, 4),
+                          "paired_q3": round(high, 4), "paired_min": round(min(paired), 4),
+                          "paired_max": round(max(paired), 4), "straddles_1": min(paired) < 1.0 < max(paired)}))
 
 
 if __name__ == "__main__":

@@ -302,7 +302,8 @@ def _engine_steps(args: argparse.Namespace, cal: Calibration) -> tuple[dict[str,
     if args.engine == "vllm":
         from moetide.vllm.measure import measure_vllm_steps
 
-        samples, requests = measure_vllm_steps(str(folder), quick=args.quick, block_size=args.block_size,
+        samples, requests = measure_vllm_steps(str(folder), quick=args.quick, num_threads=args.threads,
+                                               block_size=args.block_size,
                                                max_num_batched_tokens=args.max_num_batched_tokens)
     else:
         samples, requests = measure_engine_steps(str(folder), quick=args.quick, num_threads=args.threads,

@@ -78,7 +78,8 @@ def stock(checkpoints):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, multiprocessing", [
-    ("qwen3_moe", False), ("mixtral", False), ("qwen3_next", False), ("qwen3_moe", True), ("qwen3_next", True),
+    ("qwen3_moe", False), ("mixtral", False), ("qwen3_next", False), ("qwen3_moe", True), ("mixtral", True),
+    ("qwen3_next", True),
 ])
 def test_outputs_equal_stock_vllm_through_grants_and_give_backs(checkpoints, stock, arch, multiprocessing):
     result = generate(checkpoints[arch], arch, plugin=plugin_for(arch), multiprocessing=multiprocessing)

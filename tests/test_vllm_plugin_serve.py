@@ -3,9 +3,9 @@ qwen3_moe, mixtral and qwen3_next checkpoints.
 
 A burst of requests sharing a prefix, the last one longer than the base KV pool holds (2 MiB), against
 ``--policy vamp``: the line moves to admit it (``moetide:line_moves_total`` > 0 on ``/metrics``, beside vLLM's own
-series), the offloaded experts are staged from their host copies when routed
-(``moetide:stagings_total``), every request completes, and the text equals ``--policy vllm``'s on a pool large
-enough for the burst (greedy text does not depend on the pool).
+series), the offloaded experts (the coldest, by the workers' routing counts) are staged from their host copies
+when routed (``moetide:stagings_total``), every request completes, and the text equals ``--policy vllm``'s on a
+pool large enough for the burst (greedy text does not depend on the pool).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ SHARED = "shared " * 250
 # the last request's length per architecture: longer than its base pool holds (qwen3_next's 640-token blocks and
 # its linear-attention states need a longer one)
 LONG_WORDS = {"qwen3_moe": 600, "mixtral": 600, "qwen3_next": 800}
+
+
+EXPERT_BYTES = 3 * 64 * 4096 * 2  # one expert's w13 and w2 rows: hidden 64, width 4096, bf16
 
 
 def prompts(arch: str) -> list[str]:
@@ -115,7 +118,10 @@ def test_vamp_moves_the_line_for_a_burst_and_answers_as_vllm(checkpoint):
     finally:
         server.close()
     assert moves > 0 and granted > 0 and 0 < ratio <= 0.5
-    assert stagings > 0 and staged_bytes >= stagings * 3 * 64 * 4096 * 2  # whole experts, copied when routed
+    assert staged_bytes == stagings * EXPERT_BYTES  # whole experts, copied when routed
+    # the residency offloads the coldest experts (the workers' routing counts): the qwen3_moe and qwen3_next bursts
+    # route to them, mixtral's (deterministically) never does
+    assert stagings > 0 or arch == "mixtral"
     server = Server(model, "vllm", "8MiB")
     try:
         vllm_texts = server.complete_all(prompts(arch))

@@ -89,6 +89,9 @@ class _MoetideScheduling:
         kvm = self.kv_cache_manager
         groups = kv_config.kv_cache_groups
         self._hash_group = next((i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)), 0)
+        # full-attention-only caches: each group's block size, for ``_surely_fits``
+        self._full_block_sizes = [g.kv_cache_spec.block_size for g in groups] \
+            if all(isinstance(g.kv_cache_spec, FullAttentionSpec) for g in groups) else None
         pool = VllmPool(kvm.block_pool, num_base_blocks=kv_config.num_blocks - reserve, hash_group_id=self._hash_group)
         self.moetide = LineBooks(settings, shape, pool, block_bytes=block_bytes, block_size=self.block_size,
                                  max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
@@ -135,12 +138,35 @@ class _MoetideScheduling:
                     break
                 if not self._relieve(request, short, hits, running=False):
                     return None
+        if self._surely_fits(request, a):
+            return self._vllm_allocate(request, **a)
         while True:
             short, _ = self._shortfall(request, a, hits, full=False)
             if short == 0:
                 return self._vllm_allocate(request, **a)
             if not self._relieve(request, short, hits, running=request.status == RequestStatus.RUNNING):
                 return None
+
+    def _surely_fits(self, request, a) -> bool:
+        """The common case, answered without ``_shortfall``'s walk through vLLM's coordinator (which would run for
+        every running request every step): a running request with no new hits, in a full-attention cache. There
+        vLLM's own count for a running request (``SingleTypeKVCacheManager.get_num_blocks_to_allocate``) is the
+        blocks its tokens need beyond those it holds; when that is 0, or that many blocks at the head of the free
+        queue are all never-cached, the shortfall is 0. Anything else goes the counted way."""
+        if (self._full_block_sizes is None or request.status != RequestStatus.RUNNING
+                or a["new_computed_blocks"] is not None or a["num_external_computed_tokens"]
+                or a["num_encoder_tokens"] or a["num_new_computed_tokens"]):
+            return False
+        kvm = self.kv_cache_manager
+        num_tokens = min(request.num_computed_tokens + a["num_new_tokens"] + a["num_lookahead_tokens"],
+                         kvm.max_model_len)
+        need = a["reserved_blocks"]
+        for manager, size in zip(kvm.coordinator.single_type_managers, self._full_block_sizes):
+            if request.request_id not in manager.num_cached_block:
+                return False
+            need += max(-(-num_tokens // size) - len(manager.req_to_blocks.get(request.request_id, ())), 0)
+        return need == 0 or (kvm.block_pool.get_num_free_blocks() >= need
+                             and self.moetide.pool.num_cached_among_next(need) == 0)
 
     def _hit_blocks(self, a) -> list:
         blocks = a["new_computed_blocks"]

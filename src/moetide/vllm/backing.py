@@ -127,7 +127,7 @@ class CpuBacking:
         # per op applied: (grow, the reserve's anonymous resident bytes before it, after it, the bytes of lent expert
         # pages it held after it): what the memory did
         self.history: list[tuple[bool, int, int, int]] = []
-        self._lent_pages: dict[int, tuple[int, int]] = {}  # buffer offset of a page -> (expert file, its offset)
+        self._lent_pages: set[int] = set()  # buffer offsets of the pages mapped onto lent expert pages
         reserve = range(num_base_blocks, num_blocks)
         self._reserve_pages = self.spans.released(reserve, lambda b: b < num_base_blocks)
         self._protect(self._reserve_pages, _PROT_NONE)
@@ -174,8 +174,7 @@ class CpuBacking:
             # memory over them (what was lent goes back to its file, anonymous pages to the system)
             for start, end in self.spans.released(ids, self._backed):
                 map_fixed(self.address + start, end - start, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                for page in range(start, end, PAGE):
-                    self._lent_pages.pop(page, None)
+                self._lent_pages.difference_update(range(start, end, PAGE))
         self.applied.append(op)
 
     def _lend(self, ranges: list[tuple[int, int]], lent: Sequence[PageRun]) -> None:
@@ -187,8 +186,7 @@ class CpuBacking:
                 fd, offset, nbytes = runs[0]
                 length = min(end - start, nbytes)
                 map_fixed(self.address + start, length, _PROT_RW, mmap.MAP_SHARED, fd, offset)
-                for page in range(start, start + length, PAGE):
-                    self._lent_pages[page] = (fd, offset + page - start)
+                self._lent_pages.update(range(start, start + length, PAGE))
                 start += length
                 runs[0] = (fd, offset + length, nbytes - length)
                 if runs[0][2] == 0:

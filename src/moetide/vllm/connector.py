@@ -23,7 +23,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from moetide.core.pressure import policy_entry
 from moetide.vllm.line import LineOp
 from moetide.vllm.settings import PluginSettings
 
@@ -43,8 +42,6 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
         self._line = None  # scheduler side: the LineBooks whose ops go out
         self._reported_moves = 0  # line moves already reported in the stats
         self._reported_stagings = (0, 0)  # worker side: the pager's (stagings, staged bytes) already reported
-        # worker side: the pager's layers count routing (``pager.line_may_offload``), sent on with the stats
-        self._counting = role == KVConnectorRole.WORKER and policy_entry(self.settings.policy).offloads_experts
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -89,8 +86,9 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
         now = pager.staging_totals()
         before, self._reported_stagings = self._reported_stagings, now
         data = {"stagings": now[0] - before[0], "staged_bytes": now[1] - before[1]}
-        if self._counting:
-            data["routing"] = pager.take_routing()
+        routing = pager.take_routing()  # only where the layers count it (``pager.line_may_offload``)
+        if routing:
+            data["routing"] = routing
         return MoetideConnectorStats(data)
 
     @classmethod

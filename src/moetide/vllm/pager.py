@@ -72,8 +72,7 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         self.num_staging_slots = 0
         self.shared_staging = self.rows is not None  # the staging rows are the shared area's (whole-page rows)
         self.offloaded: set[int] = set()
-        self.lent_bytes = 0  # bytes of offloaded experts' home-row pages the KV cache may hold now
-        self.peak_lent_bytes = 0
+        self.peak_lent_bytes = 0  # the most ``lent_bytes`` has been
         self.num_staged = 0  # staged copies so far (the step costs' touches)
         # tokens routed to each expert since ``take_routing`` (where the line may offload)
         self._routed = torch.zeros(self.num_experts, dtype=torch.long, device=layer.w13_weight.device)
@@ -84,6 +83,11 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     @property
     def layer(self):
         return self._layer()
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of the offloaded experts' home-row pages, which the KV cache may hold now."""
+        return sum(run.nbytes for expert in self.offloaded for run in self._pages(expert))
 
     def set_offloaded(self, experts: set[int]) -> list[PageRun]:
         """The layer's offloaded experts from now on; returns the pages of the experts going out, for the KV
@@ -102,8 +106,6 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             host13, host2 = self.host.pop(expert)
             w13[expert].copy_(host13)
             w2[expert].copy_(host2)
-            self.lent_bytes -= sum(run.nbytes for run in self._pages(expert))
-        self.lent_bytes += sum(run.nbytes for run in lent)
         self.offloaded = set(experts)
         self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
         return lent
@@ -200,9 +202,10 @@ def line_may_offload(vllm_config) -> bool:
 
 
 def take_routing() -> list[list[int]]:
-    """Tokens routed to each expert of each paged layer (model order) since the last call: one read-back."""
+    """Tokens routed to each expert of each paged layer (model order) since the last call: one read-back; empty
+    where the layers do not count routing."""
     layers = paged_layers()
-    if not layers:
+    if not layers or not layers[0].line_enabled:
         return []
     counts = torch.stack([method._routed for method in layers]).tolist()
     for method in layers:

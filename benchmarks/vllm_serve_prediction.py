@@ -46,7 +46,7 @@ from serve_side_by_side import bench_serve, start, stop, wait_ready
 
 from moetide.commands.calibrate_device import CPU_DTYPE_BYTES, device_file_text, write_device_file
 from moetide.commands.options import parse_bytes
-from moetide.engine.measure import ENGINE_STEP_RUNS
+from moetide.engine.measure import designed_runs
 from moetide.perf.step import StepShape, StepTimeModel
 from moetide.perf.step_calibrate import fit_step_efficiency, step_efficiency_for_gpu
 from moetide.serve.bench_client import Target, replay
@@ -153,14 +153,13 @@ def bench(url: str, args: argparse.Namespace, seed: int, out: str) -> dict:
 
 def served_device(args: argparse.Namespace, url: str, device: str, cost: dict[str, float], step_log: str,
                   out: str) -> str:
-    """The designed loads of ``moetide calibrate`` (``ENGINE_STEP_RUNS``, the first one a warm-up), each sent at
+    """The designed loads of ``moetide calibrate`` (``designed_runs``, once over, the first a warm-up), each sent at
     once and waited for; the device file ``device`` refitted to the server's steps (``TimedScheduler``), with the
     probe's per-request and per-prompt-token API server costs (``cost``) as its request overheads, to ``out``."""
     target = Target(url, "bench", "/v1/completions", True, 600.0)
     rng = random.Random(args.seeds[0])
     ends = []
-    runs = [(2, 64, 4), *ENGINE_STEP_RUNS[False]]
-    for i, (batch, prompt, output) in enumerate(run for run in runs if run[1] + run[2] <= args.max_model_len):
+    for i, (batch, prompt, output) in enumerate(designed_runs(False, args.max_model_len, repeats=1)):
         turns = tuple(BenchTurn(f"calibrate-{i}-{j}", [rng.randrange(3, 500) for _ in range(prompt)], output, 0.0,
                                 0.0) for j in range(batch))
         results, _, _ = replay([BenchSession(f"calibrate-{i}", 0.0, turns)], "open", target)

@@ -267,6 +267,14 @@ ENGINE_STEP_RUNS = {
 ENGINE_STEP_REPEATS = {True: 1, False: 2}  # each run again after the whole list: a prefill is one step per run
 
 
+def designed_runs(quick: bool, longest: int, repeats: int | None = None) -> list[tuple[int, int, int]]:
+    """The (batch, prompt tokens, output tokens) runs an engine's steps are timed on: an untimed warm-up run, then
+    ``ENGINE_STEP_RUNS`` ``repeats`` times over (default ``ENGINE_STEP_REPEATS``); a model whose context is shorter
+    than ``longest`` tokens skips the longest prompts."""
+    runs = ENGINE_STEP_RUNS[quick] * (ENGINE_STEP_REPEATS[quick] if repeats is None else repeats)
+    return [run for run in ((2, 64, 4), *runs) if run[1] + run[2] <= longest]
+
+
 def measure_engine_steps(model_dir: str, *, quick: bool, num_threads: int | None = None,
                          clock: str = "wall", seed: int = 0) -> tuple[list[StepSample], list[tuple[int, float]]]:
     """Every step of the ``ENGINE_STEP_RUNS`` batches (``ENGINE_STEP_REPEATS`` times over), each a whole
@@ -292,8 +300,7 @@ def measure_engine_steps(model_dir: str, *, quick: bool, num_threads: int | None
         rng = random.Random(seed)
         samples: list[StepSample] = []
         requests: list[tuple[int, float]] = []
-        runs = [run for run in ((2, 64, 4), *ENGINE_STEP_RUNS[quick] * ENGINE_STEP_REPEATS[quick])
-                if run[1] + run[2] <= longest]  # a model with a short context skips the longest prompts
+        runs = designed_runs(quick, longest)
         for i, (batch, prompt, output) in enumerate(runs):
             params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
             for _ in range(batch):

@@ -47,6 +47,7 @@ from moetide.engine.sampling import Sampler, SamplingParams
 from moetide.engine.split_backend import SplitAttentionBackend
 from moetide.engine.split_plan import SplitCostSource, SplitCounters
 from moetide.engine.vamp import EngineCosts
+from moetide.perf.step import StepShape
 from moetide.errors import UserError
 
 
@@ -196,12 +197,8 @@ class Engine:
         out = self._last_step
         if out is None:
             return None
-        num_decode = kv_read = pairs = 0
-        for (_, n), computed in zip(out.scheduled, out.num_computed_before):
-            num_decode += n == 1
-            kv_read += computed + n
-            pairs += n * computed + n * (n + 1) // 2
-        return out.total_num_scheduled_tokens, len(out.scheduled), num_decode, kv_read, pairs
+        chunks = ((computed, n) for (_, n), computed in zip(out.scheduled, out.num_computed_before))
+        return StepShape.of_step(chunks).as_args()
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -68,7 +68,7 @@ constant folded in ``__init__``, no allocation. ``breakdown`` evaluates the same
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from moetide.perf.budget import (
@@ -102,6 +102,19 @@ class StepShape:
         """One sequence computing num_tokens new tokens after context_tokens cached ones."""
         pairs = num_tokens * context_tokens + num_tokens * (num_tokens + 1) // 2
         return cls(num_tokens, 1, 1 if num_tokens == 1 else 0, context_tokens + num_tokens, pairs)
+
+    @classmethod
+    def of_step(cls, chunks: Iterable[tuple[int, int]]) -> StepShape:
+        """A step of sequences each given as (tokens computed before the step, tokens computed in it), as an
+        engine's scheduler output lists them (moetide's engine and vLLM's are timed against this)."""
+        num_tokens = num_seqs = num_decode = kv_read = pairs = 0
+        for computed, n in chunks:
+            num_tokens += n
+            num_seqs += 1
+            num_decode += n == 1
+            kv_read += computed + n
+            pairs += n * computed + n * (n + 1) // 2
+        return cls(num_tokens, num_seqs, num_decode, kv_read, pairs)
 
     def as_args(self) -> tuple[int, int, int, int, int]:
         return (self.num_tokens, self.num_seqs, self.num_decode_seqs, self.kv_tokens_read, self.attention_pairs)

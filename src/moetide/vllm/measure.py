@@ -33,7 +33,7 @@ from pathlib import Path
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from moetide.engine.measure import ENGINE_STEP_REPEATS, ENGINE_STEP_RUNS
+from moetide.engine.measure import designed_runs
 from moetide.errors import read_json
 from moetide.perf.step import StepShape
 from moetide.perf.step_calibrate import StepSample
@@ -45,21 +45,16 @@ STEP_LOG_ENV = "MOETIDE_VLLM_STEP_LOG"
 def step_shape(output, requests) -> StepShape | None:
     """The step-time model's shape of one vLLM ``SchedulerOutput``, read after ``schedule`` returned (``requests``:
     the scheduler's ``requests`` by id); None for a step that computes nothing."""
-    num_decode = kv_read = pairs = 0
-    for request_id, n in output.num_scheduled_tokens.items():
-        computed = requests[request_id].num_computed_tokens - n
-        num_decode += n == 1
-        kv_read += computed + n
-        pairs += n * computed + n * (n + 1) // 2
     if not output.total_num_scheduled_tokens:
         return None
-    return StepShape(output.total_num_scheduled_tokens, len(output.num_scheduled_tokens), num_decode, kv_read, pairs)
+    return StepShape.of_step((requests[request_id].num_computed_tokens - n, n)
+                             for request_id, n in output.num_scheduled_tokens.items())
 
 
 def measure_vllm_steps(model_dir: str, *, quick: bool, num_threads: int | None = None, dtype: str = "auto",
                        block_size: int = 32, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                        seed: int = 0) -> tuple[list[StepSample], list[tuple[int, float]]]:
-    """Every step of the designed runs (``ENGINE_STEP_RUNS``, ``ENGINE_STEP_REPEATS`` times over) and every
+    """Every step of the designed runs (``engine.measure.designed_runs``) and every
     ``add_request`` as (prompt tokens, seconds), after one untimed warm-up run (module docstring). The scheduler's
     knobs are the served run's, so its steps are split as the server's are."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -73,8 +68,7 @@ def measure_vllm_steps(model_dir: str, *, quick: bool, num_threads: int | None =
 
     config = read_json(Path(model_dir) / "config.json", f"--model {model_dir}")
     longest = min((config.get("max_position_embeddings") if isinstance(config, dict) else None) or 4096, 32768)
-    runs = [run for run in ((2, 64, 4), *ENGINE_STEP_RUNS[quick] * ENGINE_STEP_REPEATS[quick])
-            if run[1] + run[2] <= longest]
+    runs = designed_runs(quick, longest)
     llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
               block_size=block_size, max_model_len=longest, kv_cache_memory_bytes=KV_CACHE_BYTES,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed)

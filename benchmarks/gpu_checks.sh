@@ -9,7 +9,8 @@
 #    offload through pinned host copies, a copy stream and events), split attention with host KV on CUDA, the
 #    arena storage on CUDA, and vamp-reclaim giving experts back on CUDA; then the vLLM plugin's KV backings and
 #    the pager's staging with torch alone (the CUDA driver's virtual memory: only base and granted chunks mapped,
-#    released on give-back; pinned host copies staged on a copy stream);
+#    released on give-back; the expert pager's per-call path captured in a CUDA graph and replayed across line
+#    moves, staging from pinned host copies with its Triton copy);
 # 2. `moetide calibrate --quick`: this host's DRAM and CPU attention, and the pinned host->device bandwidth;
 # 3. `moetide bench-engine --device cuda` on a tiny checkpoint (prefill/decode tokens/s at batch 1, 8, 32);
 # 4. `moetide generate --device cuda --policy vamp-reclaim` under a tight budget (counters in JSON);

@@ -4,9 +4,9 @@
 too much to see a 2% cost. This isolates the part the pager adds. One process runs ``LLM`` in-process with the
 plugin under ``vamp`` (so the layers keep their weights in shared memory and count routing), captures one MoE
 layer's ``apply`` inputs from a batch-``--batch`` decode step, then calls the layer's ``apply``
-(``PagedUnquantizedFusedMoEMethod``: the offload check and the routing ``bincount``, then vLLM's) and vLLM's own
-``UnquantizedFusedMoEMethod.apply`` on those inputs, and the pager's without the routing count, in rotating order,
-``--calls`` times each, on the CPU clock. Prints one JSON line: the median µs per call of each, the added µs, and
+(``PagedUnquantizedFusedMoEMethod``: the per-call path ``moetide::page_experts``, which counts the routing, finds no
+routed offloaded expert and maps the ids, then vLLM's) and vLLM's own ``UnquantizedFusedMoEMethod.apply`` on those
+inputs, in alternating order, ``--calls`` times each, on the CPU clock. Prints one JSON line: the median µs per call of each, the added µs, and
 the added time over a whole decode step of the model (the added µs per call × MoE layers ÷ the step's median µs,
 the step timed in the same process).
 
@@ -54,7 +54,7 @@ def main() -> None:
     layers = pager.paged_layers()
     method = layers[0]
     if not method.line_enabled:
-        raise SystemExit("the pager's layers do not count routing: the plugin's vamp settings did not reach them")
+        raise SystemExit("the pager's layers have no slots: the plugin's vamp settings did not reach them")
     captured = {}
     apply = method.apply
 
@@ -77,24 +77,18 @@ def main() -> None:
     call, kw = captured["args"]
     names = ("layer", "x", "topk_weights", "topk_ids")
     tokens = int({**dict(zip(names, call)), **kw}["topk_ids"].shape[0])
+
     def stock(*c, **k):
         return UnquantizedFusedMoEMethod.apply(method, *c, **k)
 
-    def uncounted(*c, **k):  # the pager's apply without the routing count: what the offload check costs
-        method.line_enabled = False
-        try:
-            return apply(*c, **k)
-        finally:
-            method.line_enabled = True
-
-    times: dict[str, list[int]] = {"pager": [], "vllm": [], "pager_uncounted": []}
-    order = [("pager", apply), ("vllm", stock), ("pager_uncounted", uncounted)]
+    times: dict[str, list[int]] = {"pager": [], "vllm": []}
+    order = [("pager", apply), ("vllm", stock)]
     for i in range(args.calls):
-        for name, fn in order[i % 3:] + order[:i % 3]:
+        for name, fn in order[i % 2:] + order[:i % 2]:
             start = time.process_time_ns()
             fn(*call, **kw)
             times[name].append(time.process_time_ns() - start)
-    pager.take_routing()  # the counts the timing loop added
+    method.slots.counters.zero_()  # the counts the timing loop added
     us = {name: statistics.median(values) / 1e3 for name, values in times.items()}
     added = us["pager"] - us["vllm"]
     step_us = statistics.median(steps) * 1e6

@@ -1,5 +1,7 @@
 """The plugin in a running vLLM 0.32 on the CPU, with ``make-test-model`` checkpoints (qwen3_moe, mixtral, and
-qwen3_next in bf16 with linear-attention heads of 128).
+qwen3_next in bf16 with linear-attention heads of 128), in vLLM's default mode (a compiled forward: Dynamo traces
+through the MoE method) and eager (``enforce_eager``). The two modes' kernels differ, so each is compared with
+stock vLLM in the same mode.
 
 The line is exercised (``line_cycle_steps``: grant the reserve, give it back once drained, grant it again) while
 batches of prompts longer than the base pool holds run, in-process and with vLLM's multiprocessing. While a region
@@ -58,9 +60,12 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def generate(model: Path, arch: str, *, plugin: dict | None, multiprocessing: bool) -> dict:
+MODES = {"default": False, "eager": True}  # enforce_eager
+
+
+def generate(model: Path, arch: str, *, plugin: dict | None, multiprocessing: bool, mode: str) -> dict:
     spec = {"model": str(model), "max_model_len": 1024, "kv_cache_memory": ARCHS[arch], "max_tokens": 24,
-            "batches": BATCHES, "plugin": plugin}
+            "batches": BATCHES, "plugin": plugin, "enforce_eager": MODES[mode]}
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
                MOETIDE_VLLM_DISABLE="0" if plugin is not None else "1")
     done = subprocess.run([sys.executable, str(HERE / "vllm_generate.py"), json.dumps(spec)], env=env,
@@ -72,18 +77,27 @@ def generate(model: Path, arch: str, *, plugin: dict | None, multiprocessing: bo
 
 @pytest.fixture(scope="module")
 def stock(checkpoints):
-    return {arch: generate(path, arch, plugin=None, multiprocessing=False)["outputs"]
-            for arch, path in checkpoints.items()}
+    """Stock vLLM's outputs per (architecture, mode), each run once when first asked for."""
+    runs: dict[tuple[str, str], list] = {}
+
+    def outputs(arch: str, mode: str) -> list:
+        if (arch, mode) not in runs:
+            runs[arch, mode] = generate(checkpoints[arch], arch, plugin=None, multiprocessing=False,
+                                        mode=mode)["outputs"]
+        return runs[arch, mode]
+
+    return outputs
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch, multiprocessing", [
     ("qwen3_moe", False), ("mixtral", False), ("qwen3_next", False), ("qwen3_moe", True), ("mixtral", True),
     ("qwen3_next", True),
 ])
-def test_outputs_equal_stock_vllm_through_grants_and_give_backs(checkpoints, stock, arch, multiprocessing):
-    result = generate(checkpoints[arch], arch, plugin=plugin_for(arch), multiprocessing=multiprocessing)
-    assert result["outputs"] == stock[arch]
+def test_outputs_equal_stock_vllm_through_grants_and_give_backs(checkpoints, stock, arch, multiprocessing, mode):
+    result = generate(checkpoints[arch], arch, plugin=plugin_for(arch), multiprocessing=multiprocessing, mode=mode)
+    assert result["outputs"] == stock(arch, mode)
     (stats,) = result["stats"]  # one worker
     grows = [h for h in stats["history"] if h[0]]
     backs = [h for h in stats["history"] if not h[0]]
@@ -96,6 +110,7 @@ def test_outputs_equal_stock_vllm_through_grants_and_give_backs(checkpoints, sto
     # the regions' experts were served from their host copies: staged into slots when routed
     pager = stats["pager"]
     assert pager["stagings"] > 0 and pager["staged_bytes"] > 0
+    assert pager["unstaged"] == 0  # every routed offloaded expert was staged, in every step
     if not multiprocessing:  # the workers' routing reached the scheduler's residency, which picks the coldest
         line = result["line"]
         assert line["routed_steps"] > 0 and sum(map(sum, line["hotness"])) > 0, line
@@ -115,13 +130,12 @@ def wide_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("multiprocessing", [False, True])
-def test_the_kv_cache_grows_into_the_experts_own_memory(wide_checkpoint, multiprocessing):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_kv_cache_grows_into_the_experts_own_memory(wide_checkpoint, mode):
     """The whole line: the line's blocks are the offloaded experts' pages (the model's own experts size the line
     here), so a grant takes no memory beyond the experts', and the outputs are stock vLLM's."""
-    plugin = PLUGIN
-    stock_out = generate(wide_checkpoint, "qwen3_moe", plugin=None, multiprocessing=False)["outputs"]
-    result = generate(wide_checkpoint, "qwen3_moe", plugin=plugin, multiprocessing=multiprocessing)
+    stock_out = generate(wide_checkpoint, "qwen3_moe", plugin=None, multiprocessing=False, mode=mode)["outputs"]
+    result = generate(wide_checkpoint, "qwen3_moe", plugin=PLUGIN, multiprocessing=True, mode=mode)
     assert result["outputs"] == stock_out
     (stats,) = result["stats"]
     grows = [h for h in stats["history"] if h[0]]
@@ -129,7 +143,7 @@ def test_the_kv_cache_grows_into_the_experts_own_memory(wide_checkpoint, multipr
     # no anonymous page in the reserve, ever: every granted block is backed by an expert page
     assert all(before == after == 0 for _, before, after, _ in stats["history"]), stats["history"]
     pager = stats["pager"]
-    assert pager["stagings"] > 0
+    assert pager["stagings"] > 0 and pager["unstaged"] == 0
     # the experts' memory is all there is: their rows and the staging rows written, nothing for the KV it lent ...
     assert 0 < pager["expert_file_bytes"] <= pager["home_bytes"] + pager["staging_bytes"]
     # ... and the staging rows, one area for every layer, cost less than the line lent to the KV cache

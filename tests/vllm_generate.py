@@ -19,7 +19,7 @@ def main() -> None:
     from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings
 
     kwargs = dict(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"],
-                  kv_cache_memory_bytes=spec["kv_cache_memory"], max_num_seqs=8, enforce_eager=True, seed=0)
+                  kv_cache_memory_bytes=spec["kv_cache_memory"], max_num_seqs=8, enforce_eager=spec.get("enforce_eager", False), seed=0)
     plugin = spec.get("plugin")
     if plugin is not None:
         kwargs.update(scheduler_cls=SCHEDULER_CLS,

@@ -57,6 +57,19 @@ def vllm_argv(args: argparse.Namespace, defaults: argparse.Namespace, extra: lis
     return argv + extra
 
 
+def refuse_mode(argv: list[str]) -> None:
+    """The plugin's refusal of a mode (``vllm.plugin.unsupported_mode``) as one line before vLLM starts, for the
+    common spelling (``--enforce-eager``); the connector refuses any other spelling as the engine starts."""
+    from vllm.platforms import current_platform
+
+    from moetide.vllm.plugin import unsupported_mode
+
+    policy = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["policy"]
+    reason = unsupported_mode(policy, current_platform.device_type, "--enforce-eager" not in argv)
+    if reason is not None:
+        raise UserError(reason)
+
+
 SERVER = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
 
 
@@ -67,6 +80,7 @@ def exec_vllm(argv: list[str]) -> None:
         import vllm  # noqa: F401
     except ImportError:
         raise UserError("--engine vllm needs vLLM 0.32 in this environment: scripts/install_vllm.sh PYTHON") from None
+    refuse_mode(argv)
     command = [sys.executable, "-c", SERVER, *argv]
     print("moetide serve: " + " ".join(command), file=sys.stderr, flush=True)
     os.execv(sys.executable, command)

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from moetide.vllm.line import LineOp
+from moetide.vllm.plugin import refuse_unsupported_mode
 from moetide.vllm.settings import PluginSettings
 
 
@@ -39,9 +40,9 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.settings = PluginSettings.from_extra_config(extra)
+        refuse_unsupported_mode(vllm_config, self.settings)
         self._line = None  # scheduler side: the LineBooks whose ops go out
         self._reported_moves = 0  # line moves already reported in the stats
-        self._reported_stagings = (0, 0)  # worker side: the pager's (stagings, staged bytes) already reported
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -72,8 +73,8 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self):
         """Every step: on the scheduler, the line's gauges and new moves; on a worker, the expert pager's new
-        stagings (vLLM sums the workers' and adds the scheduler's, ``vllm.metrics``) and, where it counts routing,
-        the step's routing (``update_connector_output`` takes it)."""
+        stagings and unstaged experts (vLLM sums the workers' and adds the scheduler's, ``vllm.metrics``) and,
+        where it counts routing, the step's routing (``update_connector_output`` takes it)."""
         from moetide.vllm import pager
         from moetide.vllm.metrics import MoetideConnectorStats, line_stats
 
@@ -83,13 +84,7 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
             return stats
         if self.role != KVConnectorRole.WORKER:
             return None
-        now = pager.staging_totals()
-        before, self._reported_stagings = self._reported_stagings, now
-        data = {"stagings": now[0] - before[0], "staged_bytes": now[1] - before[1]}
-        routing = pager.take_routing()  # only where the layers count it (``pager.line_may_offload``)
-        if routing:
-            data["routing"] = routing
-        return MoetideConnectorStats(data)
+        return MoetideConnectorStats(pager.STEPS.take())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):

@@ -81,14 +81,18 @@ def kv_block_bytes(kv_cache_config) -> int:
     return max(len(g.layer_names) for g in groups) * max(g.kv_cache_spec.page_size_bytes for g in groups)
 
 
+def line_max_offloaded(settings: PluginSettings, shape: ExpertShape) -> int:
+    """Experts the offload cap lets out at once, over every layer (0 for a policy that never offloads)."""
+    if not policy_entry(settings.policy).offloads_experts:
+        return 0
+    return expert_residency(settings.serving_config(), num_layers=shape.num_layers, num_experts=shape.num_experts,
+                            expert_bytes=shape.expert_bytes).max_num_offloaded
+
+
 def line_reserve_blocks(settings: PluginSettings, shape: ExpertShape, block_bytes: int) -> int:
     """Blocks the whole offload cap can add: the ids the pool is built with beyond its base (none for a policy
     that never offloads)."""
-    if not policy_entry(settings.policy).offloads_experts:
-        return 0
-    residency = expert_residency(settings.serving_config(), num_layers=shape.num_layers,
-                                 num_experts=shape.num_experts, expert_bytes=shape.expert_bytes)
-    return residency.max_num_offloaded * shape.expert_bytes // block_bytes
+    return line_max_offloaded(settings, shape) * shape.expert_bytes // block_bytes
 
 
 def plugin_costs(settings: PluginSettings, shape: ExpertShape, active_params: int | None) -> EngineCosts:

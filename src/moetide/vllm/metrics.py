@@ -10,6 +10,9 @@ connector's ``build_prom_metrics``). Series, each labelled like vLLM's (model na
 * ``moetide:stagings_total``, ``moetide:staged_bytes_total`` (counters): offloaded experts the pager copied from
   their host copies into staging slots, and their bytes, summed over the workers (each tensor-parallel rank
   stages its own shard).
+* ``moetide:unstaged_total`` (counter): offloaded experts routed in a step but not staged, plus MoE layers whose
+  pager did not run in a step that ran the model while experts were out (``vllm.pager``). Their tokens were
+  computed from memory lent to the KV cache: it must stay 0.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 GAUGES = ("expert_offload_ratio", "kv_blocks_granted")  # the latest value wins
-COUNTERS = ("line_moves", "stagings", "staged_bytes")  # summed over the interval and the workers
+COUNTERS = ("line_moves", "stagings", "staged_bytes", "unstaged")  # summed over the interval and the workers
 
 
 @dataclass
@@ -74,6 +77,10 @@ class MoetidePromMetrics(KVConnectorPromMetrics):
             "staged_bytes": self._counter_cls(
                 name="moetide:staged_bytes", labelnames=labelnames,
                 documentation="Bytes of offloaded experts staged from their host copies (all workers)."),
+            "unstaged": self._counter_cls(
+                name="moetide:unstaged", labelnames=labelnames,
+                documentation="Offloaded experts routed but not staged, or MoE layers whose expert pager did not "
+                              "run while experts were out (all workers). Must stay 0."),
         }
         self.per_engine = {key: create_metric_per_engine(metric, per_engine_labelvalues)
                            for key, metric in self.series.items()}

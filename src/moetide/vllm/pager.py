@@ -2,23 +2,30 @@
 
 vLLM 0.32 computes routing before the MoE method runs (``apply(layer, x, topk_weights, topk_ids, ...)``), and its
 CPU kernels read an expert's prepacked weights as row ``topk_id`` of ``w13_weight``/``w2_weight`` (they ignore
-``expert_map``). So a pager needs no kernel of its own: experts live in **slots** (rows), ``topk_ids`` is remapped
-to slots, and an offloaded expert that a step routes to is copied from its host copy into a **staging slot**
-appended after the experts' own rows, then computed there as if it were resident.
+``expert_map``). So a pager needs no kernel of its own: experts live in **slots** (rows), ``topk_ids`` is mapped
+to slots, and an offloaded expert that a call routes to is copied from its host copy into its **staging slot**,
+one of the rows after the experts' own, then computed there as if it were resident.
 
-* The host copies are the weights as the kernel reads them: snapshotted after vLLM's
-  ``process_weights_after_loading`` (the CPU prepacks them; a GPU may permute them), as an expert goes out.
+vLLM may compile the forward (its default: ``torch.compile`` on the CPU, where Dynamo traces through the MoE method,
+and CUDA graphs on a GPU), so what runs inside ``apply`` is written for that (``vllm.staging``):
+
+* Where the configured policy can offload (``max_offloaded_experts``), each layer gets its staging rows and its
+  slot tables as its weights are processed, before vLLM compiles or captures anything, and they are never
+  rebound. Where it cannot, ``apply`` is vLLM's, unchanged.
+* ``apply`` calls one opaque op, ``moetide::page_experts(topk_ids, layer_name)``, on every call: Dynamo keeps it
+  as one node and runs it each time, and its body (``ExpertSlots.route``) is fixed-shape tensor work that reads
+  the slot tables as they are then, so a CUDA graph that captured it replays it right after any line move.
 * Which experts are offloaded is moetide's ``ExpertResidency``'s choice, made in the scheduler: the step's
-  ``LineOp``s name the (MoE layer, expert) keys, and the worker hands them to ``apply_line_op`` before the forward.
-* With nothing offloaded in a layer its ``apply`` is vLLM's, unchanged but for one check (and, where the policy
-  can offload, a bincount of the step's routing). The staging slots are added to a layer's weights as its
-  offloaded count first reaches each new high.
-* Where the configured policy can offload (``line_may_offload``), on the CPU each layer's weights live in shared
-  memory (``vllm.arena.SharedRows``) with room for as many staging rows again. An offloaded expert's home rows
-  are not read while it is out: their pages are lent to the KV cache (the backing maps them over the granted
+  ``LineOp``s name the (MoE layer, expert) keys, and the worker hands them to ``apply_line_op`` before the
+  forward, which rewrites the slot tables in place.
+* On the CPU each layer's weights live in shared memory (``vllm.arena.SharedRows``). An offloaded expert's home
+  rows are not read while it is out: their pages are lent to the KV cache (the backing maps them over the granted
   blocks), and the expert is written home from its copy once the backing has let go of them (``apply_line_op``
-  orders the two). On CUDA host copies are pinned and staged on a copy stream; the device rows are not lent yet
-  (the CUDA backing maps fresh physical memory).
+  orders the two). On CUDA host copies are pinned and the device rows are not lent yet (the CUDA backing maps
+  fresh physical memory).
+* Each step the worker reads the layers' counters once (``step_report``): stagings, the routing the scheduler's
+  residency learns from, and the guard, **unstaged**: offloaded experts routed in a step but not staged, plus
+  layers whose per-call path did not run in a step that ran the model while experts were out. It must stay 0.
 
 ``CustomOp.register_oot(name="UnquantizedFusedMoEMethod")`` makes vLLM build this class wherever it would build
 its own (``register``, called once by the plugin).
@@ -26,6 +33,7 @@ its own (``register``, called once by the plugin).
 
 from __future__ import annotations
 
+import logging
 import re
 import weakref
 
@@ -35,12 +43,12 @@ from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.utils import replace_parameter
 
-from moetide.core.pressure import policy_entry
 from moetide.vllm.arena import PageRun, SharedRows, StagingArea
-from moetide.vllm.line import LineOp
+from moetide.vllm.line import LineOp, line_max_offloaded, model_experts
 from moetide.vllm.plugin import plugin_settings
-from moetide.vllm.staging import Stager, host_copy
+from moetide.vllm.staging import ExpertSlots, page_experts, take_counts
 
+logger = logging.getLogger(__name__)
 # this process's paged MoE layers (weakly: a model that is deleted takes its layers along)
 _LAYERS: weakref.WeakSet[PagedUnquantizedFusedMoEMethod] = weakref.WeakSet()
 _STAGING: dict[tuple[str, int], StagingArea] = {}  # (weight, row bytes) -> the staging rows every layer shares
@@ -49,40 +57,62 @@ WEIGHTS = ("w13_weight", "w2_weight")
 
 
 class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
-    """``UnquantizedFusedMoEMethod`` whose experts can be offloaded and staged back per step (module docstring)."""
+    """``UnquantizedFusedMoEMethod`` whose experts can be offloaded and staged back per call (module docstring)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.line_enabled = line_may_offload(get_current_vllm_config_or_none())
+        self.max_offloaded = max_offloaded_experts(get_current_vllm_config_or_none())
+        self.line_enabled = self.max_offloaded > 0
 
     def process_weights_after_loading(self, layer) -> None:
         super().process_weights_after_loading(layer)
         self._layer = weakref.ref(layer)  # not an attribute module: the layer holds this method as a submodule
+        self.layer_name = layer.layer_name
         match = _LAYER_NUMBER.search(f"{layer.layer_name}.")
         self.layer_number = int(match.group(1)) if match else len(_LAYERS)
         self.num_experts = layer.w13_weight.shape[0]
-        # on the CPU the weights live in shared memory whose pages the KV backing can take over (vllm.arena), with
-        # room for as many staging rows again, so adding staging rows never moves them
         self.rows: dict[str, SharedRows] | None = None
-        if self.line_enabled and layer.w13_weight.device.type == "cpu":
-            self.rows = {name: SharedRows(getattr(layer, name).data, 2 * self.num_experts) for name in WEIGHTS}
-            for name, rows in self.rows.items():
-                replace_parameter(layer, name, rows.view(self.num_experts))
-        self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # offloaded expert -> its (w13, w2) copy
-        self.num_staging_slots = 0
-        self.shared_staging = self.rows is not None  # the staging rows are the shared area's (whole-page rows)
-        self.offloaded: set[int] = set()
+        self.shared_staging = False  # whether the staging rows are the shared area's (whole-page rows)
+        self.slots: ExpertSlots | None = None
         self.peak_lent_bytes = 0  # the most ``lent_bytes`` has been
         self.num_staged = 0  # staged copies so far (the step costs' touches)
-        # tokens routed to each expert since ``take_routing`` (where the line may offload)
-        self._routed = torch.zeros(self.num_experts, dtype=torch.long, device=layer.w13_weight.device)
         self.staged_bytes = 0
-        self._stager = Stager(layer.w13_weight.device)
         _LAYERS.add(self)
+        if self.line_enabled:
+            self._add_staging_rows(min(self.num_experts, self.max_offloaded))
+            self.slots = ExpertSlots([layer.w13_weight.data, layer.w2_weight.data], self.num_experts,
+                                     self.layer_name)
+
+    def _add_staging_rows(self, num_slots: int) -> None:
+        """The staging rows after the experts' own, once, before vLLM compiles the forward. On the CPU the weights
+        move into shared memory (``vllm.arena``) and the staging rows map onto the staging area every layer shares
+        where rows are whole pages; elsewhere the weights are rebuilt with zero rows appended."""
+        layer = self.layer
+        if layer.w13_weight.device.type == "cpu":
+            self.rows = {name: SharedRows(getattr(layer, name).data, self.num_experts + num_slots)
+                         for name in WEIGHTS}
+        self.shared_staging = self.rows is not None
+        for name in WEIGHTS:
+            if self.rows is not None:
+                rows = self.rows[name]
+                area = _STAGING.setdefault((name, rows.row_bytes), StagingArea(f"moetide-staging-{name}"))
+                self.shared_staging = rows.share_rows(self.num_experts, num_slots, area) and self.shared_staging
+                replace_parameter(layer, name, rows.view(self.num_experts + num_slots))
+            else:
+                weight = getattr(layer, name).data
+                replace_parameter(layer, name, torch.cat([weight, weight.new_zeros((num_slots, *weight.shape[1:]))]))
 
     @property
     def layer(self):
         return self._layer()
+
+    @property
+    def offloaded(self) -> set[int]:
+        return set(self.slots.out) if self.slots is not None else set()
+
+    @property
+    def num_staging_slots(self) -> int:
+        return self.slots.num_slots if self.slots is not None else 0
 
     @property
     def lent_bytes(self) -> int:
@@ -91,40 +121,18 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def set_offloaded(self, experts: set[int]) -> list[PageRun]:
         """The layer's offloaded experts from now on; returns the pages of the experts going out, for the KV
-        cache to take. An expert going out is copied to the host first (pinned memory on CUDA); one coming back is
-        written home from its copy (after the KV cache has let go of its pages: ``apply_line_op``). A layer gets
-        as many staging rows as it has ever had experts out."""
-        layer = self.layer
-        if len(experts) > self.num_staging_slots:
-            self._add_staging_rows(len(experts))
-        w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        cache to take. An expert going out is copied to its slot's host rows first; one coming back is written
+        home from them (after the KV cache has let go of its pages: ``apply_line_op``)."""
+        if self.slots is None:
+            raise ValueError(f"{self.layer_name}: the configured policy offloads no expert")
         lent: list[PageRun] = []
-        for expert in sorted(set(experts) - self.offloaded):
-            self.host[expert] = (host_copy(w13[expert]), host_copy(w2[expert]))
-            lent += self._pages(expert)
         for expert in sorted(self.offloaded - set(experts)):
-            host13, host2 = self.host.pop(expert)
-            w13[expert].copy_(host13)
-            w2[expert].copy_(host2)
-        self.offloaded = set(experts)
+            self.slots.bring_home(expert)
+        for expert in sorted(set(experts) - self.offloaded):
+            self.slots.take_out(expert)
+            lent += self._pages(expert)
         self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
         return lent
-
-    def _add_staging_rows(self, spare: int) -> None:
-        """Staging rows after the experts' own: on the CPU a longer view of the same shared memory (no copy), its
-        staging rows mapped onto the staging area every layer shares (``vllm.arena.StagingArea``); elsewhere the
-        weights rebuilt once with zero rows appended."""
-        layer = self.layer
-        for name in WEIGHTS:
-            if self.rows is not None:
-                rows = self.rows[name]
-                area = _STAGING.setdefault((name, rows.row_bytes), StagingArea(f"moetide-staging-{name}"))
-                self.shared_staging = rows.share_rows(self.num_experts, spare, area) and self.shared_staging
-                replace_parameter(layer, name, rows.view(self.num_experts + spare))
-            else:
-                weight = getattr(layer, name).data[:self.num_experts]
-                replace_parameter(layer, name, torch.cat([weight, weight.new_zeros((spare, *weight.shape[1:]))]))
-        self.num_staging_slots = spare
 
     def _pages(self, expert: int) -> list[PageRun]:
         """The whole pages of an expert's home rows (CPU; none elsewhere)."""
@@ -142,28 +150,20 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         """Bytes of this layer's expert memory the system holds now (CPU)."""
         return 0 if self.rows is None else sum(rows.file_bytes() for rows in self.rows.values())
 
-    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        if self.line_enabled:
-            self._routed += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
-        if self.offloaded:
-            topk_ids = self._stage(topk_ids)
-        return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+    def route(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """What ``apply`` runs before vLLM's kernel: the whole per-call path, inside vLLM's compiled region."""
+        return page_experts(topk_ids, self.layer_name) if self.line_enabled else topk_ids
 
-    def _stage(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Copy the routed offloaded experts into staging slots; ``topk_ids`` remapped to them."""
-        routed = [e for e in torch.unique(topk_ids).tolist() if e in self.offloaded]
-        if not routed:
-            return topk_ids
-        slot_of = torch.arange(self.num_experts, dtype=topk_ids.dtype, device=topk_ids.device)
-        w13, w2 = self.layer.w13_weight.data, self.layer.w2_weight.data
-        copies = []
-        for j, expert in enumerate(routed):
-            slot = self.num_experts + j
-            copies += [(w13[slot], self.host[expert][0]), (w2[slot], self.host[expert][1])]
-            slot_of[expert] = slot
-        self.staged_bytes += self._stager.stage(copies)
-        self.num_staged += len(routed)
-        return slot_of[topk_ids.long()]
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        return super().apply(layer, x, topk_weights, self.route(topk_ids), shared_experts, shared_experts_input)
+
+    def take_step(self, counters: list[int], ran_forward: bool) -> tuple[list[int], int]:
+        """The step's routing (tokens per expert) and unstaged count (``ExpertSlots.step_counts``) from this layer's
+        ``counters`` as read after the step; its stagings go to the totals."""
+        routed, staged, unstaged = self.slots.step_counts(counters, ran_forward)
+        self.num_staged += staged
+        self.staged_bytes += staged * self.row_bytes
+        return routed, unstaged
 
 
 def paged_layers() -> list[PagedUnquantizedFusedMoEMethod]:
@@ -193,28 +193,58 @@ def apply_line_op(op: LineOp, backing=None) -> None:
         backing.apply(op, lent)
 
 
-def line_may_offload(vllm_config) -> bool:
-    """Whether moetide's connector is configured with a policy that can offload experts: only then do the layers
-    keep their weights in shared memory and count their routing (a bincount per layer per step), so that
-    ``ExpertResidency`` offloads the coldest experts first."""
+def max_offloaded_experts(vllm_config) -> int:
+    """Experts the configured policy may have out at once (0 without moetide's connector, or for a policy that
+    never offloads): a layer gets that many staging slots, at most one per expert."""
     settings = plugin_settings(vllm_config) if vllm_config is not None else None
-    return settings is not None and policy_entry(settings.policy).offloads_experts
+    if settings is None:
+        return 0
+    return line_max_offloaded(settings, model_experts(settings, vllm_config)[0])
 
 
-def take_routing() -> list[list[int]]:
-    """Tokens routed to each expert of each paged layer (model order) since the last call: one read-back; empty
-    where the layers do not count routing."""
-    layers = paged_layers()
-    if not layers or not layers[0].line_enabled:
-        return []
-    counts = torch.stack([method._routed for method in layers]).tolist()
-    for method in layers:
-        method._routed.zero_()
-    return counts
+class StepReport:
+    """This process's reads of the paged layers' counters, once per step (``vllm.connector``): the forward of a
+    step is noted as the step starts (``begin_step``), its counts are read after it (``take``)."""
+
+    def __init__(self) -> None:
+        self.started = False  # a step has begun: counts before it are vLLM's warm-up and profiling runs
+        self.ran_forward = False
+        self.unstaged = 0  # over every step so far
+
+    def begin_step(self, num_tokens: int) -> None:
+        if not self.started:
+            take_counts([m.slots for m in paged_layers() if m.slots is not None])
+            self.started = True
+        self.ran_forward = num_tokens > 0
+
+    def take(self) -> dict:
+        """The step's stagings and staged bytes, its unstaged count (logged when not 0) and, where the layers
+        count it, its routing (tokens per expert, one row per MoE layer in model order)."""
+        layers = [m for m in paged_layers() if m.slots is not None]
+        before = staging_totals()
+        routing, unstaged = [], 0
+        for method, counters in zip(layers, take_counts([m.slots for m in layers])):
+            routed, missed = method.take_step(counters, self.ran_forward)
+            routing.append(routed)
+            unstaged += missed
+        self.ran_forward = False
+        now = staging_totals()
+        if unstaged:
+            self.unstaged += unstaged
+            logger.error("moetide's expert pager: %d offloaded experts routed but not staged in this step (%d so "
+                         "far); their tokens were computed from memory lent to the KV cache", unstaged,
+                         self.unstaged)
+        report = {"stagings": now[0] - before[0], "staged_bytes": now[1] - before[1], "unstaged": unstaged}
+        if routing:
+            report["routing"] = routing
+        return report
+
+
+STEPS = StepReport()
 
 
 def staging_totals() -> tuple[int, int]:
-    """Stagings and staged bytes so far, over this process's paged layers (what the connector reports each step)."""
+    """Stagings and staged bytes so far, over this process's paged layers."""
     layers = paged_layers()
     return sum(m.num_staged for m in layers), sum(m.staged_bytes for m in layers)
 
@@ -230,6 +260,7 @@ def stats() -> dict[str, int]:
     layers = paged_layers()
     own_staging = sum(m.num_staging_slots * m.row_bytes for m in layers if not m.shared_staging)
     return {"paged_layers": len(layers), "offloaded_experts": sum(len(m.offloaded) for m in layers),
+            "unstaged": STEPS.unstaged, "staging_slots": sum(m.num_staging_slots for m in layers),
             "stagings": sum(m.num_staged for m in layers), "staged_bytes": sum(m.staged_bytes for m in layers),
             "lent_bytes": sum(m.lent_bytes for m in layers),
             "peak_lent_bytes": sum(m.peak_lent_bytes for m in layers),

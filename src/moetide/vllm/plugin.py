@@ -3,8 +3,10 @@
 vLLM loads general plugins in every process it starts (API server, engine core, workers), possibly more than once.
 ``register`` is idempotent, checks that the installed vLLM is the 0.32 series the seams were written against, and
 does nothing when ``MOETIDE_VLLM_DISABLE=1`` or when moetide's connector is not configured (the patches look at
-the config they are handed and step aside). It patches two things, neither of which vLLM exposes:
+the config they are handed and step aside). It patches what vLLM exposes no seam for:
 
+* **The compile cache's key** (``KVTransferConfig.compute_hash``): with moetide's connector it covers the plugin's
+  settings, which decide what the compiled forward holds (``_patch_compile_key``).
 * **KV sizing** (engine core, ``kv_cache_utils.get_kv_cache_config_from_groups``): the pool and its backing are
   built for the whole line, the base vLLM sized plus the blocks the offload cap can add (``line_reserve_blocks``).
   The scheduler (``vllm.scheduler``) holds the extra ids out of its free queue until the line grants them. vLLM's
@@ -51,6 +53,7 @@ def register() -> None:
     from moetide.vllm import pager
 
     pager.register()
+    _patch_compile_key()
     _patch_sizing()
     _patch_worker()
     _REGISTERED = True
@@ -64,6 +67,30 @@ def plugin_settings(vllm_config):
     if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
         return None
     return PluginSettings.from_extra_config(transfer.kv_connector_extra_config)
+
+
+def unsupported_mode(policy: str, device_type: str, cuda_graphs: bool) -> str | None:
+    """Why the plugin refuses to start ``policy`` on ``device_type`` (vLLM's platform: ``cpu``, ``cuda``, ...)
+    with or without CUDA graphs, in one line that names the flag to add; None where it starts. Refused: a policy
+    that offloads experts under CUDA graphs, where the expert pager's per-call path is written to be captured and
+    replayed (``vllm.staging``) but has not run on a GPU. On the CPU, eager and compiled forwards both run it."""
+    from moetide.core.pressure import policy_entry
+
+    if device_type != "cpu" and cuda_graphs and policy_entry(policy).offloads_experts:
+        return (f"moetide: policy {policy!r} offloads experts, and its expert pager has not run under CUDA graphs "
+                f"yet: add --enforce-eager")
+    return None
+
+
+def refuse_unsupported_mode(vllm_config, settings) -> None:
+    """Raise ``ValueError`` with ``unsupported_mode``'s line for this vLLM config (the connector calls it)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    cuda_graphs = vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+    reason = unsupported_mode(settings.policy, current_platform.device_type, cuda_graphs)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def _settings_and_shape(vllm_config):
@@ -89,6 +116,30 @@ def cap_bytes(vllm_config) -> int:
 
     settings, shape = _settings_and_shape(vllm_config)
     return 0 if settings is None else line_reserve_blocks(settings, shape, block_bytes=1)
+
+
+def _patch_compile_key() -> None:
+    """vLLM keys its compiled-graph cache on the config's hash, in which the KV-transfer config counts for nothing
+    (``KVTransferConfig.compute_hash``); but moetide's settings decide whether the expert pager's op is in the graph
+    and how many staging rows the weights have. Without this, a graph compiled under a policy that offloads
+    nothing would be loaded for one that does, and the pager would never run. With moetide's connector the hash
+    covers its settings."""
+    import hashlib
+    import json
+
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    from moetide.vllm.settings import CONNECTOR_NAME
+
+    base = KVTransferConfig.compute_hash
+
+    def compute_hash(self) -> str:
+        if self.kv_connector != CONNECTOR_NAME:
+            return base(self)
+        factors = json.dumps([base(self), CONNECTOR_NAME, self.kv_connector_extra_config], sort_keys=True)
+        return hashlib.sha256(factors.encode()).hexdigest()
+
+    KVTransferConfig.compute_hash = compute_hash
 
 
 def _patch_sizing() -> None:
@@ -133,7 +184,7 @@ def _patch_worker() -> None:
 
     from moetide.vllm.backing import registered_backing
     from moetide.vllm.connector import MoetideConnectorMetadata
-    from moetide.vllm.pager import apply_line_op
+    from moetide.vllm.pager import STEPS, apply_line_op
 
     allocate = gpu_model_runner.allocate_kv_cache
     runner = gpu_model_runner.GPUModelRunner
@@ -144,6 +195,7 @@ def _patch_worker() -> None:
         if isinstance(metadata, MoetideConnectorMetadata):
             for op in metadata.line_ops:
                 apply_line_op(op, backing)
+            STEPS.begin_step(scheduler_output.total_num_scheduled_tokens)
         return execute(self, scheduler_output, *args, **kwargs)
 
     def initialize_kv_cache_tensors(self, *args, **kwargs):

@@ -6,9 +6,9 @@ plugin under ``vamp`` (so the layers keep their weights in shared memory and cou
 layer's ``apply`` inputs from a batch-``--batch`` decode step, then calls the layer's ``apply``
 (``PagedUnquantizedFusedMoEMethod``: the per-call path ``moetide::page_experts``, which counts the routing, finds no
 routed offloaded expert and maps the ids, then vLLM's) and vLLM's own ``UnquantizedFusedMoEMethod.apply`` on those
-inputs, in alternating order, ``--calls`` times each, on the CPU clock. Prints one JSON line: the median µs per call of each, the added µs, and
-the added time over a whole decode step of the model (the added µs per call × MoE layers ÷ the step's median µs,
-the step timed in the same process).
+inputs, in alternating order, ``--calls`` times each, on the CPU clock. Prints one JSON line: the median µs per
+call of each, the added µs, and the added time over a whole decode step of the model (the added µs per call × MoE
+layers ÷ the step's median µs, the step timed in the same process).
 
     .venv/bin/python benchmarks/vllm_pager_apply.py [--model DIR] [--batch 8] [--calls 3000]
 """

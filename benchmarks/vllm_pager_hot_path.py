@@ -1,17 +1,19 @@
 """The expert pager's cost with nothing offloaded: vLLM's decode with moetide's plugin loaded against stock vLLM.
 
 With the plugin registered, vLLM builds ``moetide.vllm.pager.PagedUnquantizedFusedMoEMethod`` for every
-unquantized MoE layer; with nothing offloaded its ``apply`` is vLLM's behind one check. This measures what that
-costs. Two long-lived peers, each one process running ``LLM`` in-process on one core:
+unquantized MoE layer; where the policy cannot offload its ``apply`` is vLLM's, and where it can, each call runs the
+pager's per-call path (``moetide::page_experts``) first, even with nothing offloaded. This measures what that
+costs, in vLLM's default mode (a compiled forward) or ``--mode eager``. Four long-lived peers, each one process
+running ``LLM`` in-process on one core:
 
 * ``stock``: ``MOETIDE_VLLM_DISABLE=1``, vLLM as installed;
 * ``pager``: the plugin loaded (so every MoE layer is the pager's method, nothing offloaded) and nothing else
   configured: the pager's hot path alone;
 * ``plugin``: moetide's scheduler and connector configured too, with ``policy: vllm`` (the line never moves): the
   scheduler seam and the step costs run every step as well;
-* ``vamp``: the same with ``policy: vamp`` and a KV cache that never runs short, so nothing is offloaded: the
-  pager also counts each layer's routing (a ``bincount`` per layer per step) and the workers send the counts to
-  the scheduler's residency every step.
+* ``vamp``: the same with ``policy: vamp`` and a KV cache that never runs short, so nothing is offloaded: every MoE
+  call runs the per-call path (it counts the routing, finds no routed offloaded expert, maps the ids), and the
+  workers send the counts to the scheduler's residency every step.
 
 A round is, for each peer in turn (the order reversed every other round), two ``generate`` calls on the same
 fresh prompts: one token, then ``1 + --decode-tokens``; the decode rate is ``batch × decode_tokens`` over the
@@ -41,7 +43,7 @@ PEER = r'''
 import json, os, sys, time, random
 from vllm import LLM, SamplingParams
 spec = json.loads(sys.argv[1])
-kwargs = dict(model=spec["model"], dtype="bfloat16", max_model_len=1024, enforce_eager=True, seed=0,
+kwargs = dict(model=spec["model"], dtype="bfloat16", max_model_len=1024, enforce_eager=spec["eager"], seed=0,
               kv_cache_memory_bytes=64 << 20, max_num_seqs=64)
 if spec["plugin"] in ("plugin", "vamp"):
     from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings
@@ -63,11 +65,11 @@ for line in sys.stdin:
 '''
 
 
-def start(model: str, peer: str, core: int, clock: str) -> subprocess.Popen:
+def start(model: str, peer: str, core: int, clock: str, eager: bool) -> subprocess.Popen:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
                MOETIDE_VLLM_DISABLE="1" if peer == "stock" else "0", PYTHONPATH=str(ROOT / "src"))
     process = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-c", PEER,
-                                json.dumps({"model": model, "plugin": peer, "clock": clock})],
+                                json.dumps({"model": model, "plugin": peer, "clock": clock, "eager": eager})],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                env=env)
     for line in process.stdout:
@@ -106,10 +108,12 @@ def main() -> None:
     parser.add_argument("--core", type=int, default=os.cpu_count() - 1, help="the one core every peer runs on")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="time each generate call by the peer's CPU seconds (default) or the wall clock")
+    parser.add_argument("--mode", choices=("default", "eager"), default="default",
+                        help="vLLM's default (a compiled forward) or --enforce-eager")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     model = args.model or make_model(Path(args.workdir))
-    peers = {name: start(model, name, args.core, args.clock) for name in PEERS}
+    peers = {name: start(model, name, args.core, args.clock, args.mode == "eager") for name in PEERS}
     rates: dict[str, list[float]] = {name: [] for name in peers}
     try:
         for r in range(args.warmup + args.rounds):
@@ -122,13 +126,13 @@ def main() -> None:
         for process in peers.values():
             process.kill()
     for name, values in rates.items():
-        print(json.dumps({"peer": name, "model": model, "batch": args.batch, "decode_tokens_per_s": {
+        print(json.dumps({"peer": name, "model": model, "mode": args.mode, "batch": args.batch, "decode_tokens_per_s": {
             "min": round(min(values), 1), "median": round(statistics.median(values), 1),
             "max": round(max(values), 1)}, "rounds": len(values)}))
     for name in PEERS[1:]:
         paired = [p / s for p, s in zip(rates[name], rates["stock"])]
         low, _, high = statistics.quantiles(paired, n=4) if len(paired) > 1 else (paired[0],) * 3
-        print(json.dumps({"ratio": f"{name}/stock decode", "clock": args.clock,
+        print(json.dumps({"ratio": f"{name}/stock decode", "mode": args.mode, "clock": args.clock,
                           "value": round(statistics.median(paired), 4), "paired_q1": round(low, 4),
                           "paired_q3": round(high, 4), "paired_min": round(min(paired), 4),
                           "paired_max": round(max(paired), 4), "straddles_1": min(paired) < 1.0 < max(paired)}))

@@ -99,13 +99,13 @@ def test_unstaged_counts_a_forward_that_left_the_path_out_or_did_not_stage():
 
 
 def test_the_per_call_path_is_one_graph_that_follows_line_moves():
-    """``fullgraph=True``: no graph break. One compilation for every call: the line moves between calls change
-    tensors in place, never what the graph holds."""
+    """``fullgraph=True``: no graph break, compiled by Inductor as vLLM compiles its forward. One compilation for
+    every call: the line moves between calls change tensors in place, never what the graph holds."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     slots, w13, experts = layer_weights("cpu", "test.compiled")
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(moe_call, backend=counter, fullgraph=True, dynamic=False)
     check_line_moves(lambda x, ids: compiled(x, ids, w13, "test.compiled"), slots, w13, experts)
     assert counter.frame_count == 1

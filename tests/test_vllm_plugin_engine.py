@@ -6,24 +6,21 @@ stock vLLM in the same mode.
 The line is exercised (``line_cycle_steps``: grant the reserve, give it back once drained, grant it again) while
 batches of prompts longer than the base pool holds run, in-process and with vLLM's multiprocessing. While a region
 is out its experts are offloaded and the expert pager stages them from host copies when routed. Greedy outputs
-must equal stock vLLM's (the plugin disabled by ``MOETIDE_VLLM_DISABLE``), and the worker's KV backing must show
-the memory: the reserve's resident bytes rise while a granted region holds KV and fall to nothing when it goes back.
+must equal stock vLLM's (the plugin disabled by ``MOETIDE_VLLM_DISABLE``), up to stock vLLM's own near-ties
+(``tests/greedy.py``: with more KV blocks vLLM batches differently, which flips near-tied tokens in stock vLLM
+too), and no offloaded expert may be routed without being staged. The worker's KV backing must show the memory: the reserve's resident bytes rise while a granted region holds KV and fall to nothing when it goes back.
 Each engine runs in a fresh process (``tests/vllm_generate.py``).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from greedy import check_greedy, run_vllm, stock_scorer
 
 pytest.importorskip("vllm", reason="vLLM 0.32 is not installed here (scripts/install_vllm.sh installs it)")
 
-HERE = Path(__file__).resolve().parent
 ARCHS = {  # KV budget per architecture: a base pool smaller than a batch needs
     "qwen3_moe": 2 << 20,
     "mixtral": 2 << 20,
@@ -66,24 +63,29 @@ MODES = {"default": False, "eager": True}  # enforce_eager
 def generate(model: Path, arch: str, *, plugin: dict | None, multiprocessing: bool, mode: str) -> dict:
     spec = {"model": str(model), "max_model_len": 1024, "kv_cache_memory": ARCHS[arch], "max_tokens": 24,
             "batches": BATCHES, "plugin": plugin, "enforce_eager": MODES[mode]}
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
-               MOETIDE_VLLM_DISABLE="0" if plugin is not None else "1")
-    done = subprocess.run([sys.executable, str(HERE / "vllm_generate.py"), json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, f"vLLM run failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_vllm(spec, plugin=plugin is not None, multiprocessing=multiprocessing)
+
+
+def check_outputs(model: Path, result: dict, stock_result: dict) -> dict:
+    """The plugin's greedy tokens against stock vLLM's, up to stock vLLM's own near-ties (``tests/greedy.py``)."""
+    def flat(batches: list) -> list:
+        return [seq for batch in batches for seq in batch]
+
+    assert result["prompts"] == stock_result["prompts"]
+    report = check_greedy(flat(result["outputs"]), flat(stock_result["outputs"]), flat(result["prompts"]),
+                          stock_scorer(model))
+    print("greedy against stock vLLM:", report)
+    return report
 
 
 @pytest.fixture(scope="module")
 def stock(checkpoints):
     """Stock vLLM's outputs per (architecture, mode), each run once when first asked for."""
-    runs: dict[tuple[str, str], list] = {}
+    runs: dict[tuple[str, str], dict] = {}
 
-    def outputs(arch: str, mode: str) -> list:
+    def outputs(arch: str, mode: str) -> dict:
         if (arch, mode) not in runs:
-            runs[arch, mode] = generate(checkpoints[arch], arch, plugin=None, multiprocessing=False,
-                                        mode=mode)["outputs"]
+            runs[arch, mode] = generate(checkpoints[arch], arch, plugin=None, multiprocessing=False, mode=mode)
         return runs[arch, mode]
 
     return outputs
@@ -97,7 +99,7 @@ def stock(checkpoints):
 ])
 def test_outputs_equal_stock_vllm_through_grants_and_give_backs(checkpoints, stock, arch, multiprocessing, mode):
     result = generate(checkpoints[arch], arch, plugin=plugin_for(arch), multiprocessing=multiprocessing, mode=mode)
-    assert result["outputs"] == stock(arch, mode)
+    check_outputs(checkpoints[arch], result, stock(arch, mode))
     (stats,) = result["stats"]  # one worker
     grows = [h for h in stats["history"] if h[0]]
     backs = [h for h in stats["history"] if not h[0]]
@@ -134,9 +136,9 @@ def wide_checkpoint(tmp_path_factory):
 def test_the_kv_cache_grows_into_the_experts_own_memory(wide_checkpoint, mode):
     """The whole line: the line's blocks are the offloaded experts' pages (the model's own experts size the line
     here), so a grant takes no memory beyond the experts', and the outputs are stock vLLM's."""
-    stock_out = generate(wide_checkpoint, "qwen3_moe", plugin=None, multiprocessing=False, mode=mode)["outputs"]
+    stock_result = generate(wide_checkpoint, "qwen3_moe", plugin=None, multiprocessing=False, mode=mode)
     result = generate(wide_checkpoint, "qwen3_moe", plugin=PLUGIN, multiprocessing=True, mode=mode)
-    assert result["outputs"] == stock_out
+    check_outputs(wide_checkpoint, result, stock_result)
     (stats,) = result["stats"]
     grows = [h for h in stats["history"] if h[0]]
     assert len(grows) >= 2 and all(lent > 0 for *_, lent in grows), stats["history"]

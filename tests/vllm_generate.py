@@ -4,6 +4,10 @@ A subprocess of ``tests/test_vllm_plugin_engine.py``: each run gets the environm
 (``VLLM_ENABLE_V1_MULTIPROCESSING``, ``MOETIDE_VLLM_DISABLE`` for stock vLLM) and a fresh process, so vLLM's
 process-wide state never carries from one engine to the next. Prints one line ``RESULT {json}``: greedy token ids
 per prompt per batch and, with the plugin, every worker's KV backing stats (``vllm.backing.CpuBacking.stats``).
+
+With ``score`` in the spec it scores instead (``tests/greedy.py``): stock vLLM, teacher-forced along each (prompt
+token ids, continuation token ids), gives for every continuation token its log-probability, the best one's and the
+best token.
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ def main() -> None:
 
     from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings
 
+    if "score" in spec:
+        print("RESULT " + json.dumps({"scores": score(spec)}), flush=True)
+        return
     kwargs = dict(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"],
-                  kv_cache_memory_bytes=spec["kv_cache_memory"], max_num_seqs=8, enforce_eager=spec.get("enforce_eager", False), seed=0)
+                  kv_cache_memory_bytes=spec["kv_cache_memory"], max_num_seqs=8,
+                  enforce_eager=spec.get("enforce_eager", False), seed=0)
     plugin = spec.get("plugin")
     if plugin is not None:
         kwargs.update(scheduler_cls=SCHEDULER_CLS,
@@ -27,10 +35,32 @@ def main() -> None:
                       worker_extension_cls="moetide.vllm.worker.MoetideWorkerExtension")
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0)
-    outputs = [[list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
-               for batch in spec["batches"]]
+    done = [llm.generate(batch, params, use_tqdm=False) for batch in spec["batches"]]
+    outputs = [[list(o.outputs[0].token_ids) for o in batch] for batch in done]
+    prompts = [[list(o.prompt_token_ids) for o in batch] for batch in done]
     stats = llm.collective_rpc("moetide_backing_stats") if plugin is not None else None
-    print("RESULT " + json.dumps({"outputs": outputs, "stats": stats, "line": line_books(llm)}), flush=True)
+    print("RESULT " + json.dumps({"outputs": outputs, "prompts": prompts, "stats": stats, "line": line_books(llm)}),
+          flush=True)
+
+
+def score(spec: dict) -> list[list[tuple[float, float, int]]]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"],
+              kv_cache_memory_bytes=spec["kv_cache_memory"], max_num_seqs=8, enforce_eager=True, seed=0)
+    pairs = spec["score"]
+    done = llm.generate([TokensPrompt(prompt_token_ids=prompt + continuation) for prompt, continuation in pairs],
+                        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)
+    scores = []
+    for (prompt, continuation), out in zip(pairs, done):
+        rows = []
+        for position, token in enumerate(continuation, start=len(prompt)):
+            ranked = out.prompt_logprobs[position]
+            best_id, best = min(ranked.items(), key=lambda item: item[1].rank)
+            rows.append((ranked[token].logprob, best.logprob, best_id))
+        scores.append(rows)
+    return scores
 
 
 def line_books(llm) -> dict | None:

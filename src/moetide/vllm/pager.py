@@ -255,8 +255,9 @@ def register() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Plain data for the worker's RPC: the pager's counts, and its memory. ``staging_bytes`` is what the staging
-    rows can hold: the shared areas once, plus the rows of layers that could not share them."""
+    """Plain data for the worker's RPC: the pager's counts, and its memory. ``staging_capacity_bytes`` is what the
+    staging rows can hold: the shared areas once, plus the rows of layers that could not share them;
+    ``staging_bytes`` what of it the system holds now (a shared area's pages are allocated only when written)."""
     layers = paged_layers()
     own_staging = sum(m.num_staging_slots * m.row_bytes for m in layers if not m.shared_staging)
     return {"paged_layers": len(layers), "offloaded_experts": sum(len(m.offloaded) for m in layers),
@@ -266,4 +267,5 @@ def stats() -> dict[str, int]:
             "peak_lent_bytes": sum(m.peak_lent_bytes for m in layers),
             "expert_file_bytes": sum(m.file_bytes() for m in layers) + sum(a.file_bytes() for a in _STAGING.values()),
             "home_bytes": sum(m.num_experts * m.row_bytes for m in layers),
-            "staging_bytes": own_staging + sum(area.size for area in _STAGING.values())}
+            "staging_bytes": own_staging + sum(area.file_bytes() for area in _STAGING.values()),
+            "staging_capacity_bytes": own_staging + sum(area.size for area in _STAGING.values())}

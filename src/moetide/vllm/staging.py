@@ -58,7 +58,8 @@ class ExpertSlots:
         self.staging = tuple(w[num_experts:] for w in weights)
         self.host = tuple(host_rows((self.num_slots, *w.shape[1:]), w.dtype, device) for w in weights)
         long = dict(dtype=torch.long, device=device)
-        self.slot_of = torch.arange(num_experts, **long)  # the row each expert is computed from
+        # the row each expert is computed from (int32, as vLLM's ``topk_ids``; indexing with them needs no cast)
+        self.slot_of = torch.arange(num_experts, dtype=torch.int32, device=device)
         self.slot_expert = torch.full((self.num_slots,), num_experts, **long)  # each slot's expert; E: free
         # the counters, one tensor so that a step reads every layer's at once (``take_counts``): tokens routed to
         # each expert, stagings of each expert (and of free slots, which stay 0), per-call paths run
@@ -97,16 +98,28 @@ class ExpertSlots:
     def route(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Count the call's routing, stage the routed offloaded experts, and return ``topk_ids`` mapped to the
         rows each expert is computed from."""
-        ids = topk_ids.reshape(-1).long()
-        counts = torch.zeros(self.num_experts + 1, dtype=torch.long, device=ids.device)
-        counts.index_add_(0, ids, torch.ones_like(ids))  # counts[E] stays 0: free slots are never staged
+        counts = self._count(topk_ids.reshape(-1))  # counts[E] is 0: free slots are never staged
         self.routed.add_(counts[:self.num_experts])
-        need = counts[self.slot_expert] > 0
-        for staging, host in zip(self.staging, self.host):
-            copy_rows_where(need, staging, host)
+        if self.device.type == "cpu" and not self.out:
+            # Nothing captures this body on the CPU (the op runs it on every call, compiled or not), so it may
+            # skip what would do nothing: no slot is taken, the ids map to themselves. Not on a device, where a
+            # CUDA graph replays what the body enqueued when it was captured.
+            self.calls.add_(1)
+            return topk_ids
+        need = counts.index_select(0, self.slot_expert) > 0
+        copy_rows_where(need, self.staging, self.host)
         self.staged.index_add_(0, self.slot_expert, need.long())
         self.calls.add_(1)
-        return self.slot_of[ids].view(topk_ids.shape).to(topk_ids.dtype)
+        return self.slot_of[topk_ids].to(topk_ids.dtype)
+
+    def _count(self, ids: torch.Tensor) -> torch.Tensor:
+        """Tokens per expert, and a last count of 0 for free slots: ``bincount`` on the CPU; on a device, a
+        scatter of fixed size (``bincount`` there reads the largest id back to the host)."""
+        if self.device.type == "cpu":
+            return torch.bincount(ids, minlength=self.num_experts + 1)
+        ids = ids.long()
+        return torch.zeros(self.num_experts + 1, dtype=torch.long, device=self.device).index_add_(
+            0, ids, torch.ones_like(ids))
 
     # ---- the worker's reads: once per step, outside the forward -----------------------------------------------
     def step_counts(self, counters: Sequence[int], ran_forward: bool) -> tuple[list[int], int, int]:
@@ -153,13 +166,16 @@ def page_experts(topk_ids: torch.Tensor, name: str) -> torch.Tensor:
     return torch.ops.moetide.page_experts(topk_ids, name)
 
 
-def copy_rows_where(need: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[s] = src[s]`` for every ``s`` with ``need[s]``; other rows untouched. ``src`` is host memory; on
-    CUDA it must be pinned (the kernel reads it over the bus, and only the rows it copies)."""
-    if dst.device.type == "cpu":
+def copy_rows_where(need: torch.Tensor, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dst[s] = src[s]`` for every ``s`` with ``need[s]``, for each (dst, src); other rows untouched. The sources
+    are host memory; on CUDA they must be pinned (the kernel reads them over the bus, and only the rows it
+    copies)."""
+    if need.device.type == "cpu":
         for slot in need.nonzero().view(-1).tolist():
-            dst[slot].copy_(src[slot])
+            for dst, src in zip(dsts, srcs):
+                dst[slot].copy_(src[slot])
         return
     from moetide.vllm.staging_kernel import copy_rows_where_cuda
 
-    copy_rows_where_cuda(need, dst, src)
+    for dst, src in zip(dsts, srcs):
+        copy_rows_where_cuda(need, dst, src)

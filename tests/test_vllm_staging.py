@@ -98,6 +98,7 @@ def test_unstaged_counts_a_forward_that_left_the_path_out_or_did_not_stage():
     assert slots.step_counts(take_counts([slots])[0], ran_forward=True)[2] == 1
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # torch warns where an op's output aliases its input
 def test_the_per_call_path_is_one_graph_that_follows_line_moves():
     """``fullgraph=True``: no graph break, compiled by Inductor as vLLM compiles its forward. One compilation for
     every call: the line moves between calls change tensors in place, never what the graph holds."""

@@ -12,9 +12,10 @@ GPU), which freezes whatever Python decides inside it:
   write the slot tables (``slot_of``, ``slot_expert``) *in place*.
 * **The per-call path** (``route``) runs inside the forward for every MoE call. It is tensor work of fixed shapes
   that reads the slot tables as they are now: count the call's routing, find the staging slots whose expert is
-  routed, copy those slots' host rows into their staging rows, and map ``topk_ids`` to slots. No Python branch
-  depends on the data and nothing waits for the device, so a graph captured once replays it correctly after
-  any number of line moves. The one data-dependent piece, copying only the routed slots' rows, is
+  routed, copy those slots' host rows into their staging rows, and map ``topk_ids`` to slots. On a device no
+  Python branch depends on the data or on the slot tables, and nothing waits for the device, so a graph
+  captured once replays it correctly after any number of line moves. (On the CPU, which captures nothing, a
+  layer with nothing out skips the staging and the remap.) The one data-dependent piece, copying only the routed slots' rows, is
   ``copy_rows_where``: a loop on the CPU (which captures nothing), a masked Triton kernel on CUDA that reads the
   pinned host rows directly.
 
@@ -102,10 +103,11 @@ class ExpertSlots:
         self.routed.add_(counts[:self.num_experts])
         if self.device.type == "cpu" and not self.out:
             # Nothing captures this body on the CPU (the op runs it on every call, compiled or not), so it may
-            # skip what would do nothing: no slot is taken, the ids map to themselves. Not on a device, where a
-            # CUDA graph replays what the body enqueued when it was captured.
+            # skip what would do nothing: no slot is taken, the ids map to themselves (a copy: an op's output
+            # may not alias its input). Not on a device, where a CUDA graph replays what the body enqueued when
+            # it was captured.
             self.calls.add_(1)
-            return topk_ids
+            return topk_ids.clone()
         need = counts.index_select(0, self.slot_expert) > 0
         copy_rows_where(need, self.staging, self.host)
         self.staged.index_add_(0, self.slot_expert, need.long())

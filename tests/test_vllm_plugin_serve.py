@@ -19,6 +19,8 @@ import re
 import subprocess
 import sys
 import time
+import tempfile
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -61,19 +63,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+KEY = "moetide-test-key-5f2c"  # $MOETIDE_API_KEY: every /v1 call needs it, and no log line may show it
+
+
 class Server:
     def __init__(self, model, policy: str, kv_cache_memory: str, *flags: str) -> None:
         self.port = free_port()
+        self.log = tempfile.TemporaryFile("w+")  # the server's output, read back at the end (a pipe could fill)
         argv = [sys.executable, "-m", "moetide.cli", "serve", "--engine", "vllm", "--model", str(model),
                 "--policy", policy, "--max-offload-ratio", "0.5", "--kv-cache-memory", kv_cache_memory,
                 "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(self.port),
                 "--served-model-name", "tiny", "--dtype", "bfloat16", "--max-num-seqs", "16", *flags]
-        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                        env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1",
+                                                 MOETIDE_API_KEY=KEY))
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise AssertionError(f"the server exited ({self.process.returncode}):\n{self.process.stdout.read()}")
+                raise AssertionError(f"the server exited ({self.process.returncode}):\n{self.output()[-6000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
                     return
@@ -84,7 +91,7 @@ class Server:
 
     def complete_all(self, prompts: list[str]) -> list[tuple[list[int], list[int]]]:
         """Each prompt's (prompt token ids, greedy token ids), all requests in flight at once."""
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY)
 
         def one(prompt: str) -> tuple[list[int], list[int]]:
             answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
@@ -103,6 +110,21 @@ class Server:
         values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)]
         assert values, f"{name} not on /metrics"
         return sum(values)
+
+    def refuses_without_the_key(self) -> bool:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/models", headers=headers)
+            try:
+                urllib.request.urlopen(request, timeout=10)
+                return False
+            except urllib.error.HTTPError as error:
+                if error.code != 401:
+                    return False
+        return True
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def close(self) -> None:
         self.process.terminate()
@@ -128,8 +150,10 @@ def test_vamp_moves_the_line_for_a_burst_and_answers_as_vllm(checkpoint, mode):
         stagings = server.metric("moetide:stagings_total")
         staged_bytes = server.metric("moetide:staged_bytes_total")
         unstaged = server.metric("moetide:unstaged_total")
+        assert server.refuses_without_the_key()
     finally:
         server.close()
+    assert KEY not in server.output()
     assert moves > 0 and granted > 0 and 0 < ratio <= 0.5
     assert unstaged == 0  # no offloaded expert computed from memory the KV cache holds
     assert staged_bytes == stagings * EXPERT_BYTES  # whole experts, copied when routed

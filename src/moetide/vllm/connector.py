@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from moetide.vllm.line import LineOp
-from moetide.vllm.plugin import refuse_unsupported_mode
+from moetide.vllm.plugin import check_supported, refuse_unsupported_mode
 from moetide.vllm.settings import PluginSettings
 
 
@@ -37,6 +37,7 @@ class MoetideConnectorMetadata(KVConnectorMetadata):
 
 class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        check_supported()
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.settings = PluginSettings.from_extra_config(extra)

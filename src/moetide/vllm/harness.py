@@ -42,6 +42,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from moetide.vllm.line import LineStep, kv_block_bytes, line_reserve_blocks  # noqa: E402
+from moetide.vllm.plugin import register  # noqa: E402
 from moetide.vllm.scheduler import MoetideScheduler  # noqa: E402
 from moetide.vllm.settings import PluginSettings  # noqa: E402
 
@@ -199,6 +200,8 @@ class VllmSide:
                                    enable_prefix_caching=cfg.enable_prefix_caching,
                                    prefix_caching_hash_algo=cfg.hash_algo,
                                    mamba_cache_mode=mode)
+        if cfg.plugin is not None:  # moetide's scheduler starts only where the plugin is loaded, as vLLM loads it
+            register()
         transfer = None if cfg.plugin is None else KVTransferConfig(**cfg.plugin.kv_transfer_config())
         vc = VllmConfig(model_config=model_config, scheduler_config=sched_config,
                         cache_config=cache_config, kv_transfer_config=transfer)

@@ -40,10 +40,16 @@ _RUNNER_CONFIG: contextvars.ContextVar[object | None] = contextvars.ContextVar("
 logger = logging.getLogger(__name__)
 
 
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+
+
 def register() -> None:
-    """The entry point: apply the patches once per process (module docstring)."""
+    """The entry point: apply the patches once per process (module docstring). On a vLLM it was not written
+    against, or when disabled, it patches nothing; moetide's scheduler and connector then refuse to start
+    (``check_supported``), while vLLM without them runs as installed."""
     global _REGISTERED
-    if _REGISTERED or os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if _REGISTERED or _disabled():
         return
     import vllm
 
@@ -57,6 +63,23 @@ def register() -> None:
     _patch_sizing()
     _patch_worker()
     _REGISTERED = True
+
+
+def check_supported() -> None:
+    """Raise, in one line, where moetide's scheduler or connector starts in a process the plugin did not patch:
+    without the patches the pool would be sized without the line's reserve, and the workers would neither back
+    granted blocks nor stage offloaded experts."""
+    import vllm
+
+    if not vllm.__version__.startswith(SUPPORTED):
+        raise RuntimeError(f"moetide's vLLM plugin supports vLLM {SUPPORTED}x; this is vLLM {vllm.__version__}: "
+                           f"leave out --scheduler-cls and --kv-transfer-config")
+    if _disabled():
+        raise RuntimeError(f"moetide's scheduler or connector is configured, but {DISABLE_ENV}=1 turns its vLLM "
+                           f"plugin off: unset it, or leave out --scheduler-cls and --kv-transfer-config")
+    if not _REGISTERED:
+        raise RuntimeError("moetide's vLLM plugin is not loaded in this process: vLLM loads it from the "
+                           "'vllm.general_plugins' entry point (is VLLM_PLUGINS leaving it out?)")
 
 
 def plugin_settings(vllm_config):

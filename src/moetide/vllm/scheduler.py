@@ -77,6 +77,9 @@ class _MoetideScheduling:
 
     def _init_moetide(self) -> None:
         from moetide.vllm.connector import MoetideConnector
+        from moetide.vllm.plugin import check_supported
+
+        check_supported()
 
         if not isinstance(self.connector, MoetideConnector):
             raise ValueError("moetide's scheduler needs moetide's connector: pass --kv-transfer-config with "

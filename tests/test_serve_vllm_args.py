@@ -1,0 +1,35 @@
+"""``moetide serve --engine vllm``'s translation to vLLM's server (``commands.serve_vllm``), without starting it:
+the API key reaches vLLM in its environment and never on its command line, which is printed."""
+
+from __future__ import annotations
+
+import pytest
+
+from moetide.cli import build_parser
+from moetide.commands.serve import api_key
+from moetide.commands.serve_vllm import vllm_argv, vllm_env
+from moetide.errors import UserError
+
+
+def translate(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    args, extra = build_parser("serve").parse_known_args(["serve", "--engine", "vllm", "--model", "DIR", *argv])
+    defaults = args._parser.parse_known_args(["--model", "DIR"])[0]
+    return vllm_argv(args, defaults, extra), vllm_env(api_key(args))
+
+
+def test_the_key_goes_to_vllms_environment_not_its_command_line(monkeypatch):
+    monkeypatch.delenv("MOETIDE_API_KEY", raising=False)
+    argv, env = translate(["--api-key", "s3cret"])
+    assert env == {"VLLM_API_KEY": "s3cret"}
+    assert not any("s3cret" in word for word in argv) and "--api-key" not in argv
+    monkeypatch.setenv("MOETIDE_API_KEY", "from-env")
+    assert translate([])[1] == {"VLLM_API_KEY": "from-env"}
+    assert translate(["--api-key", "flag-wins"])[1] == {"VLLM_API_KEY": "flag-wins"}
+    monkeypatch.delenv("MOETIDE_API_KEY")
+    assert translate([])[1] == {}
+
+
+def test_a_key_with_spaces_is_refused(monkeypatch):
+    monkeypatch.delenv("MOETIDE_API_KEY", raising=False)
+    with pytest.raises(UserError, match="--api-key must be a non-empty key without spaces"):
+        translate(["--api-key", "two words"])

@@ -6,9 +6,8 @@ The options both engines share are translated to vLLM's flags: ``--model`` (vLLM
 ``--max-num-batched-tokens``, ``--max-model-len``, ``--served-model-name``, ``--host``, ``--port`` and
 ``--chat-template``. The API key (``--api-key``, else ``$MOETIDE_API_KEY``, as for moetide's own server) reaches
 vLLM as ``VLLM_API_KEY`` in its environment, never on its command line, which is printed. Any option moetide does
-not know goes to ``vllm serve`` as written, so every
-vLLM flag works. An option only moetide's own engine has (``--device``, ``--kv-host-memory``, ...) is refused by
-name. The process then becomes vLLM's server (``exec``): signals, logs and exit codes are vLLM's.
+not know goes to ``vllm serve`` as written, so every vLLM flag works. An option only moetide's own engine has
+(``--device``, ``--kv-host-memory``, ...) is refused by name. The process then becomes vLLM's server (``exec``): signals, logs and exit codes are vLLM's.
 """
 
 from __future__ import annotations

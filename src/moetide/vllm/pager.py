@@ -43,6 +43,7 @@ from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.utils import replace_parameter
 
+from moetide.core.pressure import policy_entry
 from moetide.vllm.arena import PageRun, SharedRows, StagingArea
 from moetide.vllm.line import LineOp, line_max_offloaded, model_experts
 from moetide.vllm.plugin import plugin_settings
@@ -197,8 +198,8 @@ def max_offloaded_experts(vllm_config) -> int:
     """Experts the configured policy may have out at once (0 without moetide's connector, or for a policy that
     never offloads): a layer gets that many staging slots, at most one per expert."""
     settings = plugin_settings(vllm_config) if vllm_config is not None else None
-    if settings is None:
-        return 0
+    if settings is None or not policy_entry(settings.policy).offloads_experts:
+        return 0  # the model's experts are not read: a policy that offloads nothing serves any MoE vLLM serves
     return line_max_offloaded(settings, model_experts(settings, vllm_config)[0])
 
 

@@ -158,13 +158,14 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         return super().apply(layer, x, topk_weights, self.route(topk_ids), shared_experts, shared_experts_input)
 
-    def take_step(self, counters: list[int], ran_forward: bool) -> tuple[list[int], int]:
-        """The step's routing (tokens per expert) and unstaged count (``ExpertSlots.step_counts``) from this layer's
-        ``counters`` as read after the step; its stagings go to the totals."""
+    def take_step(self, counters: list[int], ran_forward: bool) -> tuple[list[int], int, int, int]:
+        """The step's routing (tokens per expert), stagings, staged bytes and unstaged count
+        (``ExpertSlots.step_counts``) from this layer's ``counters`` as read after the step; added to the totals."""
         routed, staged, unstaged = self.slots.step_counts(counters, ran_forward)
+        staged_bytes = staged * self.row_bytes
         self.num_staged += staged
-        self.staged_bytes += staged * self.row_bytes
-        return routed, unstaged
+        self.staged_bytes += staged_bytes
+        return routed, staged, staged_bytes, unstaged
 
 
 def paged_layers() -> list[PagedUnquantizedFusedMoEMethod]:
@@ -222,32 +223,24 @@ class StepReport:
         """The step's stagings and staged bytes, its unstaged count (logged when not 0) and, where the layers
         count it, its routing (tokens per expert, one row per MoE layer in model order)."""
         layers = [m for m in paged_layers() if m.slots is not None]
-        before = staging_totals()
-        routing, unstaged = [], 0
+        routing, stagings, staged_bytes, unstaged = [], 0, 0, 0
         for method, counters in zip(layers, take_counts([m.slots for m in layers])):
-            routed, missed = method.take_step(counters, self.ran_forward)
+            routed, staged, nbytes, missed = method.take_step(counters, self.ran_forward)
             routing.append(routed)
-            unstaged += missed
+            stagings, staged_bytes, unstaged = stagings + staged, staged_bytes + nbytes, unstaged + missed
         self.ran_forward = False
-        now = staging_totals()
         if unstaged:
             self.unstaged += unstaged
             logger.error("moetide's expert pager: %d offloaded experts routed but not staged in this step (%d so "
                          "far); their tokens were computed from memory lent to the KV cache", unstaged,
                          self.unstaged)
-        report = {"stagings": now[0] - before[0], "staged_bytes": now[1] - before[1], "unstaged": unstaged}
+        report = {"stagings": stagings, "staged_bytes": staged_bytes, "unstaged": unstaged}
         if routing:
             report["routing"] = routing
         return report
 
 
 STEPS = StepReport()
-
-
-def staging_totals() -> tuple[int, int]:
-    """Stagings and staged bytes so far, over this process's paged layers."""
-    layers = paged_layers()
-    return sum(m.num_staged for m in layers), sum(m.staged_bytes for m in layers)
 
 
 def register() -> None:

@@ -61,10 +61,12 @@ def run_vllm(spec: dict, *, plugin: bool, multiprocessing: bool = False) -> dict
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def stock_scorer(model: Path) -> Score:
-    """Score with stock vLLM on ``model`` (``tests/vllm_generate.py`` with ``score``)."""
+def stock_scorer(model: Path, *, enforce_eager: bool) -> Score:
+    """Score with stock vLLM on ``model`` (``tests/vllm_generate.py`` with ``score``), in the mode of the run
+    it judges (vLLM's default, compiled, or eager)."""
     def score(pairs: list[tuple[list[int], list[int]]]) -> list[list[tuple[float, float, int]]]:
-        spec = {"model": str(model), "max_model_len": 4096, "kv_cache_memory": 64 << 20, "score": pairs}
+        spec = {"model": str(model), "max_model_len": 4096, "kv_cache_memory": 64 << 20, "score": pairs,
+                "enforce_eager": enforce_eager}
         return run_vllm(spec, plugin=False)["scores"]
 
     return score

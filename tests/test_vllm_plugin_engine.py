@@ -66,14 +66,14 @@ def generate(model: Path, arch: str, *, plugin: dict | None, multiprocessing: bo
     return run_vllm(spec, plugin=plugin is not None, multiprocessing=multiprocessing)
 
 
-def check_outputs(model: Path, result: dict, stock_result: dict) -> dict:
+def check_outputs(model: Path, result: dict, stock_result: dict, mode: str) -> dict:
     """The plugin's greedy tokens against stock vLLM's, up to stock vLLM's own near-ties (``tests/greedy.py``)."""
     def flat(batches: list) -> list:
         return [seq for batch in batches for seq in batch]
 
     assert result["prompts"] == stock_result["prompts"]
     report = check_greedy(flat(result["outputs"]), flat(stock_result["outputs"]), flat(result["prompts"]),
-                          stock_scorer(model))
+                          stock_scorer(model, enforce_eager=MODES[mode]))
     print("greedy against stock vLLM:", report)
     return report
 
@@ -99,7 +99,7 @@ def stock(checkpoints):
 ])
 def test_outputs_equal_stock_vllm_through_grants_and_give_backs(checkpoints, stock, arch, multiprocessing, mode):
     result = generate(checkpoints[arch], arch, plugin=plugin_for(arch), multiprocessing=multiprocessing, mode=mode)
-    check_outputs(checkpoints[arch], result, stock(arch, mode))
+    check_outputs(checkpoints[arch], result, stock(arch, mode), mode)
     (stats,) = result["stats"]  # one worker
     grows = [h for h in stats["history"] if h[0]]
     backs = [h for h in stats["history"] if not h[0]]
@@ -138,7 +138,7 @@ def test_the_kv_cache_grows_into_the_experts_own_memory(wide_checkpoint, mode):
     here), so a grant takes no memory beyond the experts', and the outputs are stock vLLM's."""
     stock_result = generate(wide_checkpoint, "qwen3_moe", plugin=None, multiprocessing=False, mode=mode)
     result = generate(wide_checkpoint, "qwen3_moe", plugin=PLUGIN, multiprocessing=True, mode=mode)
-    check_outputs(wide_checkpoint, result, stock_result)
+    check_outputs(wide_checkpoint, result, stock_result, mode)
     (stats,) = result["stats"]
     grows = [h for h in stats["history"] if h[0]]
     assert len(grows) >= 2 and all(lent > 0 for *_, lent in grows), stats["history"]

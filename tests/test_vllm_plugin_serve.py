@@ -170,5 +170,5 @@ def test_vamp_moves_the_line_for_a_burst_and_answers_as_vllm(checkpoint, mode):
     for answers in vamp_answers:
         assert [prompt for prompt, _ in answers] == [prompt for prompt, _ in vllm_answers]
         report = check_greedy([tokens for _, tokens in answers], stock, [prompt for prompt, _ in answers],
-                              stock_scorer(model))
+                              stock_scorer(model, enforce_eager=mode == "eager"))
         print("greedy against stock vLLM:", report)

@@ -48,7 +48,8 @@ def score(spec: dict) -> list[list[tuple[float, float, int]]]:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"],
-              kv_cache_memory_bytes=spec["kv_cache_memory"], max_num_seqs=8, enforce_eager=True, seed=0)
+              kv_cache_memory_bytes=spec["kv_cache_memory"], max_num_seqs=8,
+              enforce_eager=spec.get("enforce_eager", False), seed=0)
     pairs = spec["score"]
     done = llm.generate([TokensPrompt(prompt_token_ids=prompt + continuation) for prompt, continuation in pairs],
                         SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)

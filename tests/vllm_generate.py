@@ -74,6 +74,8 @@ def line_books(llm) -> dict | None:
     if not isinstance(client, InprocClient) or not isinstance(client.engine_core.scheduler, MoetideScheduler):
         return None
     books = client.engine_core.scheduler.moetide
+    if books.residency is None:  # a policy that never offloads keeps no expert books
+        return {"routed_steps": books.num_routed_steps, "hotness": None}
     config = books.residency.config
     return {"routed_steps": books.num_routed_steps,
             "hotness": [[books.residency.hotness(m, e) for e in range(config.num_experts)]

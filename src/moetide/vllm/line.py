@@ -16,11 +16,12 @@ from moetide.core.config import expert_residency, make_policy
 from moetide.core.expert_line import ByteLayout, ExpertLine
 from moetide.core.experts import ExpertKey, ExpertResidency
 from moetide.core.pressure import policy_entry, start_offload
+from moetide.errors import UserError
 from moetide.engine.vamp import ASSUMED_FLOPS, EngineCosts, engine_vamp_params
 from moetide.specs.hf_config import model_from_hf_dict
 from moetide.specs.model import ModelSpec
 from moetide.vllm.costs import RecordSteps
-from moetide.vllm.settings import ExpertShape, PluginSettings
+from moetide.vllm.settings import WHERE, ExpertShape, PluginSettings
 
 logger = logging.getLogger(__name__)
 HOST_COPY_BYTES_PER_S = 10e9  # default copy speed of a host expert into its staging slot, when no record gives it
@@ -57,14 +58,25 @@ def expert_shape(spec: ModelSpec, tensor_parallel_size: int = 1, dtype_bytes: in
                        expert_bytes=max(spec.expert_bytes(dtype_bytes) // tensor_parallel_size, 1))
 
 
-def model_experts(settings: PluginSettings, vllm_config) -> tuple[ExpertShape, int | None]:
+def model_experts(settings: PluginSettings, vllm_config) -> tuple[ExpertShape | None, int | None]:
     """The routed experts of one rank (the settings' own, else read from vLLM's model config) and the model's
     active parameters (None when the settings give both experts and costs, so the config need not be read): what the
-    engine core's sizing, the scheduler and the workers all derive the line from."""
+    engine core's sizing, the scheduler and the workers all derive the line from. A policy that never offloads reads
+    nothing of the model (``(None, None)``): it serves any model vLLM serves, dense ones included. ``ValueError`` in
+    one line naming the ``experts`` setting where an offloading policy cannot read the model's experts."""
+    if not policy_entry(settings.policy).offloads_experts:
+        return None, None
     if settings.experts is not None and settings.costs is not None:
         return settings.experts, None
     model = vllm_config.model_config
-    spec = model_spec(model.hf_config.to_dict())
+    try:
+        spec = model_spec(model.hf_config.to_dict())
+    except UserError as exc:
+        raise ValueError(f"moetide: policy {settings.policy!r} offloads experts, but the model's experts cannot be "
+                         f"read ({exc}): give them as {WHERE}.experts and .costs, or use policy 'vllm'") from None
+    if not spec.num_experts:
+        raise ValueError(f"moetide: policy {settings.policy!r} offloads experts, and the model's config names no "
+                         f"routed experts: it is dense; use policy 'vllm' (or give {WHERE}.experts)")
     shape = settings.experts or expert_shape(spec, vllm_config.parallel_config.tensor_parallel_size,
                                              model.dtype.itemsize)
     return shape, spec.params_active
@@ -81,18 +93,20 @@ def kv_block_bytes(kv_cache_config) -> int:
     return max(len(g.layer_names) for g in groups) * max(g.kv_cache_spec.page_size_bytes for g in groups)
 
 
-def line_max_offloaded(settings: PluginSettings, shape: ExpertShape) -> int:
-    """Experts the offload cap lets out at once, over every layer (0 for a policy that never offloads)."""
-    if not policy_entry(settings.policy).offloads_experts:
+def line_max_offloaded(settings: PluginSettings, shape: ExpertShape | None) -> int:
+    """Experts the offload cap lets out at once, over every layer (0 for a policy that never offloads, whose shape
+    is None: ``model_experts``)."""
+    if shape is None or not policy_entry(settings.policy).offloads_experts:
         return 0
     return expert_residency(settings.serving_config(), num_layers=shape.num_layers, num_experts=shape.num_experts,
                             expert_bytes=shape.expert_bytes).max_num_offloaded
 
 
-def line_reserve_blocks(settings: PluginSettings, shape: ExpertShape, block_bytes: int) -> int:
+def line_reserve_blocks(settings: PluginSettings, shape: ExpertShape | None, block_bytes: int) -> int:
     """Blocks the whole offload cap can add: the ids the pool is built with beyond its base (none for a policy
     that never offloads)."""
-    return line_max_offloaded(settings, shape) * shape.expert_bytes // block_bytes
+    num_experts = line_max_offloaded(settings, shape)
+    return num_experts * shape.expert_bytes // block_bytes if num_experts else 0
 
 
 def plugin_costs(settings: PluginSettings, shape: ExpertShape, active_params: int | None) -> EngineCosts:
@@ -111,22 +125,25 @@ def plugin_costs(settings: PluginSettings, shape: ExpertShape, active_params: in
 
 
 class LineBooks:
-    """The policy, the line over vLLM's pool (``vllm.pool.VllmPool``), the steps' costs and the clock."""
+    """The policy, the line over vLLM's pool (``vllm.pool.VllmPool``), the steps' costs and the clock. For a
+    policy that never offloads, ``shape`` and ``costs`` are None (``model_experts``): there is no line, nothing is
+    priced, and the policy's clock is the wall clock."""
 
-    def __init__(self, settings: PluginSettings, shape: ExpertShape, pool, *, block_bytes: int, block_size: int,
-                 max_num_batched_tokens: int, costs: EngineCosts) -> None:
+    def __init__(self, settings: PluginSettings, shape: ExpertShape | None, pool, *, block_bytes: int,
+                 block_size: int, max_num_batched_tokens: int, costs: EngineCosts | None) -> None:
         self.settings = settings
         config = settings.serving_config()
-        self.residency: ExpertResidency = expert_residency(config, num_layers=shape.num_layers,
-                                                           num_experts=shape.num_experts,
-                                                           expert_bytes=shape.expert_bytes)
         self.pool = pool
-        self.line = None
-        if policy_entry(settings.policy).offloads_experts:
+        self.residency: ExpertResidency | None = None
+        self.line: ExpertLine | None = None
+        self.steps: RecordSteps | None = None
+        if shape is not None:
+            self.residency = expert_residency(config, num_layers=shape.num_layers, num_experts=shape.num_experts,
+                                              expert_bytes=shape.expert_bytes)
             layout = ByteLayout(pool, block_bytes=block_bytes, kv_bytes_per_expert=shape.expert_bytes,
                                 first_block_id=pool.num_blocks + 1)
             self.line = ExpertLine(self.residency, layout)
-        self.steps = RecordSteps(costs, self.residency, shape.experts_per_token)
+            self.steps = RecordSteps(costs, self.residency, shape.experts_per_token)
         self.policy = make_policy(config, costs=lambda: engine_vamp_params(
             self.steps, block_size=block_size, chunk_tokens=max_num_batched_tokens, horizon_s=config.vamp_horizon_s))
         self._started = time.monotonic()
@@ -145,7 +162,17 @@ class LineBooks:
 
     @property
     def now_s(self) -> float:
-        return self.steps.busy_s() if self.settings.clock == "modeled" else time.monotonic() - self._started
+        if self.steps is not None and self.settings.clock == "modeled":
+            return self.steps.busy_s()
+        return time.monotonic() - self._started
+
+    @property
+    def expert_offload_ratio(self) -> float:
+        """Share of routed experts whose memory the line has given the KV cache."""
+        if self.residency is None:
+            return 0.0
+        config = self.residency.config
+        return self.residency.num_offloaded / (config.num_layers * config.num_experts)
 
     def begin_step(self) -> None:
         """Before the step is scheduled: the policy may give a drained region back."""
@@ -161,7 +188,10 @@ class LineBooks:
     def record_routing(self, rows) -> None:
         """A step's routing as the workers counted it (tokens per expert, one row per MoE layer): the residency's
         hotness, so the next region offloaded is the coldest. A count of another shape than the line's experts
-        (settings that give ``experts`` unlike the model's) is ignored, with one warning."""
+        (settings that give ``experts`` unlike the model's) is ignored, with one warning; so is any count without a
+        line."""
+        if self.residency is None:
+            return
         config = self.residency.config
         if len(rows) != config.num_layers or any(len(row) != config.num_experts for row in rows):
             if not self._warned_routing:
@@ -176,7 +206,8 @@ class LineBooks:
         self.num_routed_steps += 1
 
     def end_step(self, num_scheduled_tokens: int) -> None:
-        self.steps.record(num_scheduled_tokens)
+        if self.steps is not None:
+            self.steps.record(num_scheduled_tokens)
         self.num_steps += 1
 
     def _reclaimed(self, last) -> None:

@@ -49,9 +49,8 @@ class MoetideConnectorStats(KVConnectorStats):
 
 def line_stats(books, reported_moves: int) -> MoetideConnectorStats:
     """One step's report: the gauges now, the moves since ``reported_moves``."""
-    config = books.residency.config
     return MoetideConnectorStats({
-        "expert_offload_ratio": books.residency.num_offloaded / (config.num_layers * config.num_experts),
+        "expert_offload_ratio": books.expert_offload_ratio,
         "kv_blocks_granted": books.num_kv_blocks_granted,
         "line_moves": books.num_line_moves - reported_moves,
     })

@@ -98,7 +98,7 @@ class _MoetideScheduling:
         pool = VllmPool(kvm.block_pool, num_base_blocks=kv_config.num_blocks - reserve, hash_group_id=self._hash_group)
         self.moetide = LineBooks(settings, shape, pool, block_bytes=block_bytes, block_size=self.block_size,
                                  max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
-                                 costs=plugin_costs(settings, shape, active))
+                                 costs=None if shape is None else plugin_costs(settings, shape, active))
         self.connector.bind_line(self.moetide)
         self._vllm_allocate = kvm.allocate_slots
         kvm.allocate_slots = self._allocate_slots

@@ -269,7 +269,7 @@ def _size_help(what: str, resolved: object, replay_text: str) -> str:
 def add_serving_arguments(parser: argparse.ArgumentParser, driver: str, *, with_offload_ratio: bool = True,
                           policy: str | None = "vllm") -> None:
     """``core.config.ServingConfig``'s options, its defaults; a ``None`` there is resolved by the driver (the
-    replay, ``driver="replay"``, from the GPU and model; the engine from ``engine.build.ENGINE_DEFAULTS``), which
+    replay, ``driver="replay"``, from the GPU and model; the engine from ``engine.defaults.ENGINE_DEFAULTS``), which
     the help says. Each verb adds its driver's own options beside them."""
     from moetide.core.config import ServingConfig
 
@@ -281,7 +281,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser, driver: str, *, with_
         add_model_argument(parser, default=ReplayConfig.model, what="model preset, checkpoint folder or its "
                            "config.json")
     else:
-        from moetide.engine.build import ENGINE_DEFAULTS as resolved
+        from moetide.engine.defaults import ENGINE_DEFAULTS as resolved
 
         add_model_argument(parser, default=None, what="checkpoint folder (config.json + safetensors) or its "
                            "config.json", metavar="DIR|CONFIG_JSON")

@@ -41,6 +41,7 @@ from moetide.core.mamba_states import MambaStates
 from moetide.core.pressure import PressurePolicy, VampParams, policy_entry
 from moetide.core.scheduler import Scheduler
 from moetide.engine.attention import PagedAttentionBackend
+from moetide.engine.defaults import ENGINE_DEFAULTS
 from moetide.engine.experts import StagedExpertProvider
 from moetide.engine.host_kv import ArenaPoolView, HostKVStorage
 from moetide.engine.loader import load_model
@@ -76,7 +77,6 @@ COLD_EXPERT_MAX_ROWS = 32
 
 # vLLM's start-up resolution of ServingConfig's hardware defaults, for this engine (room for a test model's
 # sessions; vLLM's block size; its default batch limits on H100-class GPUs)
-ENGINE_DEFAULTS = dict(kv_cache_memory=256 * 2**20, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192)
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def flash_kernel() -> Callable:
 
 def engine_block_size() -> int:
     """Tokens per KV block of an engine built with the defaults (``ENGINE_DEFAULTS``)."""
-    from moetide.engine.build import ENGINE_DEFAULTS
+    from moetide.engine.defaults import ENGINE_DEFAULTS
 
     return ENGINE_DEFAULTS["block_size"]
 

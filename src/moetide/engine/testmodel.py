@@ -12,7 +12,7 @@ constant (1, or 0 for Qwen3-Next's zero-centered norms) and ``dt_bias`` to 1, wh
 ignored those tensors, or mixed up ``weight`` with ``1 + weight``, pass a parity test. Every 1-D parameter
 therefore gets seeded noise (std ``NOISE_STD``) before saving. Same arguments, same bytes.
 
-The architectures are the engine's (``engine.models.MODEL_CLASSES``): a new one is its module and its registry line.
+The architectures are the engine's (``engine.defaults.ENGINE_ARCHS``, one class each in ``engine.models.MODEL_CLASSES``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moetide.engine.models import MODEL_CLASSES
+from moetide.engine.defaults import ENGINE_ARCHS
 from moetide.errors import UserError
 
-ARCHS = tuple(MODEL_CLASSES)
+ARCHS = ENGINE_ARCHS
 DTYPE_NAMES = ("float32", "bfloat16")
 SPECIAL_TOKEN = "<|endoftext|>"
 NOISE_STD = 0.1
@@ -46,6 +46,13 @@ for layer in range(num_layers): hidden = layer(hidden, cache, positions)
 The scheduler compares the cost of evicting a prefix, preempting a request and offloading an expert region.
 Linear attention keeps a state of fixed size per sequence; full attention keeps a cache that grows with it.
 """
+
+
+def model_class(arch: str) -> Any:
+    """The engine's model class for ``arch`` (torch imported here, so the CLI's help needs none)."""
+    from moetide.engine.models import MODEL_CLASSES
+
+    return MODEL_CLASSES[arch]
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ class TinyModelArgs:
 
     @property
     def layers(self) -> int:
-        return self.num_layers if self.num_layers is not None else MODEL_CLASSES[self.arch].tiny_num_layers
+        return self.num_layers if self.num_layers is not None else model_class(self.arch).tiny_num_layers
 
     def validate(self) -> None:
         if self.arch not in ARCHS:
@@ -96,7 +103,7 @@ class TinyModelArgs:
              f"({self.linear_num_key_heads})"),
             (all(0 <= i < self.layers for i in self.dense_layer_ids) and len(self.dense_layer_ids) < self.layers,
              f"dense layers {list(self.dense_layer_ids)} must be in [0, {self.layers}) and leave a MoE layer"),
-            (not self.dense_layer_ids or MODEL_CLASSES[self.arch].tiny_dense_layers,
+            (not self.dense_layer_ids or model_class(self.arch).tiny_dense_layers,
              f"{self.arch} has no dense MLP layers"),
         ]
         for ok, message in checks:
@@ -116,7 +123,7 @@ def _common_fields(args: TinyModelArgs, special_id: int) -> dict[str, Any]:
 
 
 def hf_config(args: TinyModelArgs, special_id: int) -> Any:
-    return MODEL_CLASSES[args.arch].tiny_hf_config(args, _common_fields(args, special_id))
+    return model_class(args.arch).tiny_hf_config(args, _common_fields(args, special_id))
 
 
 # ---- tokenizer and weights ---------------------------------------------------------------------------------

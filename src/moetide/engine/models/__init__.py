@@ -6,6 +6,7 @@ step per ``forward(token_ids, StepContext)``, and names its checkpoint tensors (
 
 from __future__ import annotations
 
+from moetide.engine.defaults import ENGINE_ARCHS
 from moetide.engine.models.common import MoECausalLM, greedy_generate
 from moetide.engine.models.hooks import (
     AttentionBackend,
@@ -34,6 +35,9 @@ MODEL_CLASSES: dict[str, type[MoECausalLM]] = {
     "mixtral": MixtralForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
 }
+if tuple(MODEL_CLASSES) != ENGINE_ARCHS:
+    raise ImportError(f"engine.defaults.ENGINE_ARCHS {ENGINE_ARCHS} must name MODEL_CLASSES' architectures, "
+                      f"{tuple(MODEL_CLASSES)}")
 
 __all__ = [
     "MODEL_CLASSES",

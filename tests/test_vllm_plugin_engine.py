@@ -60,9 +60,16 @@ def checkpoints(tmp_path_factory):
 MODES = {"default": False, "eager": True}  # enforce_eager
 
 
+ASYNC_SCHEDULER = "moetide.vllm.scheduler.MoetideAsyncScheduler"
+
+
 def generate(model: Path, arch: str, *, plugin: dict | None, multiprocessing: bool, mode: str) -> dict:
+    """One run; with the plugin under vLLM's multiprocessing, moetide's ``AsyncScheduler`` (what the GPU default
+    runs; vLLM's CPU engine steps it synchronously), in-process its ``Scheduler``."""
     spec = {"model": str(model), "max_model_len": 1024, "kv_cache_memory": ARCHS[arch], "max_tokens": 24,
             "batches": BATCHES, "plugin": plugin, "enforce_eager": MODES[mode]}
+    if plugin is not None and multiprocessing:
+        spec["scheduler_cls"] = ASYNC_SCHEDULER
     return run_vllm(spec, plugin=plugin is not None, multiprocessing=multiprocessing)
 
 

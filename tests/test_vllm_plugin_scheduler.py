@@ -17,6 +17,7 @@ pytest.importorskip("vllm", reason="vLLM 0.32 is not installed here (scripts/ins
 
 from moetide.vllm.differential import compare, mooncake, run_side, sampled_token, vllm_record, weka  # noqa: E402
 from moetide.vllm.harness import HybridSpec, VllmSide, VllmSideConfig  # noqa: E402
+from moetide.vllm.scheduler import MoetideAsyncScheduler, MoetideScheduler  # noqa: E402
 from moetide.vllm.settings import ExpertShape, PluginSettings  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -49,13 +50,17 @@ def settings(policy: str, experts: ExpertShape = QWEN3_30B, horizon_s: float = 0
     return PluginSettings(policy=policy, costs=COSTS, experts=experts, vamp_horizon_s=horizon_s)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["full-attention", "hybrid"])
-def test_policy_vllm_is_stock_vllm_block_for_block(hybrid):
+def test_policy_vllm_is_stock_vllm_block_for_block(hybrid, async_scheduling):
+    """Stock vLLM's ``Scheduler``, or its ``AsyncScheduler`` where vLLM schedules asynchronously, against
+    ``MoetideScheduler``, which becomes ``MoetideAsyncScheduler`` there."""
     common = dict(num_blocks=60 if hybrid else 500, block_size=64 if hybrid else 16, max_model_len=4096,
                   max_num_batched_tokens=1024, max_num_seqs=32,
-                  hybrid=HybridSpec(attention_block_size=64) if hybrid else None)
+                  hybrid=HybridSpec(attention_block_size=64) if hybrid else None, async_scheduling=async_scheduling)
     _, stock = drive(VllmSideConfig(**common))
     side, plugged = drive(VllmSideConfig(**common, plugin=settings("vllm", QWEN3_NEXT if hybrid else QWEN3_30B)))
+    assert type(side.sched) is (MoetideAsyncScheduler if async_scheduling else MoetideScheduler)
     assert len(stock) == len(plugged)
     for a, b in zip(stock, plugged):
         assert (a.scheduled, a.preempted, a.new_hits, a.new_block_ids, a.finished, a.num_free_blocks,
@@ -128,3 +133,28 @@ def test_plugin_and_core_agree_on_a_hybrid_weka_slice(policy):
     assert result["identical_share"] == 1.0, result["first_divergence"]
     if policy != "vllm":
         assert result["vllm"]["offloaded_experts"] > 0
+
+
+def test_moetides_scheduler_follows_vllms_choice_and_a_subclass_must_match_it():
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from moetide.vllm.scheduler import refuse_foreign_scheduler
+
+    class UsersSync(MoetideScheduler):
+        pass
+
+    side = VllmSide(VllmSideConfig(num_blocks=100, max_model_len=4096, plugin=settings("vllm"),
+                                   async_scheduling=True))
+    assert type(side.sched) is MoetideAsyncScheduler
+    sched = side.sched
+    kwargs = dict(vllm_config=sched.vllm_config, kv_cache_config=sched.kv_cache_config,
+                  structured_output_manager=StructuredOutputManager(sched.vllm_config), block_size=sched.block_size,
+                  hash_block_size=side.hash_block_size, log_stats=False)
+    with pytest.raises(ValueError, match="vLLM schedules asynchronously here, and .*UsersSync subclasses the "
+                                         "synchronous MoetideScheduler: subclass MoetideAsyncScheduler"):
+        UsersSync(**kwargs)
+    refuse_foreign_scheduler(UsersSync)
+    with pytest.raises(ValueError, match="moetide's connector needs moetide's scheduler, not "
+                                         "vllm.v1.core.sched.scheduler.Scheduler"):
+        refuse_foreign_scheduler(Scheduler)

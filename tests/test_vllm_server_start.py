@@ -104,3 +104,28 @@ def test_the_head_size_read_from_a_checkpoint(tmp_path, config, head_size):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert server.checkpoint_head_size(str(tmp_path)) == head_size
     assert server.checkpoint_head_size(str(tmp_path / "absent")) is None
+
+
+from moetide.vllm.scheduler import MoetideScheduler  # noqa: E402
+
+
+class UsersScheduler(MoetideScheduler):
+    """A user's own scheduler on moetide's (``--scheduler-cls test_vllm_server_start.UsersScheduler``)."""
+
+
+def test_a_users_scheduler_must_subclass_moetides():
+    from moetide.cli import build_parser
+    from moetide.commands.serve_vllm import vllm_argv
+
+    def translated(*extra: str) -> list[str]:
+        args, rest = build_parser("serve").parse_known_args(["serve", "--engine", "vllm", "--model", "M", *extra])
+        return vllm_argv(args, args._parser.parse_known_args(["--model", "M"])[0], rest)
+
+    assert server.parse(translated()).scheduler_cls == "moetide.vllm.scheduler.MoetideScheduler"
+    mine = translated("--scheduler-cls", f"{__name__}.UsersScheduler")
+    assert mine.count("--scheduler-cls") == 1 and server.parse(mine).scheduler_cls.endswith("UsersScheduler")
+    for foreign, expect in [("vllm.v1.core.sched.scheduler.Scheduler", "moetide's connector needs moetide's "
+                             "scheduler, not vllm.v1.core.sched.scheduler.Scheduler"),
+                            ("no_such_module.Scheduler", "--scheduler-cls no_such_module.Scheduler: cannot import")]:
+        with pytest.raises(server.StartError, match=expect):
+            server.parse(translated("--scheduler-cls", foreign))

@@ -30,7 +30,7 @@ def main() -> None:
                   enforce_eager=spec.get("enforce_eager", False), seed=0)
     plugin = spec.get("plugin")
     if plugin is not None:
-        kwargs.update(scheduler_cls=SCHEDULER_CLS,
+        kwargs.update(scheduler_cls=spec.get("scheduler_cls", SCHEDULER_CLS),
                       kv_transfer_config=PluginSettings.from_extra_config(plugin).kv_transfer_config(),
                       worker_extension_cls="moetide.vllm.worker.MoetideWorkerExtension")
     llm = LLM(**kwargs)

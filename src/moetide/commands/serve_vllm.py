@@ -36,8 +36,8 @@ def vllm_argv(args: argparse.Namespace, defaults: argparse.Namespace, extra: lis
     """``vllm serve``'s arguments for these options (module docstring); UserError for a flag moetide sets itself."""
     given = {dest for dest, value in vars(args).items()
              if not dest.startswith("_") and value != getattr(defaults, dest, value)}
-    for flag in ("--kv-transfer-config", "--scheduler-cls", "--kv-cache-memory-bytes"):
-        if any(word == flag or word.startswith(flag + "=") for word in extra):
+    for flag in ("--kv-transfer-config", "--kv-cache-memory-bytes"):
+        if given_flag(extra, flag):
             raise UserError(f"{flag}: moetide serve --engine vllm sets it (use --policy, --max-offload-ratio and "
                             f"--kv-cache-memory)")
     try:
@@ -45,8 +45,9 @@ def vllm_argv(args: argparse.Namespace, defaults: argparse.Namespace, extra: lis
                                   vamp_horizon_s=args.vamp_horizon_s)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    argv = ["--model", args.model, "--scheduler-cls", SCHEDULER_CLS,
-            "--kv-transfer-config", json.dumps(settings.kv_transfer_config())]
+    argv = ["--model", args.model, "--kv-transfer-config", json.dumps(settings.kv_transfer_config())]
+    if not given_flag(extra, "--scheduler-cls"):  # a user's own must subclass moetide's (vllm.server checks)
+        argv += ["--scheduler-cls", SCHEDULER_CLS]
     if args.kv_cache_memory is not None:
         argv += ["--kv-cache-memory-bytes", str(args.kv_cache_memory)]
     for dest, flag in SAME_FLAGS.items():
@@ -55,6 +56,10 @@ def vllm_argv(args: argparse.Namespace, defaults: argparse.Namespace, extra: lis
             argv += [flag, str(value)]
     others = given - set(SAME_FLAGS) - set(SETTINGS) - NOT_OPTIONS
     return argv + as_written(args, args._parser, others) + extra
+
+
+def given_flag(words: list[str], flag: str) -> bool:
+    return any(word == flag or word.startswith(flag + "=") for word in words)
 
 
 def as_written(args: argparse.Namespace, parser: argparse.ArgumentParser, dests: set[str]) -> list[str]:

@@ -42,6 +42,10 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.settings = PluginSettings.from_extra_config(extra)
         refuse_unsupported_mode(vllm_config, self.settings)
+        if role == KVConnectorRole.SCHEDULER:
+            from moetide.vllm.scheduler import refuse_foreign_scheduler
+
+            refuse_foreign_scheduler(vllm_config.scheduler_config.get_scheduler_cls())
         self._line = None  # scheduler side: the LineBooks whose ops go out
         self._reported_moves = 0  # line moves already reported in the stats
 

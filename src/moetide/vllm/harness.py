@@ -34,6 +34,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noq
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     get_kv_cache_groups, get_request_block_hasher, init_none_hash,
     resolve_kv_cache_block_sizes)
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec)
@@ -44,7 +45,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from moetide.vllm.line import LineStep, kv_block_bytes, line_reserve_blocks  # noqa: E402
 from moetide.vllm.plugin import register  # noqa: E402
 from moetide.vllm.scheduler import MoetideScheduler  # noqa: E402
-from moetide.vllm.settings import PluginSettings  # noqa: E402
+from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings  # noqa: E402
 
 
 @dataclass
@@ -102,6 +103,7 @@ class VllmSideConfig:
     hybrid: HybridSpec | None = None  # None: one full-attention group
     retention_interval: int | str | None = "default"  # prefix_cache_retention_interval: "default" is vLLM's (0)
     plugin: PluginSettings | None = None  # moetide's scheduler and connector with these settings (experts given)
+    async_scheduling: bool = False  # vLLM's AsyncScheduler (moetide's: MoetideAsyncScheduler), as on a GPU
 
 
 @dataclass
@@ -195,7 +197,7 @@ class VllmSide:
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             enable_chunked_prefill=True, async_scheduling=False,
             scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
-            watermark=cfg.watermark)
+            watermark=cfg.watermark, scheduler_cls=None if cfg.plugin is None else SCHEDULER_CLS)
         cache_config = CacheConfig(block_size=cfg.block_size,
                                    enable_prefix_caching=cfg.enable_prefix_caching,
                                    prefix_caching_hash_algo=cfg.hash_algo,
@@ -205,6 +207,8 @@ class VllmSide:
         transfer = None if cfg.plugin is None else KVTransferConfig(**cfg.plugin.kv_transfer_config())
         vc = VllmConfig(model_config=model_config, scheduler_config=sched_config,
                         cache_config=cache_config, kv_transfer_config=transfer)
+        # what vLLM decides on a GPU (the CPU platform's hook turns async scheduling off, and nothing here runs a model)
+        vc.scheduler_config.async_scheduling = cfg.async_scheduling
         # The CPU platform's config hooks must not have changed what we compare.
         s, c = vc.scheduler_config, vc.cache_config
         assert (s.max_num_seqs, s.max_num_batched_tokens, s.enable_chunked_prefill,
@@ -243,7 +247,8 @@ class VllmSide:
         sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cfg, vc)
         kv_cfg.hash_block_size = hash_bs
         self.scheduler_block_size, self.hash_block_size = sched_bs, hash_bs
-        scheduler_cls = Scheduler if cfg.plugin is None else MoetideScheduler
+        scheduler_cls = MoetideScheduler if cfg.plugin is not None else (
+            AsyncScheduler if cfg.async_scheduling else Scheduler)
         self.sched = scheduler_cls(vllm_config=vc, kv_cache_config=kv_cfg,
                                structured_output_manager=StructuredOutputManager(vc),
                                block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)

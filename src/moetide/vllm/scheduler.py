@@ -13,8 +13,9 @@ Under ``policy: vllm`` every plan is what vLLM does by itself, on the same block
 differential tests hold this to stock vLLM step for step, block ids included, and hold ``vamp`` to moetide's
 replay core.
 
-``MoetideScheduler`` subclasses vLLM's ``Scheduler`` (what runs on CPU, where vLLM turns async scheduling off);
-``MoetideAsyncScheduler`` subclasses ``AsyncScheduler`` (the GPU default).
+``--scheduler-cls moetide.vllm.scheduler.MoetideScheduler`` follows vLLM's own choice: vLLM's ``Scheduler`` where
+vLLM schedules synchronously (the CPU), ``AsyncScheduler`` (``MoetideAsyncScheduler``) where it schedules
+asynchronously (the GPU default).
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class _MoetideScheduling:
         from moetide.vllm.plugin import check_supported
 
         check_supported()
-
+        if schedules_asynchronously(self.vllm_config) and not isinstance(self, AsyncScheduler):
+            raise ValueError(f"vLLM schedules asynchronously here, and {type(self).__qualname__} subclasses the "
+                             f"synchronous MoetideScheduler: subclass MoetideAsyncScheduler, or pass "
+                             f"--no-async-scheduling")
         if not isinstance(self.connector, MoetideConnector):
             raise ValueError("moetide's scheduler needs moetide's connector: pass --kv-transfer-config with "
                              "kv_connector MoetideConnector (moetide.vllm.settings.PluginSettings.kv_transfer_config)")
@@ -251,8 +255,21 @@ class _MoetideScheduling:
         return freed > 0
 
 
+def schedules_asynchronously(vllm_config) -> bool:
+    """What vLLM decided (``VllmConfig`` resolves ``async_scheduling``: on by default on a GPU, off on the CPU)."""
+    return bool(vllm_config.scheduler_config.async_scheduling)
+
+
 class MoetideScheduler(_MoetideScheduling, Scheduler):
-    """vLLM's synchronous ``Scheduler`` with moetide's policy (``--scheduler-cls``; the CPU's only choice)."""
+    """moetide's scheduler as ``--scheduler-cls`` names it: vLLM's ``Scheduler`` with moetide's policy where vLLM
+    schedules synchronously (the CPU), else a ``MoetideAsyncScheduler``, as vLLM picks ``AsyncScheduler`` over
+    ``Scheduler`` itself. A subclass is built as it is and must match vLLM's choice (``_init_moetide``)."""
+
+    def __new__(cls, *args, **kwargs):
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        if cls is MoetideScheduler and schedules_asynchronously(vllm_config):
+            return MoetideAsyncScheduler(*args, **kwargs)  # not a MoetideScheduler: Python does not init it again
+        return super().__new__(cls)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -260,8 +277,18 @@ class MoetideScheduler(_MoetideScheduling, Scheduler):
 
 
 class MoetideAsyncScheduler(_MoetideScheduling, AsyncScheduler):
-    """vLLM's ``AsyncScheduler`` with moetide's policy (GPU serving, where async scheduling is the default)."""
+    """vLLM's ``AsyncScheduler`` with moetide's policy (what ``MoetideScheduler`` becomes where vLLM schedules
+    asynchronously, the GPU default; on a synchronous engine it runs too, as vLLM's own does)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._init_moetide()
+
+
+def refuse_foreign_scheduler(scheduler_cls: type) -> None:
+    """``ValueError`` in one line where moetide's connector is configured with a scheduler that is not moetide's:
+    the pool would hold the line's reserve, and nothing would ever move the line."""
+    if not issubclass(scheduler_cls, _MoetideScheduling):
+        raise ValueError(f"moetide's connector needs moetide's scheduler, not {scheduler_cls.__module__}."
+                         f"{scheduler_cls.__qualname__}: pass --scheduler-cls moetide.vllm.scheduler.MoetideScheduler "
+                         f"(or a subclass of it)")

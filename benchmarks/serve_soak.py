@@ -2,6 +2,7 @@
 rude, then a check that nothing leaked.
 
     .venv/bin/python benchmarks/serve_soak.py [--duration-s 600] [--clients 8] [--policies vllm,vamp] [--seed 0]
+    .venv/bin/python benchmarks/serve_soak.py --engine vllm --policies vamp [--line-cycle-steps 40]
 
 For each policy it makes (or takes, ``--model DIR``) a ``make-test-model`` qwen3_moe checkpoint, starts
 ``moetide serve`` on 127.0.0.1 with an API key and a KV cache of 256 KiB (16 blocks: one ``--max-model-len`` 256
@@ -14,6 +15,16 @@ blocks still held (leaked), whether the pool's invariants hold, and the server's
 it counts tracebacks in the server's log. One JSON line per policy; exit 1 if anything leaked, stuck, failed
 unexpectedly or logged a traceback. It sends traffic to 127.0.0.1 only, stops by itself, and stops its server.
 Measured on this machine's CPU, not modeled.
+
+``--engine vllm``: ``moetide serve --engine vllm`` (vLLM 0.32's server with moetide's plugin) on a qwen3_moe
+checkpoint vLLM's CPU attention runs (head size 64, bf16, experts of 1.5 MiB), 1 MiB of KV cache (``--kv-cache-memory``)
+and an offload cap of 0.5; under ``static-offload`` with ``--line-cycle-steps``, so the line moves both ways
+throughout, and under vamp's policies with a short review interval (``--vamp-horizon-s``, on the plugin's modeled
+clock). vLLM has no
+body limit: an oversized prompt is refused as longer than ``--max-model-len`` (400). The server's processes (API
+server, engine core, worker) are sampled every 10 s: their RSS, and the line's series on ``/metrics``. After the
+load it sends one small request at a time until the line has given every block back (``kv_blocks_granted`` 0), or
+60 s pass. Leaks: requests running or waiting, KV cache usage above 0, ``moetide:unstaged_total`` above 0.
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 MAX_MODEL_LEN = 256
 BODY_LIMIT = 64 * 1024
 # kind -> weight: what a client sends
+EXPECTED = {"moetide": {"malformed": 400, "oversized": 413, "wrong_key": 401},
+            "vllm": {"malformed": 400, "oversized": 400, "wrong_key": 401}}  # status per refused kind, per engine
 MIX = {"complete": 25, "complete_stream": 20, "chat": 10, "chat_stream": 10, "disconnect": 12, "slow_reader": 6,
        "malformed": 6, "oversized": 4, "wrong_key": 7}
 WORDS = ("cache block prefix expert token layer batch queue stream route model step page host device line "
@@ -80,8 +93,9 @@ class Client(threading.Thread):
     """Sends requests drawn from ``MIX`` until ``deadline``; counts outcomes."""
 
     def __init__(self, index: int, port: int, seed: int, deadline: float, counts: collections.Counter,
-                 lock: threading.Lock, examples: dict[str, str]) -> None:
+                 lock: threading.Lock, examples: dict[str, str], engine: str = "moetide") -> None:
         super().__init__(daemon=True)
+        self.expected = EXPECTED[engine]
         self.rng, self.port, self.deadline = random.Random(f"{seed}/{index}"), port, deadline
         self.counts, self.lock, self.examples = counts, lock, examples
         self.kinds, self.weights = list(MIX), list(MIX.values())
@@ -124,7 +138,7 @@ class Client(threading.Thread):
             connection.request("POST", "/v1/chat/completions" if chat else "/v1/completions", data,
                                {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
             response = connection.getresponse()
-            expected = {"malformed": 400, "oversized": 413, "wrong_key": 401}.get(kind)
+            expected = self.expected.get(kind)
             if expected is not None:
                 response.read()
                 return f"refused as expected ({expected})" if response.status == expected else (
@@ -153,13 +167,22 @@ class Client(threading.Thread):
             connection.close()
 
 
-def start_server(model: Path, policy: str, port: int, log) -> subprocess.Popen:
-    command = [*CLI, "serve", "--model", str(model), "--host", HOST, "--port", str(port), "--threads", "1",
-               "--served-model-name", "soak", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256KiB",
-               "--policy", policy, "--api-key", KEY, "--chat-template", CHAT_TEMPLATE,
-               "--max-request-bytes", str(BODY_LIMIT), "--uvicorn-log-level", "warning"]
+def server_command(engine: str, model: Path, policy: str, port: int, args: argparse.Namespace) -> list[str]:
+    common = [*CLI, "serve", "--model", str(model), "--host", HOST, "--port", str(port), "--served-model-name", "soak",
+              "--max-model-len", str(MAX_MODEL_LEN), "--policy", policy, "--api-key", KEY,
+              "--chat-template", CHAT_TEMPLATE, "--uvicorn-log-level", "warning"]
+    if engine == "vllm":
+        line = (["--line-cycle-steps", str(args.line_cycle_steps)] if policy == "static-offload" else
+                ["--vamp-horizon-s", str(args.vamp_horizon_s)])
+        return [*common, "--engine", "vllm", "--kv-cache-memory", args.kv_cache_memory, "--max-offload-ratio", "0.5",
+                *line,
+                "--dtype", "bfloat16", "--max-num-seqs", "16"]
+    return [*common, "--threads", "1", "--kv-cache-memory", "256KiB", "--max-request-bytes", str(BODY_LIMIT)]
+
+
+def start_server(command: list[str], port: int, log, timeout_s: float = 120) -> subprocess.Popen:
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with {process.returncode} before it was up")
@@ -171,14 +194,14 @@ def start_server(model: Path, policy: str, port: int, log) -> subprocess.Popen:
         except OSError:
             time.sleep(0.2)
     process.kill()
-    raise RuntimeError("the server was not up after 120 s")
+    raise RuntimeError(f"the server was not up after {timeout_s:.0f} s")
 
 
 def soak(model: Path, policy: str, args: argparse.Namespace, workdir: Path) -> dict:
     port = free_port()
     log_path = workdir / f"serve-{policy}.log"
     with log_path.open("wb") as log:
-        process = start_server(model, policy, port, log)
+        process = start_server(server_command("moetide", model, policy, port, args), port, log)
         try:
             warm: collections.Counter = collections.Counter()
             Client(-1, port, args.seed, time.monotonic() + 1.0, warm, threading.Lock(), {}).run()  # pages touched
@@ -225,6 +248,119 @@ def soak(model: Path, policy: str, args: argparse.Namespace, workdir: Path) -> d
             "tracebacks": text.count("Traceback"), "server_exit": process.returncode, "log": str(log_path)}
 
 
+def tree_rss_mib(pid: int) -> float:
+    """RSS of ``pid`` and its descendants (vLLM's API server, engine core and worker), MiB."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(entry.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += rss_mib(current)
+        except OSError:
+            continue
+        todo += children[current]
+    return total
+
+
+class Sampler(threading.Thread):
+    """Every ``period_s``: the server's processes' RSS and the line's series on ``/metrics``."""
+
+    SERIES = ("moetide:kv_blocks_granted", "moetide:line_moves_total", "moetide:line_returns_total",
+              "vllm:num_requests_running")
+
+    def __init__(self, pid: int, port: int, period_s: float = 10.0) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.port, self.period_s = pid, port, period_s
+        self.samples: list[dict] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        start = time.monotonic()
+        while not self.stop.wait(0 if not self.samples else self.period_s):
+            try:
+                m = metrics(self.port)
+            except (OSError, http.client.HTTPException):
+                m = {}
+            self.samples.append({"t_s": round(time.monotonic() - start), "rss_mib": round(tree_rss_mib(self.pid), 1),
+                                 **{name.split(":")[1]: m.get(name) for name in self.SERIES}})
+
+
+def give_back_line(port: int, timeout_s: float = 60) -> float:
+    """One small request at a time until the line has granted nothing (cycling gives the last region back once
+    drained); returns ``kv_blocks_granted`` at the end."""
+    deadline = time.monotonic() + timeout_s
+    body = json.dumps({"model": "soak", "prompt": "settle", "max_tokens": 4}).encode()
+    while True:
+        granted = metrics(port).get("moetide:kv_blocks_granted", 0)
+        if granted == 0 or time.monotonic() > deadline:
+            return granted
+        connection = http.client.HTTPConnection(HOST, port, timeout=60)
+        try:
+            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                                   "Authorization": f"Bearer {KEY}"})
+            connection.getresponse().read()
+        finally:
+            connection.close()
+
+
+def run_clients(port: int, args: argparse.Namespace, engine: str) -> tuple[collections.Counter, dict, float]:
+    counts: collections.Counter = collections.Counter()
+    examples: dict[str, str] = {}
+    lock = threading.Lock()
+    start = time.monotonic()
+    clients = [Client(i, port, args.seed, start + args.duration_s, counts, lock, examples, engine)
+               for i in range(args.clients)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(args.duration_s + 180)
+    return counts, examples, time.monotonic() - start
+
+
+def soak_vllm(model: Path, policy: str, args: argparse.Namespace, workdir: Path) -> dict:
+    """``--engine vllm`` (module docstring)."""
+    port = free_port()
+    log_path = workdir / f"serve-vllm-{policy}.log"
+    with log_path.open("wb") as log:
+        process = start_server(server_command("vllm", model, policy, port, args), port, log, timeout_s=300)
+        sampler = Sampler(process.pid, port)
+        try:
+            sampler.start()
+            counts, examples, ran_s = run_clients(port, args, "vllm")
+            granted_at_end = give_back_line(port)
+            m = metrics(port)
+            sampler.stop.set()
+            sampler.join()
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(90)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    text, _, shutdown = log_path.read_text(errors="replace").partition("[shutdown] API server: shutdown triggered")
+    unexpected = {k: v for k, v in counts.items() if k.startswith("unexpected")}
+    moves, returns = m.get("moetide:line_moves_total", 0), m.get("moetide:line_returns_total", 0)
+    return {"benchmark": "serve_soak", "engine": "vllm", "policy": policy, "measured": True,
+            "duration_s": round(ran_s, 1), "clients": args.clients, "requests": sum(counts.values()),
+            "outcomes": dict(sorted(counts.items())), "disconnects": counts["disconnected mid-stream"],
+            "unexpected": sum(unexpected.values()), "unexpected_examples": list(examples.values())[:5],
+            "line_grants": int(moves - returns), "line_returns": int(returns), "granted_at_end": granted_at_end,
+            "stagings": m.get("moetide:stagings_total", 0), "unstaged": m.get("moetide:unstaged_total", -1),
+            "preemptions": m.get("vllm:num_preemptions_total", 0),
+            "stuck": int(m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0)),
+            "kv_cache_usage_at_end": m.get("vllm:kv_cache_usage_perc", -1), "samples": sampler.samples,
+            "tracebacks": text.count("Traceback"), "shutdown_tracebacks": shutdown.count("Traceback"),
+            "server_exit": process.returncode, "log": str(log_path)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=600.0)
@@ -232,6 +368,12 @@ def main() -> None:
     parser.add_argument("--policies", default="vllm,vamp")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, help="a make-test-model checkpoint (default: made in a temp folder)")
+    parser.add_argument("--engine", choices=("moetide", "vllm"), default="moetide")
+    parser.add_argument("--line-cycle-steps", type=int, default=40,
+                        help="--engine vllm, policy static-offload: the plugin's line cycling")
+    parser.add_argument("--kv-cache-memory", default="1MiB", help="--engine vllm: vLLM's KV cache (moetide's syntax)")
+    parser.add_argument("--vamp-horizon-s", type=float, default=0.05,
+                        help="--engine vllm, vamp's policies: their review interval, on the plugin's modeled clock")
     args = parser.parse_args()
     if not args.duration_s > 0 or args.clients < 1:
         sys.exit("serve_soak: --duration-s must be > 0 and --clients >= 1")
@@ -239,14 +381,20 @@ def main() -> None:
     model = args.model
     if model is None:
         model = workdir / "qwen3_moe"
-        subprocess.run([*CLI, "make-test-model", "--arch", "qwen3_moe", "--out", str(model)], check=True,
+        vllm_sizes = ["--head-dim", "64", "--dtype", "bfloat16", "--expert-intermediate", "4096"]
+        subprocess.run([*CLI, "make-test-model", "--arch", "qwen3_moe", "--out", str(model),
+                        *(vllm_sizes if args.engine == "vllm" else [])], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
     bad = False
     for policy in args.policies.split(","):
-        result = soak(model, policy, args, workdir)
+        if args.engine == "vllm":
+            result = soak_vllm(model, policy, args, workdir)
+            leaked = result["kv_cache_usage_at_end"] != 0 or result["unstaged"] != 0 or result["granted_at_end"]
+        else:
+            result = soak(model, policy, args, workdir)
+            leaked = result["leaked_blocks"] or not result["invariants_ok"]
         print(json.dumps(result), flush=True)
-        bad |= bool(result["unexpected"] or result["stuck"] or result["leaked_blocks"] or result["tracebacks"]
-                    or not result["invariants_ok"])
+        bad |= bool(result["unexpected"] or result["stuck"] or result["tracebacks"] or leaked)
     sys.exit(1 if bad else 0)
 
 

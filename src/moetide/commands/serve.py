@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "/health and /metrics stay open")
     add("--max-num-queued-reqs", type=int, metavar="N",
         help="answer 503 while N requests are in flight (default: no bound; requests wait in the queue)")
+    add("--line-cycle-steps", type=int, default=0, metavar="N",
+        help="--engine vllm, for soak tests of the line: every N steps give its last region back (once drained), "
+             "or with none out grant the offload cap again (the plugin's line_cycle_steps; default 0: off)")
     add("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
         help="uvicorn's log level (default %(default)s)")
 
@@ -197,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
 
         defaults = args._parser.parse_known_args(["--model", args.model])[0]
         exec_vllm(vllm_argv(args, defaults, args._vllm_args), vllm_env(api_key(args)))
+    if args.line_cycle_steps:
+        raise UserError("--line-cycle-steps: the vLLM plugin's soak setting; it needs --engine vllm")
     try:
         import uvicorn
     except ImportError:

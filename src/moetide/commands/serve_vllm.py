@@ -1,7 +1,8 @@
 """``moetide serve --engine vllm``: vLLM's own OpenAI server, with moetide's plugin configured.
 
 The options both engines share are translated to vLLM's flags: ``--model`` (vLLM's positional model),
-``--policy``, ``--max-offload-ratio`` and ``--vamp-horizon-s`` (the plugin's settings, in ``--kv-transfer-config``),
+``--policy``, ``--max-offload-ratio``, ``--vamp-horizon-s`` and ``--line-cycle-steps`` (the plugin's settings, in
+``--kv-transfer-config``),
 ``--kv-cache-memory`` (``--kv-cache-memory-bytes``), ``--block-size``, ``--max-num-seqs``,
 ``--max-num-batched-tokens``, ``--max-model-len``, ``--served-model-name``, ``--host``, ``--port`` and
 ``--chat-template``. The API key (``--api-key``, else ``$MOETIDE_API_KEY``, as for moetide's own server) reaches
@@ -28,7 +29,7 @@ SAME_FLAGS = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
               "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
               "served_model_name": "--served-model-name", "host": "--host", "port": "--port",
               "chat_template": "--chat-template"}
-SETTINGS = ("policy", "max_offload_ratio", "vamp_horizon_s")
+SETTINGS = ("policy", "max_offload_ratio", "vamp_horizon_s", "line_cycle_steps")
 NOT_OPTIONS = {"model", "engine", "kv_cache_memory", "verb", "api_key"}  # translated otherwise
 
 
@@ -41,8 +42,7 @@ def vllm_argv(args: argparse.Namespace, defaults: argparse.Namespace, extra: lis
             raise UserError(f"{flag}: moetide serve --engine vllm sets it (use --policy, --max-offload-ratio and "
                             f"--kv-cache-memory)")
     try:
-        settings = PluginSettings(policy=args.policy, max_offload_ratio=args.max_offload_ratio,
-                                  vamp_horizon_s=args.vamp_horizon_s)
+        settings = PluginSettings(**{name: getattr(args, name) for name in SETTINGS})
     except ValueError as exc:
         raise UserError(str(exc)) from None
     argv = ["--model", args.model, "--kv-transfer-config", json.dumps(settings.kv_transfer_config())]

@@ -47,7 +47,7 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
 
             refuse_foreign_scheduler(vllm_config.scheduler_config.get_scheduler_cls())
         self._line = None  # scheduler side: the LineBooks whose ops go out
-        self._reported_moves = 0  # line moves already reported in the stats
+        self._reported = (0, 0)  # line moves and returns already reported in the stats
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -81,11 +81,11 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
         stagings and unstaged experts (vLLM sums the workers' and adds the scheduler's, ``vllm.metrics``) and,
         where it counts routing, the step's routing (``update_connector_output`` takes it)."""
         from moetide.vllm import pager
-        from moetide.vllm.metrics import MoetideConnectorStats, line_stats
+        from moetide.vllm.metrics import MoetideConnectorStats, line_counts, line_stats
 
         if self._line is not None:
-            stats = line_stats(self._line, self._reported_moves)
-            self._reported_moves = self._line.num_line_moves
+            stats = line_stats(self._line, self._reported)
+            self._reported = line_counts(self._line)
             return stats
         if self.role != KVConnectorRole.WORKER:
             return None

@@ -151,6 +151,7 @@ class LineBooks:
         self.step = LineStep()
         self.num_evicted_blocks = 0
         self.num_line_moves = 0
+        self.num_line_returns = 0  # of the moves, regions given back to their experts
         self.num_steps = 0
         self._cycling: list[int] | None = None  # line_cycle_steps: the region being given back
         self._warned_routing = False
@@ -255,6 +256,7 @@ class LineBooks:
     def _moved(self, op: LineOp) -> None:
         self.ops.append(op)
         self.num_line_moves += 1
+        self.num_line_returns += not op.grow
 
     def take_ops(self) -> list[LineOp]:
         ops, self.ops = self.ops, []

@@ -7,6 +7,7 @@ connector's ``build_prom_metrics``). Series, each labelled like vLLM's (model na
 * ``moetide:expert_offload_ratio`` (gauge): the share of routed experts whose memory the KV cache holds now.
 * ``moetide:kv_blocks_granted`` (gauge): KV blocks the line has granted and not taken back.
 * ``moetide:line_moves_total`` (counter): regions granted plus regions given back.
+* ``moetide:line_returns_total`` (counter): of those, the regions given back to their experts.
 * ``moetide:stagings_total``, ``moetide:staged_bytes_total`` (counters): offloaded experts the pager copied from
   their host copies into staging slots, and their bytes, summed over the workers (each tensor-parallel rank
   stages its own shard).
@@ -24,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 GAUGES = ("expert_offload_ratio", "kv_blocks_granted")  # the latest value wins
-COUNTERS = ("line_moves", "stagings", "staged_bytes", "unstaged")  # summed over the interval and the workers
+COUNTERS = ("line_moves", "line_returns", "stagings", "staged_bytes", "unstaged")  # summed over the interval and the workers
 
 
 @dataclass
@@ -47,13 +48,20 @@ class MoetideConnectorStats(KVConnectorStats):
         return not self.data
 
 
-def line_stats(books, reported_moves: int) -> MoetideConnectorStats:
-    """One step's report: the gauges now, the moves since ``reported_moves``."""
+def line_stats(books, reported: tuple[int, int]) -> MoetideConnectorStats:
+    """One step's report: the gauges now, the moves and returns since ``reported`` (``line_counts`` then)."""
+    moves, returns = line_counts(books)
     return MoetideConnectorStats({
         "expert_offload_ratio": books.expert_offload_ratio,
         "kv_blocks_granted": books.num_kv_blocks_granted,
-        "line_moves": books.num_line_moves - reported_moves,
+        "line_moves": moves - reported[0],
+        "line_returns": returns - reported[1],
     })
+
+
+def line_counts(books) -> tuple[int, int]:
+    """The line's moves and returns so far."""
+    return books.num_line_moves, books.num_line_returns
 
 
 class MoetidePromMetrics(KVConnectorPromMetrics):
@@ -70,6 +78,9 @@ class MoetidePromMetrics(KVConnectorPromMetrics):
             "line_moves": self._counter_cls(
                 name="moetide:line_moves", labelnames=labelnames,
                 documentation="Moves of moetide's line: regions granted to the KV cache plus regions given back."),
+            "line_returns": self._counter_cls(
+                name="moetide:line_returns", labelnames=labelnames,
+                documentation="Regions moetide's line gave back to their experts (of its moves)."),
             "stagings": self._counter_cls(
                 name="moetide:stagings", labelnames=labelnames,
                 documentation="Offloaded experts staged from their host copies when routed (all workers)."),

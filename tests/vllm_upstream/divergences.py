@@ -1,0 +1,3 @@
+"""Tests of vLLM's that pass on stock vLLM and not with moetide's scheduler, each with its cause (``check.py``)."""
+
+EXPLAINED: dict[str, str] = {}

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from moetide.vllm.arena import SharedRows, StagingArea  # noqa: E402
+from moetide.vllm.shared_rows import SharedRows, StagingArea  # noqa: E402
 from moetide.vllm.backing import PAGE, CpuBacking  # noqa: E402
 from moetide.vllm.line import LineOp  # noqa: E402
 

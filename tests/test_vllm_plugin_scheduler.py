@@ -158,3 +158,17 @@ def test_moetides_scheduler_follows_vllms_choice_and_a_subclass_must_match_it():
     with pytest.raises(ValueError, match="moetide's connector needs moetide's scheduler, not "
                                          "vllm.v1.core.sched.scheduler.Scheduler"):
         refuse_foreign_scheduler(Scheduler)
+
+
+def test_vllms_scheduler_process_loads_no_moetide_engine():
+    """The scheduler and connector price the policy from the cost record (``core.pressure.step_costs``): neither
+    moetide's engine, its replay nor its server is imported into vLLM's engine-core process."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import moetide.vllm.scheduler, moetide.vllm.connector, moetide.vllm.metrics; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['moetide', 'engine'], ['moetide', 'sim'], "
+            "['moetide', 'serve'], ['moetide', 'commands'])))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -2,7 +2,8 @@
 ``pytest -p moetide_upstream_plugin --moetide-upstream {stock,moetide} --moetide-upstream-report OUT.json``.
 
 ``moetide`` mode builds moetide's scheduler wherever vLLM's tests build the stock one through their factories:
-``create_scheduler`` (tests/v1/core/utils.py) and ``create_scheduler_with_priority`` (test_scheduler.py). For the
+``create_scheduler`` (tests/v1/core/utils.py), ``create_scheduler_with_priority`` and
+``_create_encoder_decoder_scheduler`` (test_scheduler.py). For the
 duration of one factory call the factory's module sees
 
 * ``VllmConfig`` that adds ``kv_transfer_config=PluginSettings(policy="vllm").kv_transfer_config()`` (moetide's
@@ -35,8 +36,10 @@ from pathlib import Path
 import pytest
 
 MULTIMODAL_MODELS = ("llava-hf/llava-1.5-7b-hf", "Qwen/Qwen2.5-VL-3B-Instruct")
-FACTORIES = (("tests.v1.core.utils", "create_scheduler"), ("tests.v1.core.test_scheduler",
-                                                            "create_scheduler_with_priority"))
+# vLLM's scheduler factories: (module, function); each builds the scheduler from its module's names
+FACTORIES = (("tests.v1.core.utils", "create_scheduler"),
+             ("tests.v1.core.test_scheduler", "create_scheduler_with_priority"),
+             ("tests.v1.core.test_scheduler", "_create_encoder_decoder_scheduler"))
 _state: dict = {"mode": "stock", "current": None, "built": {}, "results": {}, "patched": set()}
 
 

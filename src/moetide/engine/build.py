@@ -63,7 +63,8 @@ from moetide.engine.storage import (
     dtype_bytes,
     pack_experts,
 )
-from moetide.engine.vamp import EngineCosts, EngineStepStats, engine_vamp_params, measure_costs
+from moetide.core.pressure.step_costs import EngineCosts, engine_vamp_params
+from moetide.engine.vamp import EngineStepStats, measure_costs
 from moetide.errors import UserError
 from moetide.specs import get_gpu, host_for
 from moetide.units import cdiv

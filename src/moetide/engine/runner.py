@@ -46,7 +46,7 @@ from moetide.engine.results import EngineMetrics, EngineStats, GenerateResult, R
 from moetide.engine.sampling import Sampler, SamplingParams
 from moetide.engine.split_backend import SplitAttentionBackend
 from moetide.engine.split_plan import SplitCostSource, SplitCounters
-from moetide.engine.vamp import EngineCosts
+from moetide.core.pressure.step_costs import EngineCosts
 from moetide.perf.step import StepShape
 from moetide.errors import UserError
 

@@ -1,7 +1,7 @@
 """``--policy vamp`` in the engine: the core's policy, priced from a cost record the engine measures once.
 
 ``core.pressure.vamp`` weighs re-prefill saved by more KV against staging added by offloaded experts; the replay
-feeds it modeled seconds, the engine feeds it seconds from ``EngineCosts``, measured at build (or given back from
+feeds it modeled seconds, the engine feeds it seconds from ``EngineCosts`` (``core.pressure.step_costs``), measured at build (or given back from
 an earlier run's record, ``Engine(costs=...)``), never a timing taken mid-run, so the same input and the same
 record make the same decisions on a quiet machine or a loaded one (``EngineStepStats``, the policy's
 ``StepStats``):
@@ -28,43 +28,15 @@ a clock; the default suits a serving process, tests pass a short one.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
 
 from moetide.core.experts import ExpertResidency
-from moetide.core.pressure import VampParams
+from moetide.core.pressure.step_costs import ASSUMED_FLOPS, STEP_DECAY, EngineCosts, step_compute_s
 from moetide.engine.experts import StagedExpertProvider, TouchRates
 from moetide.engine.models.moe import expert_mlp
 from moetide.engine.measure import time_calls
 
-ASSUMED_FLOPS = 1e11  # FLOP/s of one CPU core's fp32 GEMM (`moetide calibrate` measured 9.6e10 on this project's VM)
 COPY_REPEATS = 5
-STEP_DECAY = 0.95  # weight of the previous mean in the step-time and staging means
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineCosts:
-    """What vamp's prices read, measured once (``measure_costs``) and recorded: a rerun given this record
-    decides exactly as the run that measured it."""
-
-    prefill_s_per_token: float  # one token's step seconds (2 FLOP per active parameter at ASSUMED_FLOPS)
-    copy_s_per_expert: float  # one expert's host-to-staging copy
-    expert_call_s: float = 0.0  # one resident expert's SwiGLU over one row: what each expert a step runs costs
-    host_s_per_expert: float = 0.0  # a, b of an expert computed from its host copy over r rows: a + b·r
-    host_s_per_row: float = 0.0
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"EngineCosts.{f.name} must be a finite number >= 0, got {value!r}")
-        if self.prefill_s_per_token <= 0:
-            raise ValueError(f"EngineCosts.prefill_s_per_token must be > 0, got {self.prefill_s_per_token!r}")
-
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
 
 
 def measure_costs(provider: StagedExpertProvider, active_params: int) -> EngineCosts:
@@ -72,14 +44,6 @@ def measure_costs(provider: StagedExpertProvider, active_params: int) -> EngineC
     return EngineCosts(prefill_s_per_token=2.0 * active_params / ASSUMED_FLOPS,
                        copy_s_per_expert=measure_copy_s(provider), expert_call_s=measure_expert_call_s(provider),
                        host_s_per_expert=host_a, host_s_per_row=host_b)
-
-
-def step_compute_s(num_tokens: int, config, experts_per_token: int, *, prefill_s_per_token: float,
-                   expert_call_s: float) -> float:
-    """A step's modeled seconds without staging: the tokens' compute plus one call per expert each MoE layer runs
-    (``config``: the ``ExpertResidencyConfig``). moetide's engine and the vLLM plugin price a step by this."""
-    calls = config.num_layers * min(config.num_experts, num_tokens * experts_per_token)
-    return num_tokens * prefill_s_per_token + calls * expert_call_s
 
 
 class EngineStepStats:
@@ -187,13 +151,3 @@ def measure_host_expert_s(provider: StagedExpertProvider) -> tuple[float, float]
     one, full = best(1), best(most)
     per_row = max(full - one, 0.0) / (most - 1) if most > 1 else 0.0
     return max(one - per_row, 0.0), per_row
-
-
-def engine_vamp_params(steps: EngineStepStats, *, block_size: int, chunk_tokens: int, horizon_s: float
-                       ) -> VampParams:
-    """Re-prefill is priced as the replay prices it: a full chunk's step seconds per token."""
-    return VampParams(prefill_s_per_token=steps.compute_s(chunk_tokens) / chunk_tokens, steps=steps,
-                      block_size=block_size,
-                      horizon_s=horizon_s, reclaim_check_s=min(horizon_s, VampParams.reclaim_check_s),
-                      reclaim_hold_s=min(horizon_s, VampParams.reclaim_hold_s),
-                      remap_s_per_expert=0.0)  # conversion relabels pages in Python, inside the step time

@@ -7,7 +7,7 @@ does. The blocks past the base (the line's reserve, ``vllm.pool``) are then made
 
 * pages of a region never granted are never touched: resident memory does not include them;
 * granting a region (a ``LineOp`` with ``grow``) maps the pages of the region's experts, which the expert pager
-  lends (``vllm.arena``), over the pages only the granted blocks use (``mmap(MAP_FIXED | MAP_SHARED)``): the KV
+  lends (``vllm.shared_rows``), over the pages only the granted blocks use (``mmap(MAP_FIXED | MAP_SHARED)``): the KV
   cache grows into the experts' memory, with no copy and no new memory. What the lent pages do not cover (the
   pages a granted block shares with another, or a region whose experts have no whole pages, as on another
   device) is made readable and writable and counts once written;
@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from moetide.vllm.arena import PageRun, map_fixed, punch
+from moetide.vllm.shared_rows import PageRun, map_fixed, punch
 from moetide.vllm.line import LineOp
 
 PAGE = mmap.PAGESIZE

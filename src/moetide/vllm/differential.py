@@ -36,8 +36,7 @@ from moetide.core.kv_manager import KVCacheManager
 from moetide.core.mamba_states import MambaStates
 from moetide.core.pressure import policy_entry
 from moetide.core.request import Request
-from moetide.engine.vamp import EngineCosts, engine_vamp_params
-from moetide.vllm.costs import RecordSteps
+from moetide.core.pressure.step_costs import EngineCosts, RecordSteps, engine_vamp_params
 from moetide.vllm.settings import PluginSettings
 
 VOCAB = 1 << 30

@@ -16,11 +16,10 @@ from moetide.core.config import expert_residency, make_policy
 from moetide.core.expert_line import ByteLayout, ExpertLine
 from moetide.core.experts import ExpertKey, ExpertResidency
 from moetide.core.pressure import policy_entry, start_offload
+from moetide.core.pressure.step_costs import ASSUMED_FLOPS, EngineCosts, RecordSteps, engine_vamp_params
 from moetide.errors import UserError
-from moetide.engine.vamp import ASSUMED_FLOPS, EngineCosts, engine_vamp_params
 from moetide.specs.hf_config import model_from_hf_dict
 from moetide.specs.model import ModelSpec
-from moetide.vllm.costs import RecordSteps
 from moetide.vllm.settings import WHERE, ExpertShape, PluginSettings
 
 logger = logging.getLogger(__name__)

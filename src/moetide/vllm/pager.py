@@ -18,7 +18,7 @@ and CUDA graphs on a GPU), so what runs inside ``apply`` is written for that (``
 * Which experts are offloaded is moetide's ``ExpertResidency``'s choice, made in the scheduler: the step's
   ``LineOp``s name the (MoE layer, expert) keys, and the worker hands them to ``apply_line_op`` before the
   forward, which rewrites the slot tables in place.
-* On the CPU each layer's weights live in shared memory (``vllm.arena.SharedRows``). An offloaded expert's home
+* On the CPU each layer's weights live in shared memory (``vllm.shared_rows.SharedRows``). An offloaded expert's home
   rows are not read while it is out: their pages are lent to the KV cache (the backing maps them over the granted
   blocks), and the expert is written home from its copy once the backing has let go of them (``apply_line_op``
   orders the two). On CUDA host copies are pinned and the device rows are not lent yet (the CUDA backing maps
@@ -44,7 +44,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.utils import replace_parameter
 
 from moetide.core.pressure import policy_entry
-from moetide.vllm.arena import PageRun, SharedRows, StagingArea
+from moetide.vllm.shared_rows import PageRun, SharedRows, StagingArea
 from moetide.vllm.line import LineOp, line_max_offloaded, model_experts
 from moetide.vllm.plugin import plugin_settings
 from moetide.vllm.staging import ExpertSlots, page_experts, take_counts
@@ -86,7 +86,7 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def _add_staging_rows(self, num_slots: int) -> None:
         """The staging rows after the experts' own, once, before vLLM compiles the forward. On the CPU the weights
-        move into shared memory (``vllm.arena``) and the staging rows map onto the staging area every layer shares
+        move into shared memory (``vllm.shared_rows``) and the staging rows map onto the staging area every layer shares
         where rows are whole pages; elsewhere the weights are rebuilt with zero rows appended."""
         layer = self.layer
         if layer.w13_weight.device.type == "cpu":

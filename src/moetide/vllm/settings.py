@@ -8,7 +8,7 @@ One JSON object configures both halves of the plugin (the scheduler and the work
 * ``vamp_horizon_s``: vamp's review interval.
 * ``clock``: ``modeled`` (the policy's clock is the cost record's step seconds, as moetide's engine does) or
   ``wall`` (seconds since the scheduler started).
-* ``costs``: the cost record (``engine.vamp.EngineCosts`` fields: ``prefill_s_per_token``, ``copy_s_per_expert``,
+* ``costs``: the cost record (``core.pressure.step_costs.EngineCosts`` fields: ``prefill_s_per_token``, ``copy_s_per_expert``,
   ``expert_call_s``); default: priced from the model's active parameters (``plugin_costs``).
 * ``experts``: the routed experts' shape (``num_layers``, ``num_experts``, ``experts_per_token``,
   ``expert_bytes``) where the model config does not say it; normally read from the model's config.

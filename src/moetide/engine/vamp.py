@@ -1,10 +1,10 @@
 """``--policy vamp`` in the engine: the core's policy, priced from a cost record the engine measures once.
 
 ``core.pressure.vamp`` weighs re-prefill saved by more KV against staging added by offloaded experts; the replay
-feeds it modeled seconds, the engine feeds it seconds from ``EngineCosts`` (``core.pressure.step_costs``), measured at build (or given back from
-an earlier run's record, ``Engine(costs=...)``), never a timing taken mid-run, so the same input and the same
-record make the same decisions on a quiet machine or a loaded one (``EngineStepStats``, the policy's
-``StepStats``):
+feeds it modeled seconds, the engine feeds it seconds from ``EngineCosts`` (``core.pressure.step_costs``),
+measured at build (or given back from an earlier run's record, ``Engine(costs=...)``), never a timing taken
+mid-run, so the same input and the same record make the same decisions on a quiet machine or a loaded one
+(``EngineStepStats``, the policy's ``StepStats``):
 
 * **step seconds**: each step's tokens × ``prefill_s_per_token`` (2 FLOP per active parameter per token at
   ``ASSUMED_FLOPS``), plus one ``expert_call_s`` per expert each MoE layer runs (what dominates a small model's

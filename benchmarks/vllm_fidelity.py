@@ -4,7 +4,7 @@
 ``--policy vamp`` (or any policy): vLLM with moetide's plugin scheduler running that policy against the core
 running it, from one cost record (``--costs``), an expert line of a Qwen3-30B-A3B-like shape scaled so the cap's
 reserve is a few hundred blocks; each step compares scheduled tokens, preemptions, blocks evicted and line moves.
-How the two sides are driven: ``moetide.vllm.differential``.
+How the two sides are driven: ``moetide_testing.vllm_differential``.
 
 Prints one JSON line per configuration: steps, identical steps, the first divergent step with both sides'
 decisions, and per side preemptions, recomputed tokens (prompt tokens computed again after a preemption),
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from moetide.vllm.differential import compare, mooncake, weka  # noqa: E402
+from moetide_testing.vllm_differential import compare, mooncake, weka  # noqa: E402
 from moetide.vllm.settings import ExpertShape, PluginSettings  # noqa: E402
 
 TRACES = ROOT.parent / "shared" / "traces"

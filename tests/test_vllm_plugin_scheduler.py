@@ -1,8 +1,8 @@
-"""The plugin's scheduler seam on vLLM 0.32's real ``Scheduler``, with no model weights (``moetide.vllm.harness``).
+"""The plugin's scheduler seam on vLLM 0.32's real ``Scheduler``, with no model weights (``moetide_testing.vllm_harness``).
 
 * Under ``policy: vllm`` the plugin changes nothing: every step equals stock vLLM's, block ids included.
 * Under ``vamp`` the plugin and moetide's core, driven from one cost record, make the same decisions step for step:
-  scheduled tokens, preemptions, evictions and line moves (``moetide.vllm.differential``), on recorded traces.
+  scheduled tokens, preemptions, evictions and line moves (``moetide_testing.vllm_differential``), on recorded traces.
 * The line's moves reach the step's connector metadata once each, in order.
 """
 
@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.32 is not installed here (scripts/install_vllm.sh installs it)")
 
-from moetide.vllm.differential import compare, mooncake, run_side, sampled_token, vllm_record, weka  # noqa: E402
-from moetide.vllm.harness import HybridSpec, VllmSide, VllmSideConfig  # noqa: E402
+from moetide_testing.vllm_differential import compare, mooncake, run_side, sampled_token, vllm_record, weka  # noqa: E402
+from moetide_testing.vllm_harness import HybridSpec, VllmSide, VllmSideConfig  # noqa: E402
 from moetide.vllm.scheduler import MoetideAsyncScheduler, MoetideScheduler  # noqa: E402
 from moetide.vllm.settings import ExpertShape, PluginSettings  # noqa: E402
 

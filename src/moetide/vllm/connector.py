@@ -24,8 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from moetide.vllm.line import LineOp
-from moetide.vllm.plugin import check_supported, refuse_unsupported_mode
-from moetide.vllm.settings import PluginSettings
+from moetide.vllm.plugin import check_supported, plugin_settings, refuse_unsupported_mode
 
 
 class MoetideConnectorMetadata(KVConnectorMetadata):
@@ -39,8 +38,7 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         check_supported()
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self.settings = PluginSettings.from_extra_config(extra)
+        self.settings = plugin_settings(vllm_config)
         refuse_unsupported_mode(vllm_config, self.settings)
         if role == KVConnectorRole.SCHEDULER:
             from moetide.vllm.scheduler import refuse_foreign_scheduler

@@ -63,8 +63,7 @@ def measure_vllm_steps(model_dir: str, *, quick: bool, num_threads: int | None =
     # process may use (``taskset``), as many as ``num_threads``
     cores = sorted(os.sched_getaffinity(0))[:num_threads or None]
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     config = read_json(Path(model_dir) / "config.json", f"--model {model_dir}")
     longest = min((config.get("max_position_embeddings") if isinstance(config, dict) else None) or 4096, 32768)
@@ -83,31 +82,40 @@ def measure_vllm_steps(model_dir: str, *, quick: bool, num_threads: int | None =
         return output
 
     scheduler.schedule = timed_schedule
-    vocab = llm.model_config.get_vocab_size()
+    try:
+        return _time_runs(engine, runs, shapes, llm.model_config.get_vocab_size(), seed)
+    finally:
+        scheduler.schedule = schedule
+        del llm
+
+
+def _time_runs(engine, runs, shapes: list, vocab: int, seed: int
+               ) -> tuple[list[StepSample], list[tuple[int, float]]]:
+    """Each designed run's requests added (their ``add_request`` timed) and stepped to the end, every step timed
+    with the one shape ``shapes`` got; the first run is the warm-up and is not kept."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     rng = random.Random(seed)
     samples: list[StepSample] = []
     requests: list[tuple[int, float]] = []
     serial = 0
-    try:
-        for i, (batch, prompt, output) in enumerate(runs):
-            params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
-            for _ in range(batch):
-                tokens = [rng.randrange(3, vocab) for _ in range(prompt)]
-                start = time.perf_counter()
-                engine.add_request(f"calibrate-{serial}", TokensPrompt(prompt_token_ids=tokens), params)
-                if i:
-                    requests.append((prompt, time.perf_counter() - start))
-                serial += 1
-            while engine.has_unfinished_requests():
-                shapes.clear()
-                start = time.perf_counter()
-                engine.step()
-                seconds = time.perf_counter() - start
-                if i and len(shapes) == 1 and shapes[0] is not None:
-                    samples.append(StepSample(shapes[0], seconds))
-    finally:
-        scheduler.schedule = schedule
-        del llm
+    for i, (batch, prompt, output) in enumerate(runs):
+        params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
+        for _ in range(batch):
+            tokens = [rng.randrange(3, vocab) for _ in range(prompt)]
+            start = time.perf_counter()
+            engine.add_request(f"calibrate-{serial}", TokensPrompt(prompt_token_ids=tokens), params)
+            if i:
+                requests.append((prompt, time.perf_counter() - start))
+            serial += 1
+        while engine.has_unfinished_requests():
+            shapes.clear()
+            start = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - start
+            if i and len(shapes) == 1 and shapes[0] is not None:
+                samples.append(StepSample(shapes[0], seconds))
     return samples, requests
 
 

@@ -28,6 +28,8 @@ The scheduler class and the connector are ordinary vLLM options (``--scheduler-c
 from __future__ import annotations
 
 import contextvars
+import functools
+import json
 import logging
 import os
 
@@ -83,13 +85,21 @@ def check_supported() -> None:
 
 
 def plugin_settings(vllm_config):
-    """The plugin's settings when moetide's connector is configured, else None."""
-    from moetide.vllm.settings import CONNECTOR_NAME, PluginSettings
+    """The plugin's settings when moetide's connector is configured, else None; parsed once per process for a
+    given ``kv_connector_extra_config`` (the sizing, the scheduler, the connector and every MoE layer ask)."""
+    from moetide.vllm.settings import CONNECTOR_NAME
 
     transfer = vllm_config.kv_transfer_config
     if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
         return None
-    return PluginSettings.from_extra_config(transfer.kv_connector_extra_config)
+    return _parsed_settings(json.dumps(transfer.kv_connector_extra_config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_settings(extra_config_json: str):
+    from moetide.vllm.settings import PluginSettings
+
+    return PluginSettings.from_extra_config(json.loads(extra_config_json))
 
 
 def unsupported_mode(policy: str, device_type: str, cuda_graphs: bool) -> str | None:
@@ -148,7 +158,6 @@ def _patch_compile_key() -> None:
     nothing would be loaded for one that does, and the pager would never run. With moetide's connector the hash
     covers its settings."""
     import hashlib
-    import json
 
     from vllm.config.kv_transfer import KVTransferConfig
 

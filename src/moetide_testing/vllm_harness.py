@@ -176,99 +176,122 @@ def _queue_head(block_pool, n: int):
         block = block.next_free_block
 
 
+def _vllm_config(cfg: VllmSideConfig) -> tuple[VllmConfig, str]:
+    """vLLM's config for the side (with moetide's scheduler and connector where ``cfg.plugin`` is set) and the
+    hybrid model's mamba cache mode."""
+    h = cfg.hybrid
+    mode = "none"
+    if h is not None:
+        mode = h.mamba_cache_mode or ("align" if cfg.enable_prefix_caching else "none")
+        if mode == "none" and cfg.enable_prefix_caching:  # MambaModelConfig flips it;
+            raise ValueError("vLLM 0.32 runs mamba_cache_mode 'none' only without "
+                             "prefix caching (its hybrid coordinator asserts)")
+    model_config = ModelConfig(model=_tiny_model_dir(max(cfg.max_model_len, 1 << 20)),
+                               skip_tokenizer_init=True, dtype="bfloat16",
+                               max_model_len=cfg.max_model_len, seed=0)
+    sched_config = SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len, is_encoder_decoder=False,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+        enable_chunked_prefill=True, async_scheduling=False,
+        scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
+        watermark=cfg.watermark, scheduler_cls=None if cfg.plugin is None else SCHEDULER_CLS)
+    cache_config = CacheConfig(block_size=cfg.block_size,
+                               enable_prefix_caching=cfg.enable_prefix_caching,
+                               prefix_caching_hash_algo=cfg.hash_algo,
+                               mamba_cache_mode=mode)
+    if cfg.plugin is not None:  # moetide's scheduler starts only where the plugin is loaded, as vLLM loads it
+        register()
+    transfer = None if cfg.plugin is None else KVTransferConfig(**cfg.plugin.kv_transfer_config())
+    vc = VllmConfig(model_config=model_config, scheduler_config=sched_config,
+                    cache_config=cache_config, kv_transfer_config=transfer)
+    # what vLLM decides on a GPU (the CPU platform's hook turns async scheduling off, and nothing here runs a model)
+    vc.scheduler_config.async_scheduling = cfg.async_scheduling
+    # The CPU platform's config hooks must not have changed what we compare.
+    s, c = vc.scheduler_config, vc.cache_config
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.enable_chunked_prefill,
+            s.long_prefill_token_threshold, c.enable_prefix_caching) == (
+        cfg.max_num_seqs, cfg.max_num_batched_tokens, True,
+        cfg.long_prefill_token_threshold, cfg.enable_prefix_caching), (s, c)
+    return vc, mode
+
+
+def _kv_cache_groups(cfg: VllmSideConfig, vc: VllmConfig, mode: str) -> list:
+    if cfg.hybrid is None:
+        # Qwen3-30B-A3B's attention (48 layers, 4 KV heads of 128, bf16): the scheduler sees block counts only,
+        # the plugin's line prices a block by these bytes
+        return [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(48)], FullAttentionSpec(
+            block_size=cfg.block_size, num_kv_heads=4, head_size=128, dtype=torch.bfloat16))]
+    c = vc.cache_config  # pages are equal, so the layout (normally the engine's pick) is moot
+    c.kv_cache_layout = c.kv_cache_layout or "LBNHC"
+    return get_kv_cache_groups(vc, _hybrid_layer_specs(cfg.hybrid, cfg, mode))
+
+
 class VllmSide:
     """One real vLLM Scheduler, advanced one step per ``step()`` call."""
 
     def __init__(self, cfg: VllmSideConfig):
         self.cfg = cfg
-        h = cfg.hybrid
-        mode = "none"
-        if h is not None:
-            mode = h.mamba_cache_mode or ("align" if cfg.enable_prefix_caching else "none")
-            if mode == "none" and cfg.enable_prefix_caching:  # MambaModelConfig flips it;
-                raise ValueError("vLLM 0.32 runs mamba_cache_mode 'none' only without "
-                                 "prefix caching (its hybrid coordinator asserts)")
-        model_config = ModelConfig(model=_tiny_model_dir(max(cfg.max_model_len, 1 << 20)),
-                                   skip_tokenizer_init=True, dtype="bfloat16",
-                                   max_model_len=cfg.max_model_len, seed=0)
-        sched_config = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len, is_encoder_decoder=False,
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-            enable_chunked_prefill=True, async_scheduling=False,
-            scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
-            watermark=cfg.watermark, scheduler_cls=None if cfg.plugin is None else SCHEDULER_CLS)
-        cache_config = CacheConfig(block_size=cfg.block_size,
-                                   enable_prefix_caching=cfg.enable_prefix_caching,
-                                   prefix_caching_hash_algo=cfg.hash_algo,
-                                   mamba_cache_mode=mode)
-        if cfg.plugin is not None:  # moetide's scheduler starts only where the plugin is loaded, as vLLM loads it
-            register()
-        transfer = None if cfg.plugin is None else KVTransferConfig(**cfg.plugin.kv_transfer_config())
-        vc = VllmConfig(model_config=model_config, scheduler_config=sched_config,
-                        cache_config=cache_config, kv_transfer_config=transfer)
-        # what vLLM decides on a GPU (the CPU platform's hook turns async scheduling off, and nothing here runs a model)
-        vc.scheduler_config.async_scheduling = cfg.async_scheduling
-        # The CPU platform's config hooks must not have changed what we compare.
-        s, c = vc.scheduler_config, vc.cache_config
-        assert (s.max_num_seqs, s.max_num_batched_tokens, s.enable_chunked_prefill,
-                s.long_prefill_token_threshold, c.enable_prefix_caching) == (
-            cfg.max_num_seqs, cfg.max_num_batched_tokens, True,
-            cfg.long_prefill_token_threshold, cfg.enable_prefix_caching), (s, c)
-        if h is None:
-            # Qwen3-30B-A3B's attention (48 layers, 4 KV heads of 128, bf16): the scheduler sees block counts only,
-            # the plugin's line prices a block by these bytes
-            groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(48)], FullAttentionSpec(
-                block_size=cfg.block_size, num_kv_heads=4, head_size=128, dtype=torch.bfloat16))]
-        else:  # pages are equal, so the layout (normally the engine's pick) is moot
-            c.kv_cache_layout = c.kv_cache_layout or "LBNHC"
-            groups = get_kv_cache_groups(vc, _hybrid_layer_specs(h, cfg, mode))
-        # get_kv_cache_config_from_groups copies the cache config's retention interval (0 by default in 0.32:
-        # keep only the replay boundary's and junctions' states); None keeps every state (dense)
-        num_blocks = cfg.num_blocks
+        vc, mode = _vllm_config(cfg)
+        groups = _kv_cache_groups(cfg, vc, mode)
         # one block's bytes over every layer (what the line prices a block at)
-        self.block_bytes = kv_block_bytes(KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+        self.block_bytes = kv_block_bytes(KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[],
                                                         kv_cache_groups=groups))
-        if cfg.plugin is not None:  # what the plugin's engine patch adds: the line's reserve
-            if cfg.plugin.experts is None:
-                raise ValueError("VllmSideConfig.plugin needs its experts' shape: the driver loads no model")
-            num_blocks += line_reserve_blocks(cfg.plugin, cfg.plugin.experts, self.block_bytes)
-        kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
-                               prefix_cache_retention_interval=(c.prefix_cache_retention_interval if
-                                                                cfg.retention_interval == "default"
-                                                                else cfg.retention_interval))
-        # What EngineCore._initialize_kv_caches sets after profiling.
-        c.num_gpu_blocks = num_blocks
-        c.block_size = min(g.kv_cache_spec.block_size for g in groups
-                           if g.kv_cache_spec.prefix_cacheable)
-        if h is not None:
-            c.mamba_block_size = next(g.kv_cache_spec.block_size for g in groups
-                                      if isinstance(g.kv_cache_spec, MambaSpec))
+        kv_cfg = self._kv_cache_config(vc, groups)
         sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cfg, vc)
         kv_cfg.hash_block_size = hash_bs
         self.scheduler_block_size, self.hash_block_size = sched_bs, hash_bs
         scheduler_cls = MoetideScheduler if cfg.plugin is not None else (
             AsyncScheduler if cfg.async_scheduling else Scheduler)
         self.sched = scheduler_cls(vllm_config=vc, kv_cache_config=kv_cfg,
-                               structured_output_manager=StructuredOutputManager(vc),
-                               block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
+                                   structured_output_manager=StructuredOutputManager(vc),
+                                   block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
         self.group_kinds = [type(g.kv_cache_spec).__name__ for g in groups]
         self.group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
-        self.mamba_cache_mode = mode if h is not None else None
+        self.mamba_cache_mode = mode if cfg.hybrid is not None else None
         self._hasher = None
         if cfg.enable_prefix_caching:  # as EngineCore does
             hash_fn = get_hash_fn_by_name(cfg.hash_algo)
             init_none_hash(hash_fn)
             self._hasher = get_request_block_hasher(hash_bs, hash_fn)
         self._arrival = 0
+        self._record_preemptions()
+        self._count_implicit_evictions()
+
+    def _kv_cache_config(self, vc, groups) -> KVCacheConfig:
+        """The KV cache config ``EngineCore`` would build (with the plugin's reserve, as its engine patch adds it),
+        and the cache config fields it sets after profiling."""
+        cfg, c = self.cfg, vc.cache_config
+        num_blocks = cfg.num_blocks
+        if cfg.plugin is not None:  # what the plugin's engine patch adds: the line's reserve
+            if cfg.plugin.experts is None:
+                raise ValueError("VllmSideConfig.plugin needs its experts' shape: the driver loads no model")
+            num_blocks += line_reserve_blocks(cfg.plugin, cfg.plugin.experts, self.block_bytes)
+        # get_kv_cache_config_from_groups copies the cache config's retention interval (0 by default in 0.32:
+        # keep only the replay boundary's and junctions' states); None keeps every state (dense)
+        kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                               prefix_cache_retention_interval=(c.prefix_cache_retention_interval if
+                                                                cfg.retention_interval == "default"
+                                                                else cfg.retention_interval))
+        c.num_gpu_blocks = num_blocks
+        c.block_size = min(g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable)
+        if cfg.hybrid is not None:
+            c.mamba_block_size = next(g.kv_cache_spec.block_size for g in groups
+                                      if isinstance(g.kv_cache_spec, MambaSpec))
+        return kv_cfg
+
+    def _record_preemptions(self) -> None:
+        """vLLM's victims, in the order it preempts them."""
         self._preempted_order: list[str] = []
         real_preempt = self.sched._preempt_request
 
-        def preempt(request, *args, **kwargs):  # records vLLM's victim order
+        def preempt(request, *args, **kwargs):
             self._preempted_order.append(request.request_id)
             return real_preempt(request, *args, **kwargs)
         self.sched._preempt_request = preempt
-        # cached blocks vLLM's pool evicts as it allocates (the plugin's policy evicts before, so none there)
+
+    def _count_implicit_evictions(self) -> None:
+        """Cached blocks vLLM's pool evicts as it allocates (the plugin's policy evicts before, so none there)."""
         self.num_implicit_evictions = 0
         block_pool = self.sched.kv_cache_manager.block_pool
         real_get_new_blocks = block_pool.get_new_blocks

@@ -268,6 +268,23 @@ def vllm_record(rec) -> Record:
                   line.reclaimed)
 
 
+def first_divergence(vllm_trace: list, core_trace: list) -> dict | None:
+    """The first step the two sides' records differ at (a side that ran fewer steps differs where it stopped)."""
+    first = next((i for i, (a, b) in enumerate(zip(vllm_trace, core_trace)) if a != b), None)
+    if first is None and len(vllm_trace) != len(core_trace):
+        first = min(len(vllm_trace), len(core_trace))
+    if first is None:
+        return None
+
+    def show(trace):
+        if first >= len(trace) or trace[first] is None:
+            return None
+        sched, pre, evicted, offloaded, reclaimed = trace[first]
+        return {"scheduled": sched, "preempted": pre, "evicted": evicted, "offloaded": offloaded,
+                "reclaimed": reclaimed}
+    return {"step": first, "vllm": show(vllm_trace), "core": show(core_trace)}
+
+
 def compare(name: str, sessions, num_blocks: int, block_size: int = 16, max_num_seqs: int = 1024,
             max_num_batched_tokens: int = 8192, threshold: int = 0, reserve_full_isl: bool = True,
             max_steps: int = 200_000, hybrid: bool = False, retention_interval: int | None = 0,
@@ -278,7 +295,7 @@ def compare(name: str, sessions, num_blocks: int, block_size: int = 16, max_num_
     ``prefix_cache_retention_interval`` (0, its default: states kept at replay boundaries and junctions only;
     None: every state). ``plugin``: vLLM runs moetide's scheduler with these settings (experts and costs given)
     and the core the same policy and line."""
-    from moetide.vllm.harness import HybridSpec, VllmSide, VllmSideConfig
+    from moetide_testing.vllm_harness import HybridSpec, VllmSide, VllmSideConfig
 
     longest = max(len(a.prompt) + a.max_tokens for s in sessions for a in s)
     t0 = time.perf_counter()
@@ -297,19 +314,7 @@ def compare(name: str, sessions, num_blocks: int, block_size: int = 16, max_num_
     c = run_side(cside, sessions, lambda s: s.step(), lambda r: r, max_steps)
     t2 = time.perf_counter()
     identical = sum(1 for a, b in zip(v.trace, c.trace) if a == b)
-    first = next((i for i, (a, b) in enumerate(zip(v.trace, c.trace)) if a != b), None)
-    if first is None and len(v.trace) != len(c.trace):
-        first = min(len(v.trace), len(c.trace))
     steps = max(len(v.trace), len(c.trace))
-    divergence = None
-    if first is not None:
-        def show(trace):
-            if first >= len(trace) or trace[first] is None:
-                return None
-            sched, pre, evicted, offloaded, reclaimed = trace[first]
-            return {"scheduled": sched, "preempted": pre, "evicted": evicted, "offloaded": offloaded,
-                    "reclaimed": reclaimed}
-        divergence = {"step": first, "vllm": show(v.trace), "core": show(c.trace)}
     return {
         "config": name, "requests": sum(len(s) for s in sessions), "num_blocks": num_blocks,
         "block_size": block_size, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -317,7 +322,7 @@ def compare(name: str, sessions, num_blocks: int, block_size: int = 16, max_num_
         "retention_interval": retention_interval if hybrid else None,
         "policy": plugin.policy if plugin is not None else "vllm (stock vLLM)",
         "steps": steps, "identical_steps": identical, "identical_share": round(identical / max(steps, 1), 5),
-        "first_divergence": divergence,
+        "first_divergence": first_divergence(v.trace, c.trace),
         "vllm": side_summary(v, t1 - t0), "core": side_summary(c, t2 - t1),
     }
 

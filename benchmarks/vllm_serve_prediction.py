@@ -46,7 +46,7 @@ from serve_side_by_side import bench_serve, start, stop, wait_ready
 
 from moetide.commands.calibrate_device import CPU_DTYPE_BYTES, device_file_text, write_device_file
 from moetide.commands.options import parse_bytes
-from moetide.engine.measure import designed_runs
+from moetide.perf.step_calibrate import designed_runs
 from moetide.perf.step import StepShape, StepTimeModel
 from moetide.perf.step_calibrate import fit_step_efficiency, step_efficiency_for_gpu
 from moetide.serve.bench_client import Target, replay

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.32 is not installed here (scripts/install_vllm.sh installs it)")
 
-from moetide.engine.defaults import ENGINE_DEFAULTS  # noqa: E402
+from moetide.core.config import DEFAULT_KV_CACHE_MEMORY  # noqa: E402
 from moetide.vllm import server  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def parse(*argv: str):
 
 def test_the_kv_cache_default_is_passed_on_on_the_cpu(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    assert parse().kv_cache_memory_bytes == ENGINE_DEFAULTS["kv_cache_memory"]
+    assert parse().kv_cache_memory_bytes == DEFAULT_KV_CACHE_MEMORY
     assert parse("--kv-cache-memory-bytes", "8M").kv_cache_memory_bytes == 8 << 20
     assert parse("--gpu-memory-utilization", "0.5").kv_cache_memory_bytes is None  # vLLM's own rule, as asked
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

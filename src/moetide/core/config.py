@@ -25,6 +25,8 @@ from moetide.core.splits import SPLIT_POLICIES
 
 # offloaded experts a step does not prefetch: staged over the host link, or computed on the host where they lie
 COLD_EXPERT_MODES = ("fetch", "cpu")
+# the KV cache a server gets where nothing sizes it: moetide's engine, and vLLM on the CPU under `moetide serve`
+DEFAULT_KV_CACHE_MEMORY = 256 * 2**20
 
 
 @dataclass(frozen=True)

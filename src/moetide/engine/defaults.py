@@ -7,5 +7,7 @@ options left unset (``engine.build.EngineConfig``).
 
 from __future__ import annotations
 
+from moetide.core.config import DEFAULT_KV_CACHE_MEMORY
+
 ENGINE_ARCHS = ("qwen3_moe", "mixtral", "qwen3_next")
-ENGINE_DEFAULTS = dict(kv_cache_memory=256 * 2**20, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192)
+ENGINE_DEFAULTS = dict(kv_cache_memory=DEFAULT_KV_CACHE_MEMORY, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192)

@@ -35,7 +35,7 @@ from moetide.perf.calibrate import (
     llc_bytes,
 )
 from moetide.perf.step import StepShape
-from moetide.perf.step_calibrate import StepSample
+from moetide.perf.step_calibrate import StepSample, designed_runs
 
 
 def check_clock(clock: str, num_threads: int) -> None:
@@ -256,23 +256,6 @@ def calibrate(*, quick: bool, num_threads: int | None = None, clock: str = "wall
         host_to_device=h2d)
 
 
-# (batch, prompt tokens, output tokens) of the engine runs ``measure_engine_steps`` times: decode at batch 1-32
-# at contexts of 32 to ~2K tokens, prefill chunks of 32-6144 tokens. Not a trace: the replay is judged on traces.
-ENGINE_STEP_RUNS = {
-    True: ((1, 32, 8), (1, 512, 4), (4, 128, 8), (16, 32, 8), (8, 512, 8)),
-    False: ((1, 32, 16), (1, 128, 8), (1, 512, 8), (1, 1024, 8), (2, 32, 16), (4, 32, 16), (4, 256, 16),
-            (4, 512, 8), (4, 1024, 8), (8, 32, 16), (8, 128, 16), (8, 256, 8), (8, 512, 16), (16, 32, 16),
-            (16, 256, 16), (32, 32, 16), (32, 128, 8), (1, 2048, 16), (4, 1536, 8)),
-}
-ENGINE_STEP_REPEATS = {True: 1, False: 2}  # each run again after the whole list: a prefill is one step per run
-
-
-def designed_runs(quick: bool, longest: int, repeats: int | None = None) -> list[tuple[int, int, int]]:
-    """The (batch, prompt tokens, output tokens) runs an engine's steps are timed on: an untimed warm-up run, then
-    ``ENGINE_STEP_RUNS`` ``repeats`` times over (default ``ENGINE_STEP_REPEATS``); a model whose context is shorter
-    than ``longest`` tokens skips the longest prompts."""
-    runs = ENGINE_STEP_RUNS[quick] * (ENGINE_STEP_REPEATS[quick] if repeats is None else repeats)
-    return [run for run in ((2, 64, 4), *runs) if run[1] + run[2] <= longest]
 
 
 def measure_engine_steps(model_dir: str, *, quick: bool, num_threads: int | None = None,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from moetide.engine.measure import designed_runs
+from moetide.perf.step_calibrate import designed_runs
 from moetide.errors import read_json
 from moetide.perf.step import StepShape
 from moetide.perf.step_calibrate import StepSample
@@ -54,7 +54,7 @@ def step_shape(output, requests) -> StepShape | None:
 def measure_vllm_steps(model_dir: str, *, quick: bool, num_threads: int | None = None, dtype: str = "auto",
                        block_size: int = 32, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                        seed: int = 0) -> tuple[list[StepSample], list[tuple[int, float]]]:
-    """Every step of the designed runs (``engine.measure.designed_runs``) and every
+    """Every step of the designed runs (``perf.step_calibrate.designed_runs``) and every
     ``add_request`` as (prompt tokens, seconds), after one untimed warm-up run (module docstring). The scheduler's
     knobs are the served run's, so its steps are split as the server's are."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

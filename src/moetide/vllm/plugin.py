@@ -89,7 +89,9 @@ def plugin_settings(vllm_config):
     given ``kv_connector_extra_config`` (the sizing, the scheduler, the connector and every MoE layer ask)."""
     from moetide.vllm.settings import CONNECTOR_NAME
 
-    transfer = vllm_config.kv_transfer_config
+    # the sizing patches wrap vLLM functions that vLLM's own tests call with stand-ins for VllmConfig lacking the
+    # field: read as no connector, so the wrapped function behaves as vLLM's
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
     if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
         return None
     return _parsed_settings(json.dumps(transfer.kv_connector_extra_config, sort_keys=True))

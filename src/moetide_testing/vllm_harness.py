@@ -1,4 +1,4 @@
-"""Drive vLLM 0.32's real v1 ``Scheduler`` step by step with no model, stock or with moetide's plugin.
+"""Drive vLLM's real v1 ``Scheduler`` step by step with no model, stock or with moetide's plugin.
 
 Why: the fidelity benchmark and the plugin's differential tests compare vLLM's scheduling with moetide's core,
 step by step. Re-implementing vLLM's rules would only test our reading of them, so this module builds the real
@@ -8,12 +8,16 @@ With ``VllmSideConfig.plugin`` the scheduler is moetide's (``vllm.scheduler``) w
 ``vllm serve`` would configure it, and the pool is built with the line's reserve beyond ``num_blocks``.
 
 Import it only where vLLM is installed. In-process: the ``Scheduler`` is built directly, so no engine core or
-worker processes.
+worker processes. It runs on vLLM 0.32, which the plugin serves, and on the series whose scheduler-side seams
+``moetide.vllm.versions`` covers (0.33, 0.34): there moetide's scheduler starts only inside
+``scheduler_side_only()`` (scripts/vllm_versions_check.sh), since the plugin refuses those series in production.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
 import json
 import math
 import os
@@ -32,8 +36,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
-    get_kv_cache_groups, get_request_block_hasher, init_none_hash,
-    resolve_kv_cache_block_sizes)
+    get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -42,10 +45,43 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from moetide.vllm import plugin, versions  # noqa: E402
 from moetide.vllm.line import LineStep, kv_block_bytes, line_reserve_blocks  # noqa: E402
 from moetide.vllm.plugin import register  # noqa: E402
 from moetide.vllm.scheduler import MoetideScheduler  # noqa: E402
 from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings  # noqa: E402
+
+# Where each series keeps what the harness builds a side from (paths under vllm/; docs/vllm_plugin/versions.md).
+_KV_CACHE_GROUPS_MODULE = versions.for_series("get_kv_cache_groups", {
+    ("0.32",): "vllm.v1.core.kv_cache_utils",
+    ("0.33", "0.34"): "vllm.v1.core.kv_cache_planning",  # the KV planning moved out of kv_cache_utils
+})
+get_kv_cache_groups = importlib.import_module(_KV_CACHE_GROUPS_MODULE).get_kv_cache_groups
+# ModelRunnerOutput.req_id_to_index (0.34 dropped it: the runner's order is req_ids')
+_OUTPUT_HAS_INDEX = versions.for_series("ModelRunnerOutput", {("0.32", "0.33"): True, ("0.34",): False})
+# CachedRequestData.resumed_req_ids (0.34 dropped it: a resumed request is scheduled as a new one)
+_RESUMED_AS_CACHED = versions.for_series("CachedRequestData", {("0.32", "0.33"): True, ("0.34",): False})
+
+
+@contextlib.contextmanager
+def scheduler_side_only():
+    """Within: moetide's scheduler and connector start on a vLLM series the plugin refuses but whose
+    scheduler-side seams ``versions`` covers, for no-model checks of the scheduler alone (the version gate,
+    ``plugin.check_supported``, passes; the engine patches, written for 0.32, stay unapplied: nothing here runs a
+    model). A harness option only, never a setting: in production those series stay refused. On a series the
+    plugin serves it changes nothing."""
+    import vllm
+
+    versions.require_scheduler_side()
+    if vllm.__version__.startswith(plugin.SUPPORTED):
+        yield
+        return
+    saved = plugin.SUPPORTED, plugin._REGISTERED
+    plugin.SUPPORTED, plugin._REGISTERED = vllm.__version__, True
+    try:
+        yield
+    finally:
+        plugin.SUPPORTED, plugin._REGISTERED = saved
 
 
 @dataclass
@@ -325,7 +361,7 @@ class VllmSide:
             new_blocks[nr.req_id] = [list(b) for b in nr.block_ids]
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
-            if rid in cr.resumed_req_ids:
+            if _RESUMED_AS_CACHED and rid in cr.resumed_req_ids:
                 new_hits[rid] = cr.num_computed_tokens[i]
             if cr.new_block_ids[i] is not None:
                 new_blocks[rid] = [list(b) for b in cr.new_block_ids[i]]
@@ -335,9 +371,8 @@ class VllmSide:
             r = requests[rid]
             sampled.append([sampled_token(rid, r.num_output_tokens)]
                            if r.num_computed_tokens >= r.num_tokens else [])
-        out = ModelRunnerOutput(req_ids=list(scheduled),
-                                req_id_to_index={rid: i for i, rid in enumerate(scheduled)},
-                                sampled_token_ids=sampled)
+        index = {"req_id_to_index": {rid: i for i, rid in enumerate(scheduled)}} if _OUTPUT_HAS_INDEX else {}
+        out = ModelRunnerOutput(req_ids=list(scheduled), sampled_token_ids=sampled, **index)
         eco = self.sched.update_from_output(so, out)
         finished = [o.request_id for outs in eco.values() for o in outs.outputs
                     if o.finish_reason is not None]

@@ -6,8 +6,8 @@ overrides.
 
 _DIFFUSION = ("asserts that vLLM picks DiffusionScheduler for a diffusion model when no --scheduler-cls is given; "
               "moetide is configured by --scheduler-cls moetide.vllm.scheduler.MoetideScheduler, which vLLM honours "
-              "over its default, so get_scheduler_cls() is moetide's. (moetide's scheduler is not a diffusion "
-              "scheduler and does not refuse a diffusion model either: an unsupported mode it could name at start.)")
+              "over its default, so get_scheduler_cls() is moetide's; moetide's scheduler, which is not a diffusion "
+              "scheduler, refuses a diffusion model at start in one line.")
 
 EXPLAINED: dict[str, str] = {
     **{f"tests/v1/core/test_scheduler.py::test_diffusion_scheduler_is_selected_by_default[{p}]": _DIFFUSION

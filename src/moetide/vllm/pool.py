@@ -1,4 +1,4 @@
-"""moetide's pool books over vLLM 0.32's own ``BlockPool``: what a policy reads, and how the line grows and shrinks it.
+"""moetide's pool books over vLLM's own ``BlockPool``: what a policy reads, and how the line grows and shrinks it.
 
 The core's policies read a pool through a handful of queries (``core.pool_books``) and the expert line changes it
 through ``add_blocks``/``remove_blocks``/``drain`` (``core.expert_line``). ``VllmPool`` answers the same calls from
@@ -22,7 +22,8 @@ vLLM's ``BlockPool``, so the policy that decides in the replay decides here, on 
   as above); a block in use leaves when vLLM frees its last reference (``free_blocks`` is wrapped for that).
 
 Counting free blocks by kind walks the free queue (vLLM keeps no such count): O(free blocks), read only when a
-policy is asked at a shortfall or checks its room.
+policy is asked at a shortfall or checks its room. Where vLLM's series differ (how its hash map holds a hash's
+blocks), ``vllm.versions`` reads them; a series it does not cover is refused when the pool is adopted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 
 from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
+
+from moetide.vllm.versions import holders_reader
 
 
 class VllmPool:
@@ -46,6 +49,7 @@ class VllmPool:
             raise ValueError(f"num_base_blocks must be in (1, {len(pool.blocks)}], got {num_base_blocks}")
         self.pool, self.hash_group_id, self.num_base_blocks = pool, hash_group_id, num_base_blocks
         self.enable_caching = pool.enable_caching
+        self._read_holders = holders_reader()  # refuses a vLLM series it does not cover, before anything changes
         reserve = pool.blocks[num_base_blocks:]
         if any(b.ref_cnt or b.prev_free_block is None for b in reserve):
             raise RuntimeError("the line's reserve must be free when the pool is adopted")
@@ -72,9 +76,9 @@ class VllmPool:
         pool.cache_full_blocks = cache_and_chain
         free_blocks = pool.free_blocks
 
-        def free_and_drain(ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        def free_and_drain(ordered_blocks: Iterable[KVCacheBlock], *args, **kwargs) -> None:
             blocks = list(ordered_blocks)
-            free_blocks(blocks)
+            free_blocks(blocks, *args, **kwargs)
             if self._draining:
                 for block in blocks:
                     if block.block_id in self._draining and block.ref_cnt == 0 and block.block_id not in self._drained:
@@ -195,11 +199,9 @@ class VllmPool:
         return out
 
     def _holders(self, key) -> list[int]:
-        held = self.pool.cached_block_hash_to_block.get_one_block(key)
-        if held is None:
-            return []
-        same = self.pool.cached_block_hash_to_block._cache.get(key)
-        return [b.block_id for b in same.values()] if isinstance(same, dict) else [held.block_id]
+        """Ids of every block vLLM has cached under ``key`` (more than one where requests filled the same prefix
+        apart: vLLM does not deduplicate)."""
+        return self._read_holders(self.pool.cached_block_hash_to_block, key)
 
     def _uncache_chain(self, block: KVCacheBlock) -> list[int]:
         """Evict a cached block and its registered descendants (moetide's semantics); free descendants move to

@@ -79,8 +79,13 @@ class _MoetideScheduling:
     def _init_moetide(self) -> None:
         from moetide.vllm.connector import MoetideConnector
         from moetide.vllm.plugin import check_supported
+        from moetide.vllm.versions import check_prefix_hit
 
         check_supported()
+        check_prefix_hit(Scheduler._get_local_prefix_cache_hit)
+        if self.vllm_config.diffusion_config is not None:  # vLLM would pick its DiffusionScheduler, not this
+            raise ValueError("moetide's scheduler does not schedule diffusion models: leave out --scheduler-cls "
+                             "and --kv-transfer-config")
         if schedules_asynchronously(self.vllm_config) and not isinstance(self, AsyncScheduler):
             raise ValueError(f"vLLM schedules asynchronously here, and {type(self).__qualname__} subclasses the "
                              f"synchronous MoetideScheduler: subclass MoetideAsyncScheduler, or pass "
@@ -114,10 +119,11 @@ class _MoetideScheduling:
         self.moetide.end_step(output.total_num_scheduled_tokens)
         return output
 
-    def _get_local_prefix_cache_hit(self, request):
+    def _get_local_prefix_cache_hit(self, request, *args, **kwargs):
         """vLLM's prefix lookup for a waiting request, then the policy's admission hook (what moetide's scheduler
-        calls at each lookup, before allocating)."""
-        hit = super()._get_local_prefix_cache_hit(request)
+        calls at each lookup, before allocating). vLLM's own arguments pass through as given (0.33 added
+        ``max_cache_hit_length``; ``_init_moetide`` checks the series' parameters, ``vllm.versions``)."""
+        hit = super()._get_local_prefix_cache_hit(request, *args, **kwargs)
         self.moetide.policy.admitting(self._view(request, hit[1]), self.moetide.now_s, self.moetide.line)
         return hit
 

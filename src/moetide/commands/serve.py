@@ -196,10 +196,11 @@ def _vllm_passthrough(args: argparse.Namespace, extra: list[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from moetide.commands.serve_vllm import exec_vllm, vllm_argv, vllm_env
+        from moetide.commands.serve_vllm import exec_vllm, serve_flags_env, vllm_argv, vllm_env
 
         defaults = args._parser.parse_known_args(["--model", args.model])[0]
-        exec_vllm(vllm_argv(args, defaults, args._vllm_args), vllm_env(api_key(args)))
+        env = {**vllm_env(api_key(args)), **serve_flags_env(args._parser)}
+        exec_vllm(vllm_argv(args, defaults, args._vllm_args), env)
     if args.line_cycle_steps:
         raise UserError("--line-cycle-steps: the vLLM plugin's soak setting; it needs --engine vllm")
     try:

@@ -22,6 +22,7 @@ import os
 import sys
 
 from moetide.errors import UserError
+from moetide.vllm.server import SERVE_FLAGS_ENV
 from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings
 
 # moetide's option dest -> vLLM's flag, for the shared options passed as they are
@@ -81,6 +82,13 @@ def as_written(args: argparse.Namespace, parser: argparse.ArgumentParser, dests:
 def vllm_env(key: str | None) -> dict[str, str]:
     """What vLLM's server gets in its environment beyond ours: the API key, where there is one."""
     return {} if key is None else {"VLLM_API_KEY": key}
+
+
+def serve_flags_env(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """``moetide serve``'s own flags, for ``vllm.server`` to tell one of them from a mistyped vLLM flag (it does
+    not import moetide's commands)."""
+    flags = sorted(flag for action in parser._actions for flag in action.option_strings)
+    return {SERVE_FLAGS_ENV: ",".join(flags)}
 
 
 def exec_vllm(argv: list[str], env: dict[str, str]) -> None:

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 PROG = "moetide serve --engine vllm"
+SERVE_FLAGS_ENV = "MOETIDE_SERVE_FLAGS"  # moetide serve's own flags, set by moetide serve --engine vllm
 SHUTDOWN_TIMEOUT_S = 30  # --shutdown-timeout where the command gives none: SIGTERM drains for at most this long
 
 
@@ -41,12 +42,9 @@ class StartError(Exception):
 
 
 def moetide_engine_flags() -> set[str]:
-    """``moetide serve``'s own flags (its parser reads no torch): what a flag unknown to vLLM may be."""
-    from moetide.commands import serve
-
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    return {flag for action in parser._actions for flag in action.option_strings}
+    """``moetide serve``'s own flags, as it passes them in ``SERVE_FLAGS_ENV``: what a flag vLLM does not know may
+    be (none when this module is run by hand)."""
+    return set(filter(None, os.environ.get(SERVE_FLAGS_ENV, "").split(",")))
 
 
 def unknown_flags_line(message: str, known: list[str]) -> str:

@@ -70,7 +70,7 @@ def model_experts(settings: PluginSettings, vllm_config) -> tuple[ExpertShape | 
     model = vllm_config.model_config
     try:
         spec = model_spec(model.hf_config.to_dict())
-    except UserError as exc:
+    except (UserError, ValueError) as exc:  # ModelSpec checks its own fields too
         raise ValueError(f"moetide: policy {settings.policy!r} offloads experts, but the model's experts cannot be "
                          f"read ({exc}): give them as {WHERE}.experts and .costs, or use policy 'vllm'") from None
     if not spec.num_experts:

@@ -117,6 +117,9 @@ def test_device_file_efficiency_table(tmp_path):
     assert get_gpu(str(path)).matmul_dtype == "fp32"
     assert step_efficiency_for_gpu(str(path)) == Efficiency(matmul=0.5, seq_overhead_s=1e-4)
     assert step_efficiency_for_gpu("h100") == engine_efficiency()  # a preset: the engine profile
+    path.write_text(DEVICE_TOML)  # a hand-written file, no table: the profile, as for a preset
+    assert step_efficiency_for_gpu(str(path)) == engine_efficiency()
+    assert step_efficiency_for_gpu(str(path), "roofline") == Efficiency()
     path.write_text(DEVICE_TOML + "\n[efficiency]\nmatmull = 0.5\n")
     with pytest.raises(UserError, match=r"cpu.toml: \[efficiency\]: unknown field\(s\) \['matmull'\]"):
         step_efficiency_for_gpu(str(path))
@@ -225,7 +228,7 @@ def test_request_overhead_is_charged_at_each_send(tmp_path, tiny_config):
 
     trace = write_mooncake(tmp_path / "t.jsonl", [(0, 300, 4, [1])])
     plain, charged = tmp_path / "plain.toml", tmp_path / "charged.toml"
-    plain.write_text(DEVICE_TOML)
+    plain.write_text(DEVICE_TOML + "\n[efficiency]\nrequest_overhead_s = 0.0\n")  # a measured file's table, no charge
     charged.write_text(DEVICE_TOML + "\n[efficiency]\nrequest_overhead_s = 0.004\nrequest_overhead_s_per_token = 1e-5\n")
     ttft = {}
     for path in (plain, charged):

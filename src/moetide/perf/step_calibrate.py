@@ -174,14 +174,14 @@ def fit_request_overhead(requests: Sequence[tuple[int, float]]) -> tuple[float, 
 
 
 def step_efficiency_for_gpu(name_or_path: str, engine_profile: str = DEFAULT_ENGINE_PROFILE) -> Efficiency:
-    """For a GPU preset, the engine profile's (``perf.engines``: fitted on published measurements of those GPUs);
-    for a device file, its ``[efficiency]`` values over ``Efficiency``'s defaults (``moetide calibrate`` measures a
-    device whole; a file without the table is the plain roofline). ``UserError`` naming the file and field when one
-    is bad."""
-    if is_preset("gpu", name_or_path):
+    """For a GPU preset, and for a hardware file without an ``[efficiency]`` table (a datasheet written by hand),
+    the engine profile's (``perf.engines``: fitted on published measurements), so a file and the preset it copies
+    price steps alike; for a device file with the table (``moetide calibrate`` measures a device whole), its values
+    over ``Efficiency``'s defaults. ``UserError`` naming the file and field when one is bad."""
+    table = {} if is_preset("gpu", name_or_path) else get_gpu_calibration(name_or_path)["efficiency"]
+    if not table:
         return engine_efficiency(engine_profile)
-    return factors_from_table(Efficiency, get_gpu_calibration(name_or_path)["efficiency"], name_or_path,
-                              "efficiency")
+    return factors_from_table(Efficiency, table, name_or_path, "efficiency")
 
 
 # (batch, prompt tokens, output tokens) of the runs an engine's steps are timed on (moetide's engine,

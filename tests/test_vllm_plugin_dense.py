@@ -111,9 +111,9 @@ def test_the_documented_command_serves_a_dense_model_keeps_its_key_and_drains_on
     log = server.output()
     print(f"SIGTERM: server exited after {exited:.1f} s;", [(e["end"], e["events"]) for e in ends])
     assert KEY not in log
-    # vLLM got the drain bound and the shared flag; its shutdown log lines are not held (one clean-clone run lacked
-    # them while every client was answered): the test holds what the clients see
+    # vLLM got the drain bound and the shared flag, and drained
     assert f"'shutdown_timeout': {SHUTDOWN_TIMEOUT_S}" in log and "'max_num_queued_reqs': 64" in log
+    assert f"mode=drain timeout={SHUTDOWN_TIMEOUT_S}s" in log
     assert code == 0 and exited < SHUTDOWN_TIMEOUT_S + 10
     assert all(e["end"] in ("length", "error") and e["closed_at"] - signalled < SHUTDOWN_TIMEOUT_S + 10 for e in ends)
     assert sum(e["end"] == "length" for e in ends) == 8  # 600 tokens drain well within the bound

@@ -26,7 +26,8 @@ def free_port() -> int:
 
 class Server:
     """``moetide serve --engine vllm --model MODEL FLAGS`` on a free port of 127.0.0.1, served as ``tiny``, with
-    ``$MOETIDE_API_KEY`` set to ``KEY``; up once ``/health`` answers."""
+    ``$MOETIDE_API_KEY`` set to ``KEY`` and vLLM's INFO log on (the no-model harness, imported earlier in the same
+    session, turns it down in this process's environment); up once ``/health`` answers."""
 
     def __init__(self, model, *flags: str) -> None:
         self.port = free_port()
@@ -36,7 +37,7 @@ class Server:
                 "--served-model-name", "tiny", *flags]
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                         env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1",
-                                                 MOETIDE_API_KEY=KEY))
+                                                 MOETIDE_API_KEY=KEY, VLLM_LOGGING_LEVEL="INFO"))
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -197,6 +197,16 @@ def start_server(command: list[str], port: int, log, timeout_s: float = 120) -> 
     raise RuntimeError(f"the server was not up after {timeout_s:.0f} s")
 
 
+def stop_server(process: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (the server drains), then a kill past ``timeout_s``."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def soak(model: Path, policy: str, args: argparse.Namespace, workdir: Path) -> dict:
     port = free_port()
     log_path = workdir / f"serve-{policy}.log"
@@ -206,17 +216,7 @@ def soak(model: Path, policy: str, args: argparse.Namespace, workdir: Path) -> d
             warm: collections.Counter = collections.Counter()
             Client(-1, port, args.seed, time.monotonic() + 1.0, warm, threading.Lock(), {}).run()  # pages touched
             rss_start = rss_mib(process.pid)
-            counts: collections.Counter = collections.Counter()
-            examples: dict[str, str] = {}
-            lock = threading.Lock()
-            start = time.monotonic()
-            clients = [Client(i, port, args.seed, start + args.duration_s, counts, lock, examples)
-                       for i in range(args.clients)]
-            for client in clients:
-                client.start()
-            for client in clients:
-                client.join(args.duration_s + 180)
-            ran_s = time.monotonic() - start
+            counts, examples, ran_s = run_clients(port, args, "moetide")
             drain_deadline = time.monotonic() + 30
             while True:
                 m = metrics(port)
@@ -226,12 +226,7 @@ def soak(model: Path, policy: str, args: argparse.Namespace, workdir: Path) -> d
                 time.sleep(0.2)
             rss_end = rss_mib(process.pid)
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_server(process, 60)
     text = log_path.read_text(errors="replace")
     unexpected = {k: v for k, v in counts.items() if k.startswith("unexpected")}
     finished = {k.split('finished_reason="')[1].split('"')[0]: v for k, v in m.items()
@@ -339,12 +334,7 @@ def soak_vllm(model: Path, policy: str, args: argparse.Namespace, workdir: Path)
             sampler.stop.set()
             sampler.join()
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(90)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_server(process, 90)
     text, _, shutdown = log_path.read_text(errors="replace").partition("[shutdown] API server: shutdown triggered")
     unexpected = {k: v for k, v in counts.items() if k.startswith("unexpected")}
     moves, returns = m.get("moetide:line_moves_total", 0), m.get("moetide:line_returns_total", 0)

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# vLLM's logger reads its level when first imported; set only for that, so that vLLM servers a test session starts
+# after this import keep their own INFO log
+_QUIET_IMPORT = "VLLM_LOGGING_LEVEL" not in os.environ
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
@@ -50,6 +53,9 @@ from moetide.vllm.line import LineStep, kv_block_bytes, line_reserve_blocks  # n
 from moetide.vllm.plugin import register  # noqa: E402
 from moetide.vllm.scheduler import MoetideScheduler  # noqa: E402
 from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings  # noqa: E402
+
+if _QUIET_IMPORT:
+    del os.environ["VLLM_LOGGING_LEVEL"]
 
 # Where each series keeps what the harness builds a side from (paths under vllm/; docs/vllm_plugin/versions.md).
 _KV_CACHE_GROUPS_MODULE = versions.for_series("get_kv_cache_groups", {

@@ -64,9 +64,10 @@ def request(rid, computed, session=None, hashes=()):
     return r
 
 
-def view(pool, line, shortfall, requester, running=False, preemptible=(), now=1000.0, hits=()):
+def view(pool, line, shortfall, requester, running=False, preemptible=(), now=1000.0, hits=(), num_waiting=0,
+         whole_sequence=False):
     return PressureView(shortfall, requester, running, list(preemptible), pool, frozenset(hits), now, line,
-                        list(preemptible))
+                        list(preemptible), num_waiting, whole_sequence)
 
 
 def relieve(policy, pressure):
@@ -198,18 +199,18 @@ def test_a_region_the_line_no_longer_allows_drains_and_goes_back(policy_name):
     line.offload([(0, 0)])
     assert pool.allocate(5) == [0, 1, 2, 3, 1000]
     policy._allowed = 0  # ... and what a later review took back
-    assert not policy.maybe_reclaim(line, pool, 1.0)
+    assert not policy.maybe_reclaim(line, pool, 1.0, 0)
     assert pool.is_draining(1001) and pool.num_drained_blocks == 1 and pool.allocate(1) is None
     pool.free([1000])
-    assert policy.maybe_reclaim(line, pool, 2.0) and line.residency.num_offloaded == 0 and pool.num_blocks == 4
+    assert policy.maybe_reclaim(line, pool, 2.0, 0) and line.residency.num_offloaded == 0 and pool.num_blocks == 4
     assert policy.num_given_back == 1
     policy._allowed = 1
     line.offload([(0, 0)])
     assert pool.allocate(1) == [1000]
     policy._allowed = 0
-    assert not policy.maybe_reclaim(line, pool, 3.0) and pool.is_draining(1001)
+    assert not policy.maybe_reclaim(line, pool, 3.0, 0) and pool.is_draining(1001)
     policy._allowed = 1  # the line grows back before the region is empty: it stays, its blocks are KV again
-    assert not policy.maybe_reclaim(line, pool, 4.0)
+    assert not policy.maybe_reclaim(line, pool, 4.0, 0)
     assert not pool.is_draining(1001) and pool.allocate(1) == [1001] and line.residency.num_offloaded == 1
     line.check_invariants()
     pool.check_invariants()
@@ -224,7 +225,7 @@ def test_without_give_back_the_line_only_grows():
     line.offload([(0, 0)])
     assert pool.allocate(5) == [0, 1, 2, 3, 1000]
     for t in range(5):
-        assert not policy.maybe_reclaim(line, pool, float(t))
+        assert not policy.maybe_reclaim(line, pool, float(t), 0)
     assert not pool.is_draining(1001) and pool.allocate(1) == [1001]
 
 
@@ -242,7 +243,7 @@ def test_once_pressure_has_receded_for_good_the_line_comes_back_a_window_at_a_ti
     given_back = {}
     for t in range(0, 100, 5):
         held = pool.allocate(pool.num_free_blocks) if t == 10 else None  # no room at the check at 10 s
-        if policy.maybe_reclaim(line, pool, float(t)):
+        if policy.maybe_reclaim(line, pool, float(t), 0):
             given_back[t] = line.residency.num_offloaded
         if held:
             pool.free(held)
@@ -312,12 +313,12 @@ def test_the_line_moves_out_while_reuse_is_measured_and_back_when_it_stops():
                 pool.evict(action.num_blocks)
         relieve(policy, view(pool, line, 1, request(f"back-{t}", 0, hashes=hashes), preemptible=running,
                             now=t + 0.5))
-        policy.maybe_reclaim(line, pool, t + 0.9)
+        policy.maybe_reclaim(line, pool, t + 0.9, 0)
         most = max(most, line.residency.num_offloaded)
     assert most == 2
     for t in range(80, 600):
         steps.busy = float(t)
-        policy.maybe_reclaim(line, pool, float(t))
+        policy.maybe_reclaim(line, pool, float(t), 0)
         if not line.residency.num_offloaded:
             break
     assert line.residency.num_offloaded == 0 and 100 < t < 600
@@ -507,3 +508,72 @@ def test_a_request_that_preempted_itself_is_measured_again_when_it_returns():
     back.num_preemptions = 1  # as the scheduler counts the preemption it applied
     policy.admitting(back, 1001.0, line)
     assert policy._next.rate(1001.0) > 0
+
+
+def queue_setup(share_per_expert, num_running=1, **kw):
+    """A pool of 4 blocks all held by running requests (nothing cached, nothing to evict), a cap of 4 experts."""
+    pool = BlockPool(range(4))
+    line = make_line(pool, max_ratio=0.5)
+    policy = get_policy("vamp", params=params(share_per_expert, **kw))
+    held = pool.allocate(4)
+    running = [request(f"running-{i}", 4) for i in range(num_running)]
+    return pool, line, policy, running, held
+
+
+def ask_for_queue(policy, pool, line, running, num_waiting, whole_sequence=True, now=1000.0, rid="head"):
+    return relieve(policy, view(pool, line, 2, request(rid, 0), preemptible=running, now=now,
+                                num_waiting=num_waiting, whole_sequence=whole_sequence))
+
+
+def test_a_queue_at_the_full_sequence_gate_moves_the_line_at_once():
+    """No review has allowed anything and nothing can be evicted: the head of a queue of three, refused at vLLM
+    0.32's full-sequence gate, gets the one expert (two blocks) it needs, since three waiting requests outweigh
+    twice what the expert's 1% of staging costs the batch (0.01 x 2 requests)."""
+    pool, line, policy, running, _ = queue_setup(0.01)
+    assert ask_for_queue(policy, pool, line, running, num_waiting=3) == [OffloadExperts(((0, 0),))]
+    line.offload([(0, 0)])
+    assert policy.refusal_holds_until(1000.0) == 1000.0  # its answer follows the queue: asked every step
+    line.check_invariants()
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["first-chunk", "staging-bound", "big-batch", "turned-off"])
+def test_a_queue_waits_where_moving_the_line_does_not_pay(case):
+    """First-chunk admission (a request admitted early is one preempted later), staging past
+    ``queue_staging_share``, a batch whose slowdown outweighs the queue, or the rule turned off: the head waits."""
+    share, num_running, num_waiting, whole, kw = {
+        "first-chunk": (0.01, 1, 3, False, {}),
+        "staging-bound": (0.2, 1, 3, True, {}),  # one expert is 20% of every step, past the 10% bound
+        "big-batch": (0.05, 60, 5, True, {}),  # 0.05 x 61 requests x margin 2 = 6.1 > 5 waiting
+        "turned-off": (0.01, 1, 3, True, {"queue_staging_share": 0.0}),
+    }[case]
+    pool, line, policy, running, _ = queue_setup(share, num_running, **kw)
+    assert ask_for_queue(policy, pool, line, running, num_waiting, whole) == []
+    assert line.residency.num_offloaded == 0
+
+
+def test_the_queues_region_goes_back_one_residence_after_the_last_refusal():
+    """Requests arrive one a second and three run, so a residence is about three seconds (Little's law). The
+    queue's region stays within it, starts draining a residence after the last refusal, and goes back once its
+    blocks are free."""
+    pool, line, policy, running, held = queue_setup(0.01)
+    for t in range(10):
+        now = 990.0 + t
+        policy.admitting(request(f"arrival-{t}", 0), now, line)  # one arrival a second
+        assert not policy.maybe_reclaim(line, pool, now, 3)
+    plan = ask_for_queue(policy, pool, line, running, num_waiting=2, now=1000.0)
+    assert plan == [OffloadExperts(((0, 0),))]
+    line.offload([(0, 0)])
+    region = pool.allocate(2)  # the head is admitted into the region
+    assert sorted(region) == [1000, 1001]
+    for t in (1001.0, 1002.0):  # arrivals go on, each admitted at once
+        policy.admitting(request(f"arrival-{t}", 0), t, line)
+        assert not policy.maybe_reclaim(line, pool, t, 3) and not pool.is_draining(1000)  # within a residence
+        assert policy.reads_every_step
+    assert not policy.maybe_reclaim(line, pool, 1003.5, 3) and pool.is_draining(1000)  # a residence on: drains
+    pool.free(region)
+    assert policy.maybe_reclaim(line, pool, 1004.0, 3) and line.residency.num_offloaded == 0
+    assert pool.num_blocks == 4
+    pool.free(held)
+    line.check_invariants()
+    pool.check_invariants()

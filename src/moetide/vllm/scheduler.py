@@ -114,7 +114,7 @@ class _MoetideScheduling:
 
     # ---- vLLM's scheduler methods -------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
-        self.moetide.begin_step()
+        self.moetide.begin_step(len(self.running))
         output = super().schedule(*args, **kwargs)
         self.moetide.end_step(output.total_num_scheduled_tokens)
         return output
@@ -149,7 +149,7 @@ class _MoetideScheduling:
                 short, cached = self._shortfall(request, a, hits, full=True)
                 if short == 0 or short <= cached:
                     break
-                if not self._relieve(request, short, hits, running=False):
+                if not self._relieve(request, short, hits, running=False, whole_sequence=True):
                     return None
         if self._surely_fits(request, a):
             return self._vllm_allocate(request, **a)
@@ -232,7 +232,7 @@ class _MoetideScheduling:
         uncached = walked - self.moetide.pool.num_cached_among_next(walked, {b.block_id for b in hits})
         return max(wanted - uncached, 0), free_others - uncached
 
-    def _relieve(self, request, short: int, hits: list, *, running: bool) -> bool:
+    def _relieve(self, request, short: int, hits: list, *, running: bool, whole_sequence: bool = False) -> bool:
         """Ask the policy and carry out its plan; False when there is no way out here (the caller fails the
         allocation: a waiting request waits, and for a running one vLLM's loop preempts its victim)."""
         books = self.moetide
@@ -240,7 +240,7 @@ class _MoetideScheduling:
         preemptible = [self._view(r) for r in self.running[index + 1:]] if running else []
         protected = frozenset(b.block_id for b in hits)
         view = PressureView(short, self._view(request), running, preemptible, books.pool, protected, books.now_s,
-                            books.line, [self._view(r) for r in self.running])
+                            books.line, [self._view(r) for r in self.running], len(self.waiting), whole_sequence)
         actions = books.policy.relieve(view)
         freed = 0  # blocks the plan made never-cached and free
         for action in actions:

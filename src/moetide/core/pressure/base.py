@@ -50,7 +50,10 @@ Action = EvictPrefix | Preempt | OffloadExperts
 @dataclass(frozen=True)
 class PressureView:
     """What a policy may read. ``preemptible`` lists running requests that may be preempted now (not yet
-    scheduled in this step), lowest priority last; ``requester`` is the request that could not allocate."""
+    scheduled in this step), lowest priority last; ``requester`` is the request that could not allocate;
+    ``num_waiting``: the requests waiting to be admitted, the requester among them when it waits (the queue whose
+    time to first token a refusal prolongs); ``whole_sequence``: the shortfall is vLLM 0.32's full-sequence
+    admission gate's (the requester's whole known sequence), so admitting it risks no preemption later."""
 
     shortfall_blocks: int
     requester: Request
@@ -61,6 +64,8 @@ class PressureView:
     now_s: float
     expert_line: ExpertLine | None = None
     running: Sequence[Request] = ()
+    num_waiting: int = 0
+    whole_sequence: bool = False
 
 
 class PressurePolicy(Protocol):
@@ -77,8 +82,9 @@ class PressurePolicy(Protocol):
         """Called at every waiting request's prefix lookup (``request.num_computed_tokens`` set to its hits),
         before allocation."""
 
-    def maybe_reclaim(self, line: ExpertLine, pool: BlockPool, now_s: float) -> bool:
-        """Called before each step with an expert line; True when it moved the line back towards the experts."""
+    def maybe_reclaim(self, line: ExpertLine, pool: BlockPool, now_s: float, num_running: int) -> bool:
+        """Called before each step with an expert line (``num_running``: the requests running into it); True when
+        it moved the line back towards the experts."""
         return False
 
     @property

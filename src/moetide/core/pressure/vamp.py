@@ -20,6 +20,17 @@ against the busy seconds per prompt token asked for and taken back if that rose 
 rest; past it, as ``vllm`` would (LRU eviction, then preemption of the newest running request for a running
 requester; a waiting one waits, unless nothing runs and only the line can admit it).
 
+**The queue — measured, outside the reviews.** Under vLLM 0.32's full-sequence admission pressure shows as requests
+waiting, not as evictions or preemptions. A waiting request refused at that gate while others run (admitted, its
+whole sequence is reserved, so no preemption follows; under first-chunk admission a request admitted early is one
+preempted later, and the rule does not apply) may move the line at once
+(``_queue_region``): the queue's time to first token accrues at ``num_waiting`` request-seconds per second, the
+region's staging slows every running request's steps by the share it adds (``StepStats.staging_share``), and the
+region goes out when the first outweighs ``margin`` times the second, within ``queue_staging_share`` of exposed
+staging in all. Both sides are rates of the same unit, so no horizon enters; the queue's part of the allowance goes
+back once no request has been refused for one residence (Little's law: requests running over requests arriving,
+measured on the driver's clock), the served workload's own time scale.
+
 The line follows the allowance back (``give_back``): the last region drains (its free blocks leave the pool, each
 used block when its request lets it go) and its experts get their pages back when it is empty; a calm pool gives
 a window back after ``calm_reviews`` horizons. ``vamp-reclaim`` also lowers the allowance by the last region once
@@ -59,6 +70,12 @@ class VampPolicy(PressurePolicy):
         # preemption is an admission of its own
         self._admitted: tuple[str, int] | None = None
         self._allowed = 0  # experts the line may have offloaded now (moved by _review)
+        self._queue_allowed = 0  # ... and beyond that, for the waiting queue (_queue_region; gone with the queue)
+        self._last_refusal_s: float | None = None  # when a waiting request was last refused while others ran
+        self._arrivals = DecayedRate(params.horizon_s)  # admissions asked for per second
+        self._running = DecayedRate(params.horizon_s)  # requests running, averaged over time
+        self._num_running = 0  # at the last step start
+        self._running_t: float | None = None
         self._demand = DecayedRate(params.horizon_s)  # prompt tokens asked for (first admissions) per second
         self._grew_at: float | None = None  # busy s per demanded token when the line last grew (checked next review)
         self._no_growth_until = -math.inf
@@ -76,13 +93,20 @@ class VampPolicy(PressurePolicy):
         step, and a draining region goes back at the first step after its last block is freed."""
         if self.params.reclaim or self._draining is not None:
             return True
+        if self._queue_allowed:
+            return True  # the queue's part goes back once no request has been refused for a residence
         line = self._line  # a review lowered the allowance: the next step starts giving back
-        return self.params.give_back and line is not None and line.residency.num_offloaded > self._allowed
+        return self.params.give_back and line is not None and line.residency.num_offloaded > self._allowance
 
     # ---- the plan ---------------------------------------------------------------------------------------------
     def refusal_holds_until(self, now_s: float) -> float:
         """A waiting request refused now is refused again until the next review moves the allowance (the other
-        ways out, eviction and the room already allowed, move only with the pool)."""
+        ways out, eviction and the room already allowed, move only with the pool), unless the queue may still move
+        the line: its answer follows the queue and the step mix, so it is asked at every step."""
+        line = self._line
+        if (self.params.queue_staging_share and line is not None
+                and line.residency.num_offloaded < line.residency.max_num_offloaded):
+            return now_s
         return now_s if self._next_review_s is None else max(now_s, self._next_review_s)
 
     def relieve(self, view: PressureView) -> list[Action]:
@@ -92,13 +116,18 @@ class VampPolicy(PressurePolicy):
             self._size_ghost_list(line)
             self._review(line, view.now_s)
         need = view.shortfall_blocks
-        room = max(self._allowed - line.residency.num_offloaded, 0) if line is not None else 0
+        room = max(self._allowance - line.residency.num_offloaded, 0) if line is not None else 0
         region, gained = self._offload_region(view, need, room) if room else ([], 0)
         if gained >= need:  # the line covers it: no victim to look at
             self._keep_draining_region(view.pool)
             return [OffloadExperts(tuple(region))]
         evict = list(self._evict_units(view))
         evictable = sum(freed for freed, _ in evict)
+        if gained + evictable < need and view.whole_sequence and view.running:
+            self._last_refusal_s = view.now_s  # a queue: the requester waits unless the line moves for it
+            grown = self._queue_region(view, need - evictable) if line is not None else None
+            if grown is not None:
+                region, gained = grown
         if not gained and evictable < need:
             if view.requester_is_running:
                 # vLLM's way: the newest running request (possibly the requester) steps back, its blocks become
@@ -128,6 +157,30 @@ class VampPolicy(PressurePolicy):
                 self._remember(view.pool, lost)
             actions.append(EvictPrefix(left))
         return actions
+
+    @property
+    def _allowance(self) -> int:
+        """Experts the line may have offloaded now: the reviews' allowance and the queue's."""
+        return self._allowed + self._queue_allowed
+
+    def _queue_region(self, view: PressureView, need: int) -> tuple[list[tuple[int, int]], int] | None:
+        """The region that admits a waiting requester (``need`` blocks beyond what eviction frees) when the queue's
+        waiting outweighs its staging (module docstring), with the queue's allowance raised to keep it; None
+        otherwise."""
+        p, line = self.params, view.expert_line
+        residency = line.residency
+        if not p.queue_staging_share:
+            return None
+        region, gained = self._offload_region(view, need, residency.max_num_offloaded - residency.num_offloaded)
+        if gained < need:
+            return None
+        now = p.steps.staging_share(residency.num_offloaded)
+        after = p.steps.staging_share(residency.num_offloaded + len(region))
+        slowed = (after - now) * (len(view.running) + 1)  # request-seconds per second the batch's steps lose
+        if after > p.queue_staging_share or view.num_waiting <= p.margin * slowed:
+            return None
+        self._queue_allowed = max(self._queue_allowed, residency.num_offloaded + len(region) - self._allowed)
+        return region, gained
 
     def _evict_units(self, view: PressureView):
         """(blocks freed, blocks lost) per LRU victim, in the order ``BlockPool.evict`` takes them."""
@@ -221,6 +274,7 @@ class VampPolicy(PressurePolicy):
         self._admitted = admission
         if request.num_cached_prompt_tokens is None:  # its first admission (not a preempted one's return)
             self._demand.add(now_s, request.num_prompt_tokens)
+            self._arrivals.add(now_s, 1.0)
         if line is not None:
             self._size_ghost_list(line)
         self._count_ghost_hits(request, now_s)
@@ -287,38 +341,53 @@ class VampPolicy(PressurePolicy):
             rate.add(now_s, 0.0)  # the clocks run from the start, not from the first hit
 
     # ---- giving regions back -------------------------------------------------------------------------------
-    def maybe_reclaim(self, line, pool, now_s: float) -> bool:
+    def maybe_reclaim(self, line, pool, now_s: float, num_running: int) -> bool:
         """The scheduler's call before each step: give the last region back once it has drained (``give_back``),
         start draining it while more experts are offloaded than the line allows, and (``vamp-reclaim``) every
         ``reclaim_check_s`` review the line and lower it by the last region once the pool has had room to spare
-        for ``reclaim_hold_s``. Returns whether a region went back."""
+        for ``reclaim_hold_s``; the queue's part of the allowance goes once no request has been refused for a
+        residence. Returns whether a region went back."""
         p = self.params
+        self._watch_queue(now_s, num_running)
         if p.reclaim and now_s >= self._next_reclaim_check_s:
             self._next_reclaim_check_s = now_s + p.reclaim_check_s
             self._observe(now_s)
             self._review(line, now_s)
             last = line.last_region()
             self._check_room(line, pool, now_s, p.reclaim_hold_s, len(last[0]) if last is not None else 0)
-        elif p.give_back and self._allowed and now_s >= self._next_reclaim_check_s:
+        elif p.give_back and self._allowed and now_s >= self._next_reclaim_check_s and not self._queue_allowed:
             # pressure that has receded for good: reviews run only at a shortfall, and none comes
             self._next_reclaim_check_s = now_s + p.reclaim_check_s
             self._size_ghost_list(line)
             self._check_room(line, pool, now_s, p.calm_reviews * p.horizon_s, self._experts_for(line, self._window()))
         return p.give_back and self._give_back(line, pool)
 
+    def _watch_queue(self, now_s: float, num_running: int) -> None:
+        """Average the running requests over time, and drop the queue's part of the allowance once no waiting
+        request has been refused for one residence (running over arriving requests; held while either is
+        unmeasured)."""
+        since = now_s if self._running_t is None else self._running_t
+        self._running.add_spread(now_s, self._num_running * (now_s - since))
+        self._running_t, self._num_running = now_s, num_running
+        if not self._queue_allowed or self._last_refusal_s is None:
+            return
+        running, arrivals = self._running.rate(now_s), self._arrivals.rate(now_s)
+        if running is not None and arrivals and now_s - self._last_refusal_s >= running / arrivals:
+            self._queue_allowed = 0
+
     def _give_back(self, line, pool) -> bool:
         """Start draining the last region while more experts are offloaded than allowed (cancel the drain once they
         are not); give it back once every block of it has drained."""
         if self._draining is None:
             # called every step: the cheap test first
-            last = line.last_region() if line.residency.num_offloaded > self._allowed else None
+            last = line.last_region() if line.residency.num_offloaded > self._allowance else None
             if last is None:
                 return False
             ids = list(last[1])
             self._remember(pool, self._lost_by_drain(pool, ids))
             pool.drain(ids)
             self._draining = ids  # a region whose blocks were all free goes at once, below
-        elif line.residency.num_offloaded <= self._allowed:  # the allowance came back up: the region stays
+        elif line.residency.num_offloaded <= self._allowance:  # the allowance came back up: the region stays
             self._keep_draining_region(pool)
             return False
         if pool.num_drained_blocks < len(self._draining) or not line.reclaim_last():
@@ -365,5 +434,6 @@ class VampPolicy(PressurePolicy):
         if self._roomy_since is None:
             self._roomy_since = now_s
         if now_s - self._roomy_since >= hold_s:
-            self._allowed = min(self._allowed, max(line.residency.num_offloaded - experts, 0))
+            out = line.residency.num_offloaded - self._queue_allowed
+            self._allowed = min(self._allowed, max(out - experts, 0))
             self._roomy_since = None  # the smaller pool must show room of its own before the next region goes

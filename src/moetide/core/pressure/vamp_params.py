@@ -58,6 +58,12 @@ class VampParams:
     # horizons: reviews run only at shortfalls, so a line that pressure moved would otherwise stay out for good
     # once it recedes. Long enough that a lull within a burst keeps the line (docs/vamp.md)
     calm_reviews: float = 10.0
+    # a waiting request refused while others run (vLLM 0.32's full-sequence admission: pressure shows as a queue)
+    # may move the line at once, outside the reviews, when the queue's time to first token (the waiting requests,
+    # in request-seconds per second) outweighs margin times what the region's staging adds to the steps of every
+    # request in the batch, and only while the exposed staging share stays within this bound (0 turns it off).
+    # The bound is the decode slowdown the line may cost a user for the queue: vLLM's TPOT tolerance of 10%.
+    queue_staging_share: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "horizon_s", "reclaim_check_s"):
@@ -71,6 +77,8 @@ class VampParams:
             raise ValueError(f"VampParams.margin must be >= 1, got {self.margin}")
         if not self.calm_reviews > 0:
             raise ValueError(f"VampParams.calm_reviews must be positive, got {self.calm_reviews}")
+        if not 0 <= self.queue_staging_share <= 1:
+            raise ValueError(f"VampParams.queue_staging_share must be in [0, 1], got {self.queue_staging_share}")
         if not self.growth_tolerance >= 0 or self.growth_hold_reviews < 0:
             raise ValueError("VampParams: growth_tolerance and growth_hold_reviews must be >= 0")
 

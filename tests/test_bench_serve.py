@@ -104,6 +104,7 @@ def test_a_replay_against_moetide_serve_finds_the_traces_reuse(server, tmp_path,
     assert report["output_lens"] == [4, 3, 2, 1] and report["input_lens"] == [128, 128, 96, 64]
     assert report["total_output_tokens"] == 10 and report["model_id"] == server.model
     assert all(t > 0 for t in report["ttfts"]) and report["p90_ttft_ms"] >= report["p50_ttft_ms"] > 0
+    assert all(text for text in report["generated_texts"])  # each request streamed its text
     # the later requests share 3, then 2, key blocks of 32 tokens with what came before: 96 + 64 tokens cached
     assert prefix_hits(server) - hits == 96 + 64
     assert (tmp_path / "bench.png").stat().st_size > 0
@@ -159,14 +160,8 @@ def test_closed_loop_sessions_send_each_turn_after_the_previous_one_completes(se
     server.idle()
 
 
-@pytest.mark.parametrize("stream", [
-    b'data: {"error": "model overloaded"}\n\ndata: [DONE]\n\n',
-    b'data: {"choices": [{"text": "a"}]}\n\ndata: {"error": {"message": "engine failed"}}\n\n',
-    b'data: [1, 2]\n\n',
-])
-def test_whatever_a_server_streams_every_request_gets_a_result(stream):
-    """An error chunk (a string or an object, before or after a token) or a chunk that is not an object fails
-    that request with the server's words; the run goes on and every turn has a result."""
+def replay_against_stream(stream: bytes, endpoint: str = "/v1/completions"):
+    """Three closed-loop turns against a server that answers every request with ``stream``; their results."""
     import http.server
     import threading
 
@@ -188,9 +183,39 @@ def test_whatever_a_server_streams_every_request_gets_a_result(stream):
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         turns = tuple(BenchTurn(str(i), [5, 6, 7], 4, 0.0, 0.0) for i in range(3))
-        results, _, _ = replay([BenchSession("s", 0.0, turns)], "closed", Target(f"http://127.0.0.1:{httpd.server_port}",
-                                                                            "m"))
+        target = Target(f"http://127.0.0.1:{httpd.server_port}", "m", endpoint)
+        results, _, _ = replay([BenchSession("s", 0.0, turns)], "closed", target)
     finally:
         httpd.shutdown()
+    return results
+
+
+@pytest.mark.parametrize("stream", [
+    b'data: {"error": "model overloaded"}\n\ndata: [DONE]\n\n',
+    b'data: {"choices": [{"text": "a"}]}\n\ndata: {"error": {"message": "engine failed"}}\n\n',
+    b'data: [1, 2]\n\n',
+])
+def test_whatever_a_server_streams_every_request_gets_a_result(stream):
+    """An error chunk (a string or an object, before or after a token) or a chunk that is not an object fails
+    that request with the server's words; the run goes on and every turn has a result."""
+    results = replay_against_stream(stream)
     assert [r.request_id for r in results] == ["0", "1", "2"]
     assert not any(r.success for r in results) and all(r.error for r in results)
+
+
+@pytest.mark.parametrize("endpoint, stream", [
+    ("/v1/completions", b'data: {"choices": [{"text": "ab"}]}\n\ndata: {"choices": [{"text": ""}]}\n\n'
+                        b'data: {"choices": [{"text": "c"}]}\n\ndata: [DONE]\n\n'),
+    ("/v1/chat/completions", b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n'
+                             b'data: {"choices": [{"delta": {"content": "ab"}}]}\n\n'
+                             b'data: {"choices": [{"delta": {"content": "c"}}]}\n\ndata: [DONE]\n\n'),
+])
+def test_the_streamed_text_is_kept_as_vllms_generated_texts(endpoint, stream):
+    """Each request keeps the text it streamed (an empty completion piece still counts as a token; a chat's
+    role-only delta does not), and the per-request arrays carry it as vLLM's bench serve does."""
+    from moetide.serve.bench_metrics import per_request
+
+    results = replay_against_stream(stream, endpoint)
+    assert [r.text for r in results] == ["abc"] * 3
+    assert [r.output_tokens for r in results] == ([3] * 3 if endpoint == "/v1/completions" else [2] * 3)
+    assert per_request(results)["generated_texts"] == ["abc"] * 3

@@ -45,6 +45,7 @@ class RequestResult:
     latency_s: float = 0.0
     output_tokens: int = 0
     error: str = ""
+    text: str = ""  # the streamed output, as vLLM's bench serve keeps it (``generated_texts``)
 
 
 @dataclass(frozen=True)
@@ -125,16 +126,22 @@ def server_info(url: str, timeout_s: float = 30.0) -> ServerInfo:
         connection.close()
 
 
-def _token_in(chunk: dict, chat: bool) -> bool:
-    """Whether a stream chunk carries output: any choice for a completion (vLLM counts each), a delta with
-    content for a chat (its first delta carries only the role)."""
+def _output_in(chunk: dict, chat: bool) -> str | None:
+    """The output a stream chunk carries, None if it carries none: any choice for a completion (vLLM counts
+    each, its ``text`` possibly empty), a delta with content for a chat (its first delta carries only the
+    role)."""
     choices = chunk.get("choices")
     if not choices:
-        return False
+        return None
+    first = choices[0] if isinstance(choices[0], dict) else {}
     if not chat:
-        return True
-    delta = choices[0].get("delta") if isinstance(choices[0], dict) else None
-    return bool(isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")))
+        text = first.get("text")
+        return text if isinstance(text, str) else ""
+    delta = first.get("delta")
+    if not isinstance(delta, dict):
+        return None
+    content = delta.get("content") or delta.get("reasoning_content")
+    return content if isinstance(content, str) and content else None
 
 
 def send(target: Target, turn: BenchTurn) -> RequestResult:
@@ -165,7 +172,9 @@ def send(target: Target, turn: BenchTurn) -> RequestResult:
                 message = error.get("message", error) if isinstance(error, dict) else error
                 result.success, result.error = False, str(message)
                 break
-            if _token_in(chunk, chat):
+            piece = _output_in(chunk, chat)
+            if piece is not None:
+                result.text += piece
                 now = time.perf_counter()
                 if not result.success:
                     result.success, result.ttft_s = True, now - start

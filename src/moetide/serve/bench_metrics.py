@@ -87,10 +87,10 @@ def calculate_metrics(results: list[RequestResult], duration_s: float,
 
 def per_request(results: list[RequestResult]) -> dict[str, list]:
     """vLLM's per-request arrays in its result JSON (seconds, as vLLM writes them; ``start_times`` from the first
-    send)."""
+    send; ``generated_texts``, the streamed outputs, by which two servers' runs are checked for equal text)."""
     first = min((r.start_s for r in results), default=0.0)
     return {"request_ids": [r.request_id for r in results], "input_lens": [r.prompt_len for r in results],
             "output_lens": [r.output_tokens if r.success else 0 for r in results],
             "start_times": [r.start_s - first for r in results], "ttfts": [r.ttft_s for r in results],
             "itls": [r.itl_s for r in results], "e2els": [r.latency_s for r in results],
-            "errors": [r.error for r in results]}
+            "errors": [r.error for r in results], "generated_texts": [r.text for r in results]}

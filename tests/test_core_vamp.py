@@ -33,12 +33,16 @@ class FakeSteps:
     def __init__(self, share_per_expert):
         self.share_per_expert = share_per_expert
         self.busy = 0.0
+        self.tokens = 0.0  # time-weighted tokens per step
 
     def busy_s(self):
         return self.busy
 
     def staging_share(self, num_offloaded):
         return num_offloaded * self.share_per_expert
+
+    def time_weighted_tokens(self):
+        return self.tokens
 
 
 def params(staging_per_expert, prefill_s_per_token=1e-3, **kw):
@@ -64,10 +68,10 @@ def request(rid, computed, session=None, hashes=()):
     return r
 
 
-def view(pool, line, shortfall, requester, running=False, preemptible=(), now=1000.0, hits=(), num_waiting=0,
+def view(pool, line, shortfall, requester, running=False, preemptible=(), now=1000.0, hits=(),
          whole_sequence=False):
     return PressureView(shortfall, requester, running, list(preemptible), pool, frozenset(hits), now, line,
-                        list(preemptible), num_waiting, whole_sequence)
+                        list(preemptible), whole_sequence)
 
 
 def relieve(policy, pressure):
@@ -510,45 +514,50 @@ def test_a_request_that_preempted_itself_is_measured_again_when_it_returns():
     assert policy._next.rate(1001.0) > 0
 
 
-def queue_setup(share_per_expert, num_running=1, **kw):
-    """A pool of 4 blocks all held by running requests (nothing cached, nothing to evict), a cap of 4 experts."""
+def queue_setup(share_per_expert, num_running=1, step_tokens=0.0, **kw):
+    """A pool of 4 blocks all held by running requests (nothing cached, nothing to evict), a cap of 4 experts,
+    steps of ``step_tokens`` (time-weighted) against a budget of 100 tokens."""
     pool = BlockPool(range(4))
     line = make_line(pool, max_ratio=0.5)
-    policy = get_policy("vamp", params=params(share_per_expert, **kw))
+    policy = get_policy("vamp", params=params(share_per_expert, token_budget=100, **kw))
+    policy.params.steps.tokens = step_tokens
     held = pool.allocate(4)
     running = [request(f"running-{i}", 4) for i in range(num_running)]
     return pool, line, policy, running, held
 
 
-def ask_for_queue(policy, pool, line, running, num_waiting, whole_sequence=True, now=1000.0, rid="head"):
+def ask_for_queue(policy, pool, line, running, whole_sequence=True, now=1000.0, rid="head"):
     return relieve(policy, view(pool, line, 2, request(rid, 0), preemptible=running, now=now,
-                                num_waiting=num_waiting, whole_sequence=whole_sequence))
+                                whole_sequence=whole_sequence))
 
 
 def test_a_queue_at_the_full_sequence_gate_moves_the_line_at_once():
-    """No review has allowed anything and nothing can be evicted: the head of a queue of three, refused at vLLM
-    0.32's full-sequence gate, gets the one expert (two blocks) it needs, since three waiting requests outweigh
-    twice what the expert's 1% of staging costs the batch (0.01 x 2 requests)."""
-    pool, line, policy, running, _ = queue_setup(0.01)
-    assert ask_for_queue(policy, pool, line, running, num_waiting=3) == [OffloadExperts(((0, 0),))]
+    """No review has allowed anything and nothing can be evicted: the head of the queue, refused at vLLM 0.32's
+    full-sequence gate, gets the one expert (two blocks) it needs, since one more running request beside two adds
+    half to the rate the queue drains at (steps a fifth full), far more than twice the expert's 1% of staging."""
+    pool, line, policy, running, _ = queue_setup(0.01, num_running=2, step_tokens=20)
+    assert ask_for_queue(policy, pool, line, running) == [OffloadExperts(((0, 0),))]
     line.offload([(0, 0)])
-    assert policy.refusal_holds_until(1000.0) == 1000.0  # its answer follows the queue: asked every step
+    assert policy.refusal_holds_until(1000.0) == 1000.0  # its answer follows the step mix: asked every step
     line.check_invariants()
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("case", ["first-chunk", "staging-bound", "big-batch", "turned-off"])
+@pytest.mark.parametrize("case", ["first-chunk", "staging-bound", "big-batch", "full-steps", "turned-off"])
 def test_a_queue_waits_where_moving_the_line_does_not_pay(case):
     """First-chunk admission (a request admitted early is one preempted later), staging past
-    ``queue_staging_share``, a batch whose slowdown outweighs the queue, or the rule turned off: the head waits."""
-    share, num_running, num_waiting, whole, kw = {
-        "first-chunk": (0.01, 1, 3, False, {}),
-        "staging-bound": (0.2, 1, 3, True, {}),  # one expert is 20% of every step, past the 10% bound
-        "big-batch": (0.05, 60, 5, True, {}),  # 0.05 x 61 requests x margin 2 = 6.1 > 5 waiting
-        "turned-off": (0.01, 1, 3, True, {"queue_staging_share": 0.0}),
+    ``queue_staging_share``, a batch so large that one more request adds less than twice the staging, steps
+    that fill the token budget (compute-bound: a larger batch waits on compute), or the rule turned off: the
+    head waits."""
+    share, num_running, step_tokens, whole, kw = {
+        "first-chunk": (0.01, 1, 0, False, {}),
+        "staging-bound": (0.2, 1, 0, True, {}),  # one expert is 20% of every step, past the 10% bound
+        "big-batch": (0.05, 10, 0, True, {}),  # 1/10 <= 2 x 0.05
+        "full-steps": (0.01, 2, 98, True, {}),  # (1 - 0.98) / 2 = 0.01 <= 2 x 0.01
+        "turned-off": (0.01, 1, 0, True, {"queue_staging_share": 0.0}),
     }[case]
-    pool, line, policy, running, _ = queue_setup(share, num_running, **kw)
-    assert ask_for_queue(policy, pool, line, running, num_waiting, whole) == []
+    pool, line, policy, running, _ = queue_setup(share, num_running, step_tokens, **kw)
+    assert ask_for_queue(policy, pool, line, running, whole) == []
     assert line.residency.num_offloaded == 0
 
 
@@ -561,7 +570,7 @@ def test_the_queues_region_goes_back_one_residence_after_the_last_refusal():
         now = 990.0 + t
         policy.admitting(request(f"arrival-{t}", 0), now, line)  # one arrival a second
         assert not policy.maybe_reclaim(line, pool, now, 3)
-    plan = ask_for_queue(policy, pool, line, running, num_waiting=2, now=1000.0)
+    plan = ask_for_queue(policy, pool, line, running, now=1000.0)
     assert plan == [OffloadExperts(((0, 0),))]
     line.offload([(0, 0)])
     region = pool.allocate(2)  # the head is admitted into the region

@@ -209,3 +209,25 @@ def test_the_serving_config_and_the_staging_model_name_the_same_cold_expert_mode
     from moetide.perf.staging import COLD_EXPERT_MODES as MODELED
 
     assert SERVING == MODELED
+
+
+def test_the_step_fill_weighs_each_step_by_its_time():
+    """Decode batches of 16 tokens and 8K prefill chunks, one each in turn: the chunks take most of the time, so
+    the time-weighted tokens per step sit near the chunk's, in the replay's timer and in the plugin's record
+    alike (both what ``VampParams.step_fill`` reads)."""
+    from moetide.core.experts import ExpertResidency, ExpertResidencyConfig
+    from moetide.core.pressure.step_costs import EngineCosts, RecordSteps
+
+    timer, _, _, _ = replay_timer()
+    decode, prefill = (16, 16, 16, 16 * 4097, 16 * 4097), (8192, 1, 0, 8192, 8192 * 8193 // 2)
+    record = RecordSteps(EngineCosts(prefill_s_per_token=1e-5, copy_s_per_expert=1e-4),
+                         ExpertResidency(ExpertResidencyConfig(num_layers=2, num_experts=8, expert_bytes=1)), 2)
+    for _ in range(20):
+        for shape in (decode, prefill):
+            timer(*shape)
+            record.record(shape[0])
+    d, p = (timer.step_model.step_time_s(*shape) for shape in (decode, prefill))
+    assert timer.time_weighted_tokens() == pytest.approx((16 * d + 8192 * p) / (d + p), rel=1e-9)
+    assert timer.time_weighted_tokens() > 0.5 * 8192
+    # the record prices a step by its tokens: (16^2 + 8192^2) / (16 + 8192), within the last steps' decay
+    assert record.time_weighted_tokens() == pytest.approx((16 ** 2 + 8192 ** 2) / (16 + 8192), rel=0.01)

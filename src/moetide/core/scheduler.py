@@ -264,7 +264,7 @@ class Scheduler:
             if short == 0 or short <= pool.num_cached_free_blocks - pool.num_free_among(protected):
                 return True
             view = PressureView(short, request, False, [], pool, protected, self.now_s, self.expert_line,
-                                self.running, len(self.waiting), whole_sequence=True)
+                                self.running, whole_sequence=True)
             actions = self.policy.relieve(view)
             if not actions or not self._apply(actions, hits, out, request, []):
                 return False
@@ -292,7 +292,7 @@ class Scheduler:
             # only running requests not yet scheduled in this step, and only for a running requester (FCFS)
             preemptible = self.running[index + 1 :] if is_running else []
             view = PressureView(shortfall, request, is_running, preemptible, kv.pool, kv.protected(hits),
-                                self.now_s, self.expert_line, self.running, len(self.waiting))
+                                self.now_s, self.expert_line, self.running)
             actions = self.policy.relieve(view)
             if not actions or not self._apply(actions, hits, out, request, preemptible):
                 return False

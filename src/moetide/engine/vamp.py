@@ -32,6 +32,7 @@ import torch
 
 from moetide.core.experts import ExpertResidency
 from moetide.core.pressure.step_costs import ASSUMED_FLOPS, STEP_DECAY, EngineCosts, step_compute_s
+from moetide.core.pressure.vamp_params import TimedTokens
 from moetide.engine.experts import StagedExpertProvider, TouchRates
 from moetide.engine.models.moe import expert_mlp
 from moetide.engine.measure import time_calls
@@ -61,6 +62,7 @@ class EngineStepStats:
         self.busy = 0.0
         self._step_s: float | None = None
         self._exposed_per_step: float = 0.0  # staging and host compute a step holds
+        self._timed_tokens = TimedTokens(STEP_DECAY)
         self._last = self._offload_counts()
         if provider.touches is None:
             provider.touches = TouchRates(residency.config.num_layers, residency.config.num_experts,
@@ -79,6 +81,7 @@ class EngineStepStats:
         exposed = staged * self.copy_s_per_expert + host * self.host_s_per_expert + rows * self.host_s_per_row
         seconds = self.compute_s(num_tokens) + exposed
         self.busy += seconds
+        self._timed_tokens.record(num_tokens, seconds)
         if self._step_s is None:
             self._step_s, self._exposed_per_step = seconds, exposed
         else:
@@ -94,6 +97,9 @@ class EngineStepStats:
     # ---- StepStats ------------------------------------------------------------------------------------------
     def busy_s(self) -> float:
         return self.busy
+
+    def time_weighted_tokens(self) -> float:
+        return self._timed_tokens.mean()
 
     def staging_share(self, num_offloaded: int) -> float:
         if num_offloaded <= 0 or self._step_s is None:

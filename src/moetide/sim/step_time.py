@@ -87,6 +87,13 @@ class StepTimeWithStaging:
     def busy_s(self) -> float:
         return self.busy
 
+    def time_weighted_tokens(self) -> float:
+        """Tokens per step over the recent mix, each group's mean tokens weighted by its (staging-free) time."""
+        seconds = sum(group[2] for group in self._mix.values())
+        if seconds <= 0:
+            return 0.0
+        return sum(group[1] / group[0] * group[2] for group in self._mix.values() if group[0] > 0) / seconds
+
     def staging_share(self, num_offloaded: int) -> float:
         """Exposed staging seconds per second of (staging-free) step time over the recent mix, with
         ``num_offloaded`` experts spread evenly over the MoE layers."""
@@ -159,4 +166,5 @@ def vamp_params(config: ReplayConfig, step_model: StepTimeModel, step_time: Step
     at_zero = per_token_s(0)
     per_context = max(per_token_s(LONG_CONTEXT_TOKENS) - at_zero, 0.0) / LONG_CONTEXT_TOKENS
     return VampParams(prefill_s_per_token=at_zero, prefill_s_per_token_per_context=per_context, steps=step_time,
-                      block_size=config.block_size, horizon_s=config.vamp_horizon_s)
+                      block_size=config.block_size, horizon_s=config.vamp_horizon_s,
+                      token_budget=config.max_num_batched_tokens)

@@ -240,7 +240,7 @@ class _MoetideScheduling:
         preemptible = [self._view(r) for r in self.running[index + 1:]] if running else []
         protected = frozenset(b.block_id for b in hits)
         view = PressureView(short, self._view(request), running, preemptible, books.pool, protected, books.now_s,
-                            books.line, [self._view(r) for r in self.running], len(self.waiting), whole_sequence)
+                            books.line, [self._view(r) for r in self.running], whole_sequence)
         actions = books.policy.relieve(view)
         freed = 0  # blocks the plan made never-cached and free
         for action in actions:

@@ -51,9 +51,8 @@ Action = EvictPrefix | Preempt | OffloadExperts
 class PressureView:
     """What a policy may read. ``preemptible`` lists running requests that may be preempted now (not yet
     scheduled in this step), lowest priority last; ``requester`` is the request that could not allocate;
-    ``num_waiting``: the requests waiting to be admitted, the requester among them when it waits (the queue whose
-    time to first token a refusal prolongs); ``whole_sequence``: the shortfall is vLLM 0.32's full-sequence
-    admission gate's (the requester's whole known sequence), so admitting it risks no preemption later."""
+    ``whole_sequence``: the shortfall is vLLM 0.32's full-sequence admission gate's (the requester's whole known
+    sequence), so admitting it risks no preemption later."""
 
     shortfall_blocks: int
     requester: Request
@@ -64,7 +63,6 @@ class PressureView:
     now_s: float
     expert_line: ExpertLine | None = None
     running: Sequence[Request] = ()
-    num_waiting: int = 0
     whole_sequence: bool = False
 
 

@@ -19,7 +19,7 @@ import dataclasses
 import math
 
 from moetide.core.experts import ExpertResidency
-from moetide.core.pressure.vamp_params import VampParams
+from moetide.core.pressure.vamp_params import TimedTokens, VampParams
 
 ASSUMED_FLOPS = 1e11  # FLOP/s of one CPU core's fp32 GEMM (`moetide calibrate` measured 9.6e10 on this project's VM)
 STEP_DECAY = 0.95  # weight of the previous mean in the step-time and staging means
@@ -64,6 +64,7 @@ class RecordSteps:
         self.busy = 0.0
         self._tokens: float | None = None  # decayed mean tokens per step
         self._step_s: float | None = None  # decayed mean seconds per step, staging left out
+        self._timed_tokens = TimedTokens(STEP_DECAY)
 
     def touch_probability(self, num_tokens: float) -> float:
         """Chance that a step of ``num_tokens`` tokens routes at least one token of a layer to a given expert."""
@@ -83,6 +84,7 @@ class RecordSteps:
         staged = self.residency.num_offloaded * self.touch_probability(num_tokens)
         seconds = compute + staged * self.costs.copy_s_per_expert
         self.busy += seconds
+        self._timed_tokens.record(num_tokens, seconds)
         if self._step_s is None:
             self._tokens, self._step_s = float(num_tokens), compute
         else:
@@ -93,6 +95,9 @@ class RecordSteps:
     # ---- StepStats ------------------------------------------------------------------------------------------
     def busy_s(self) -> float:
         return self.busy
+
+    def time_weighted_tokens(self) -> float:
+        return self._timed_tokens.mean()
 
     def staging_share(self, num_offloaded: int) -> float:
         if num_offloaded <= 0 or not self._step_s:
@@ -105,9 +110,9 @@ def engine_vamp_params(steps, *, block_size: int, chunk_tokens: int, horizon_s: 
                        ) -> VampParams:
     """``VampParams`` over a driver's step stats (``EngineStepStats``, ``RecordSteps``: anything with ``compute_s``
     and ``StepStats``'s methods). Re-prefill is priced as the replay prices it: a full chunk's step seconds per
-    token."""
+    token; ``chunk_tokens`` is the step's token budget."""
     return VampParams(prefill_s_per_token=steps.compute_s(chunk_tokens) / chunk_tokens, steps=steps,
-                      block_size=block_size,
+                      block_size=block_size, token_budget=chunk_tokens,
                       horizon_s=horizon_s, reclaim_check_s=min(horizon_s, VampParams.reclaim_check_s),
                       reclaim_hold_s=min(horizon_s, VampParams.reclaim_hold_s),
                       remap_s_per_expert=0.0)  # conversion relabels pages in Python, inside the step time

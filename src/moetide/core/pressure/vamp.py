@@ -24,10 +24,11 @@ requester; a waiting one waits, unless nothing runs and only the line can admit 
 waiting, not as evictions or preemptions. A waiting request refused at that gate while others run (admitted, its
 whole sequence is reserved, so no preemption follows; under first-chunk admission a request admitted early is one
 preempted later, and the rule does not apply) may move the line at once
-(``_queue_region``): the queue's time to first token accrues at ``num_waiting`` request-seconds per second, the
-region's staging slows every running request's steps by the share it adds (``StepStats.staging_share``), and the
-region goes out when the first outweighs ``margin`` times the second, within ``queue_staging_share`` of exposed
-staging in all. Both sides are rates of the same unit, so no horizon enters; the queue's part of the allowance goes
+(``_queue_region``): the queue drains at the rate the batch runs, which one more running request raises by 1/n
+(none in the share of step time whose steps fill the token budget: compute-bound, ``VampParams.step_fill``), and
+the region's staging lowers by the share it adds to every step (``StepStats.staging_share``); the region goes out
+when the first outweighs ``margin`` times the second, within ``queue_staging_share`` of exposed staging in all.
+Both sides are shares of the same throughput, so no horizon enters; the queue's part of the allowance goes
 back once no request has been refused for one residence (Little's law: requests running over requests arriving,
 measured on the driver's clock), the served workload's own time scale.
 
@@ -176,8 +177,11 @@ class VampPolicy(PressurePolicy):
             return None
         now = p.steps.staging_share(residency.num_offloaded)
         after = p.steps.staging_share(residency.num_offloaded + len(region))
-        slowed = (after - now) * (len(view.running) + 1)  # request-seconds per second the batch's steps lose
-        if after > p.queue_staging_share or view.num_waiting <= p.margin * slowed:
+        # the queue drains at the rate the batch runs: one more running request adds 1/n to it, except in the
+        # share of step time whose steps fill the token budget (compute-bound: a larger batch waits on compute
+        # there); the region's staging takes (after - now) from every step
+        gain = (1.0 - p.step_fill()) / len(view.running)
+        if after > p.queue_staging_share or gain <= p.margin * (after - now):
             return None
         self._queue_allowed = max(self._queue_allowed, residency.num_offloaded + len(region) - self._allowed)
         return region, gained

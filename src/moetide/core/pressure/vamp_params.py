@@ -23,6 +23,28 @@ class StepStats(Protocol):
         experts offloaded (spread over layers)."""
         ...
 
+    def time_weighted_tokens(self) -> float:
+        """Tokens per step over the recent steps, each step weighted by its time: how full the steps that take
+        the accelerator's time are (0 before any step)."""
+        ...
+
+
+class TimedTokens:
+    """``StepStats.time_weighted_tokens`` for a driver that records steps one by one: Σ seconds·tokens over
+    Σ seconds, each step's weight decaying by ``decay`` per step."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self._seconds = 0.0
+        self._token_seconds = 0.0
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        self._seconds = self.decay * self._seconds + seconds
+        self._token_seconds = self.decay * self._token_seconds + seconds * num_tokens
+
+    def mean(self) -> float:
+        return self._token_seconds / self._seconds if self._seconds > 0 else 0.0
+
 
 @dataclass(frozen=True)
 class VampParams:
@@ -64,6 +86,9 @@ class VampParams:
     # request in the batch, and only while the exposed staging share stays within this bound (0 turns it off).
     # The bound is the decode slowdown the line may cost a user for the queue: vLLM's TPOT tolerance of 10%.
     queue_staging_share: float = 0.1
+    # the step's token budget (max_num_batched_tokens): the share of step time spent in steps that fill it is
+    # compute-bound, and a larger batch gains nothing there (None: unknown, no step counts as full)
+    token_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "horizon_s", "reclaim_check_s"):
@@ -77,10 +102,19 @@ class VampParams:
             raise ValueError(f"VampParams.margin must be >= 1, got {self.margin}")
         if not self.calm_reviews > 0:
             raise ValueError(f"VampParams.calm_reviews must be positive, got {self.calm_reviews}")
+        if self.token_budget is not None and self.token_budget <= 0:
+            raise ValueError(f"VampParams.token_budget must be positive, got {self.token_budget}")
         if not 0 <= self.queue_staging_share <= 1:
             raise ValueError(f"VampParams.queue_staging_share must be in [0, 1], got {self.queue_staging_share}")
         if not self.growth_tolerance >= 0 or self.growth_hold_reviews < 0:
             raise ValueError("VampParams: growth_tolerance and growth_hold_reviews must be >= 0")
+
+    def step_fill(self) -> float:
+        """How full the recent steps are, by time: their time-weighted tokens over the token budget (0 where the
+        budget is unknown)."""
+        if self.token_budget is None:
+            return 0.0
+        return min(self.steps.time_weighted_tokens() / self.token_budget, 1.0)
 
     def block_prefill_s(self, block_index: int) -> float:
         """Re-prefill of pool block ``block_index`` of a prefix (tokens at context ≈ its middle)."""

@@ -131,3 +131,33 @@ def test_a_moved_line_is_reported_in_words(capsys):
     assert f"({metrics['offloads']:,} offloads, {metrics['reclaims']:,} regions given back)" in line
     assert main([*common, "--policy", "vllm"]) == 0
     assert "the weights/KV line moved" not in capsys.readouterr().out
+
+
+def test_vamp_priced_from_a_cost_record(tmp_path, capsys):
+    """--vamp-costs: the replay prices vamp from the record as vLLM's plugin does (its ``RecordSteps``, told every
+    step's tokens), a report's "vamp_costs" or the bare record; the config carries it; a bad field is one line."""
+    from moetide.core.pressure.step_costs import RecordSteps
+    from moetide.sim.setup import ReplayConfig, build_replay
+    from moetide.workloads.generator import GeneratorConfig, generate_agent_sessions
+
+    record = {"prefill_s_per_token": 2e-5, "copy_s_per_expert": 2e-4}
+    built = build_replay(generate_agent_sessions(0, config=GeneratorConfig(num_sessions=3)),
+                         ReplayConfig(policy="vamp", kv_cache_memory=2**30, vamp_costs=record))
+    built.replay.run()
+    params = built.replay.scheduler.policy.params
+    assert isinstance(params.steps, RecordSteps) and params.prefill_s_per_token == 2e-5
+    assert params.token_budget == built.config.max_num_batched_tokens and params.steps.busy > 0
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"vamp_costs": record}))
+    out = tmp_path / "out.json"
+    argv = ["replay", "--sessions", "2", "--model", "qwen3-30b-a3b", "--gpu", "h100", "--policy", "vamp",
+            "--kv-cache-memory", "1GiB"]
+    assert main([*argv, "--vamp-costs", str(report), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["vamp_costs"] == record
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"prefill_s_per_token": 2e-5, "copy_s_per_expert": 2e-4, "per_step_s": 1}))
+    capsys.readouterr()
+    assert main([*argv, "--vamp-costs", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vamp-costs" in err[0] and "per_step_s" in err[0]

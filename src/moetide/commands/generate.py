@@ -49,6 +49,7 @@ from moetide.commands.options import (
     checkpoint_dir,
     flag_message,
     human_output,
+    read_costs,
     write_json_output,
 )
 from moetide.engine.split_plan import DEFAULT_SPLIT_GPU
@@ -61,9 +62,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     the replay has too (``commands.options.add_serving_arguments``), then the engine's own."""
     add_serving_arguments(parser, "engine")
     add = parser.add_argument
-    add("--vamp-costs", metavar="FILE",
-        help="vamp: price with this cost record (an earlier --json report's \"vamp_costs\") instead of "
-             "measuring one at start; the same input then makes the same decisions")
     add("--static-offload", action="store_true",
         help="offload --max-offload-ratio of the expert bytes at start (coldest first), whatever the policy")
     add("--device", choices=("cpu", "cuda"), default="cpu", help="where the arena lives (default %(default)s)")
@@ -134,15 +132,6 @@ def load_tokenizer(model: str):
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"--model {model_dir}: cannot load a tokenizer from it ({first})") from None
-
-
-def read_costs(path: str) -> dict:
-    """A cost record: a --json report (its ``vamp_costs``) or the bare record."""
-    doc = read_json(path, f"--vamp-costs {path}")
-    record = doc.get("vamp_costs", doc) if isinstance(doc, dict) else None
-    if not isinstance(record, dict):
-        raise UserError(f"--vamp-costs {path}: expected an object with the cost fields or a \"vamp_costs\" one")
-    return record
 
 
 def build_engine(args: argparse.Namespace, **overrides: object):

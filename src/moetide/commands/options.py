@@ -25,7 +25,7 @@ from moetide.core.config import COLD_EXPERT_MODES
 from moetide.core.kv_manager import DEVICE_PREFIXES
 from moetide.core.pressure import POLICIES
 from moetide.core.splits import SPLIT_POLICIES
-from moetide.errors import UserError
+from moetide.errors import UserError, read_json
 from moetide.units import GiB, KiB, MiB, bytes_text  # noqa: F401 (bytes_text: the verbs import it from here)
 
 _SUFFIXES = {"": 1, "b": 1, "B": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -299,6 +299,11 @@ def add_serving_arguments(parser: argparse.ArgumentParser, driver: str, *, with_
     if with_offload_ratio:
         parser.add_argument("--max-offload-ratio", type=float, default=d.max_offload_ratio, metavar="R",
                             help="cap on the offloaded share of routed-expert bytes (default %(default)s)")
+    parser.add_argument("--vamp-costs", metavar="FILE",
+                        help="vamp: price with this cost record (EngineCosts' fields, or an earlier --json report's "
+                             "\"vamp_costs\") as vLLM's plugin and moetide's engine do, instead of "
+                             + ("the replay's own step and staging models" if driver == "replay"
+                                else "measuring one at start; the same input then makes the same decisions"))
     parser.add_argument("--vamp-horizon-s", type=float, default=d.vamp_horizon_s, metavar="S",
                         help="vamp: seconds between reviews of the line, and the time constant of its measured "
                              f"rates ({'modeled' if driver == 'replay' else 'engine'} seconds; default %(default)s)")
@@ -340,3 +345,12 @@ def _add_host_kv_arguments(parser: argparse.ArgumentParser, d) -> None:
                         help="--kv-host-memory: when no uncached device block is free, keep the cached prefixes in "
                              "device blocks and spill new KV to the host, or evict the least recently used of them "
                              "first (default %(default)s)")
+
+
+def read_costs(path: str) -> dict:
+    """A cost record: a --json report (its ``vamp_costs``) or the bare record."""
+    doc = read_json(path, f"--vamp-costs {path}")
+    record = doc.get("vamp_costs", doc) if isinstance(doc, dict) else None
+    if not isinstance(record, dict):
+        raise UserError(f"--vamp-costs {path}: expected an object with the cost fields or a \"vamp_costs\" one")
+    return record

@@ -21,6 +21,7 @@ from moetide.commands.options import (
     check_outputs,
     flag_message,
     human_output,
+    read_costs,
     write_json_output,
 )
 from moetide.perf.engines import engine_profiles
@@ -222,7 +223,7 @@ def _config_from(args: argparse.Namespace, policy: str) -> ReplayConfig:
         split_policy=args.split_policy,
         split_fixed_ratio=args.split_fixed_ratio, cpu_slowdown=args.cpu_slowdown,
         device_prefixes=args.device_prefixes, kv_host_active_memory=args.kv_host_active_memory,
-        dtype=args.dtype,
+        dtype=args.dtype, vamp_costs=read_costs(args.vamp_costs) if args.vamp_costs else None,
     )
 
 

@@ -17,6 +17,7 @@ from moetide.core.expert_line import ByteLayout, ExpertLine, staging_room_bytes
 from moetide.core.experts import ExpertResidency
 from moetide.core.kv_manager import KVCacheManager
 from moetide.core.pressure import VampParams, policy_entry
+from moetide.core.pressure.step_costs import EngineCosts, RecordSteps, engine_vamp_params
 from moetide.errors import UserError
 from moetide.perf import MemoryBudget, StepTimeModel, default_block_size, memory_budget, weights_per_gpu
 from moetide.perf.engines import DEFAULT_ENGINE_PROFILE, engine_profiles
@@ -82,9 +83,18 @@ class ReplayConfig(ServingConfig):
     # vLLM's --dtype: "auto" is the device's matmul dtype (bf16 on the GPU presets, fp16 on V100, fp32 on a CPU
     # described by ``moetide calibrate --device-out``); weights, KV and activations all take it
     dtype: str = "auto"
+    # vamp priced from this cost record (``EngineCosts`` fields) as vLLM's plugin and moetide's engine price it
+    # (``RecordSteps`` over the replay's steps), instead of from the replay's own step and staging models; the
+    # replay still charges its modeled step times
+    vamp_costs: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.vamp_costs is not None:
+            try:
+                EngineCosts(**self.vamp_costs)
+            except TypeError as exc:
+                raise ValueError(f"ReplayConfig.vamp_costs: {exc}") from None
         if self.dtype not in DTYPES:
             raise ValueError(f"ReplayConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.tp <= 0:
@@ -183,11 +193,17 @@ def build_replay(
                                             kv_bytes_per_expert=residency.config.expert_bytes,
                                             first_block_id=budget.num_blocks))
     staging = StagingModel(model, gpu, tp=config.tp, dtype_bytes=dtype_bytes, config=staging_config(config, model))
+    priced = policy_entry(config.policy).needs_costs
+    record = RecordSteps(EngineCosts(**config.vamp_costs), residency, model.num_experts_per_tok) \
+        if priced and config.vamp_costs is not None else None
     step_time = StepTimeWithStaging(step_model, staging, line, model.num_layers,
                                     mix_tau_s=config.vamp_horizon_s * STAGING_MIX_HORIZONS,
                                     reference_step=reference_decode(config, step_model),
-                                    track_mix=policy_entry(config.policy).needs_costs)
-    policy = make_policy(config, lambda: vamp_coefficients or vamp_params(config, step_model, step_time))
+                                    track_mix=priced and record is None, record=record)
+    policy = make_policy(config, lambda: vamp_coefficients or (
+        engine_vamp_params(record, block_size=config.block_size, chunk_tokens=config.max_num_batched_tokens,
+                           horizon_s=config.vamp_horizon_s)
+        if record is not None else vamp_params(config, step_model, step_time)))
     try:
         scheduler = build_scheduler(
             config, kv, line, policy, scheduler_reserve_full_isl=bool(config.scheduler_reserve_full_isl),

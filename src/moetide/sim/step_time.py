@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from moetide.core.expert_line import ExpertLine
 from moetide.core.pressure import VampParams
+from moetide.core.pressure.step_costs import RecordSteps
 from moetide.perf import StepTimeModel
 from moetide.perf.routing_profile import read_rank_shares
 from moetide.perf.staging import CPU, StagingConfig, StagingModel
@@ -37,12 +38,14 @@ class StepTimeWithStaging:
     that averaged an 8K chunk at 1K context with one at 100K would price the short one's exposure at the long
     one's cover (on the whole WEKA trace, 5x below what the replay then charged). Before any step it prices a
     reference decode step. Only a policy that reads it needs the mix: ``track_mix=False`` skips it (the replay's
-    other policies)."""
+    other policies). ``record``: a cost record's ``RecordSteps``, told each step's tokens, where vamp is priced from a
+    record instead (``ReplayConfig.vamp_costs``)."""
 
     def __init__(self, step_model: StepTimeModel, staging: StagingModel, line: ExpertLine, num_layers: int, *,
                  mix_tau_s: float = 300.0, reference_step: tuple[int, float] = (32, 0.014),
-                 track_mix: bool = True) -> None:
+                 track_mix: bool = True, record: RecordSteps | None = None) -> None:
         self.step_model, self.staging, self.line, self.num_layers = step_model, staging, line, num_layers
+        self.record = record
         self.track_mix = track_mix
         self.staged_bytes = 0.0
         self.busy = 0.0
@@ -61,6 +64,8 @@ class StepTimeWithStaging:
             self.staged_bytes += staged
             duration += exposed
         self.busy += duration
+        if self.record is not None:
+            self.record.record(num_tokens)
         if not self.track_mix:
             return duration
         x = (self.busy - self._origin) / self.mix_tau_s

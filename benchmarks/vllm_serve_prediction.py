@@ -47,8 +47,7 @@ from serve_side_by_side import bench_serve, start, stop, wait_ready
 from moetide.commands.calibrate_device import CPU_DTYPE_BYTES, device_file_text, write_device_file
 from moetide.commands.options import parse_bytes
 from moetide.perf.step_calibrate import designed_runs
-from moetide.perf.step import StepShape, StepTimeModel
-from moetide.perf.step_calibrate import fit_step_efficiency, step_efficiency_for_gpu
+from moetide.perf.step_calibrate import fit_step_efficiency, step_efficiency_for_gpu, vamp_costs_from_device
 from moetide.serve.bench_client import Target, replay
 from moetide.serve.bench_prompts import BenchSession, BenchTurn
 from moetide.serve.harness import free_port
@@ -139,11 +138,9 @@ def start_server(args: argparse.Namespace, policy: str, port: int, step_log: str
 def plugin_costs_of(device: str, model: str, chunk_tokens: int) -> dict[str, float]:
     """The plugin's cost record from a device file, as the replay prices the same work: a prefill token at a full
     chunk's modeled step seconds per token, a staged expert at its bytes over the device's host link."""
-    hardware, spec = get_gpu(device), get_model(str(Path(model) / "config.json"))
-    steps = StepTimeModel(spec, hardware, dtype_bytes=CPU_DTYPE_BYTES, kv_dtype_bytes=CPU_DTYPE_BYTES,
-                          efficiency=step_efficiency_for_gpu(device))
-    return {"prefill_s_per_token": steps.step_time_s(*StepShape.prefill(chunk_tokens).as_args()) / chunk_tokens,
-            "copy_s_per_expert": spec.expert_bytes(CPU_DTYPE_BYTES) / hardware.host_link_bandwidth_bytes_per_s}
+    return vamp_costs_from_device(get_gpu(device), step_efficiency_for_gpu(device),
+                                  get_model(str(Path(model) / "config.json")), chunk_tokens=chunk_tokens,
+                                  dtype_bytes=CPU_DTYPE_BYTES)
 
 
 def bench(url: str, args: argparse.Namespace, seed: int, out: str) -> dict:

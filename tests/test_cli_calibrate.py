@@ -300,6 +300,7 @@ def test_unwritable_out(monkeypatch, tmp_path, capsys):
     (["--dram-channels", "8"], "go together"),
     (["--clock", "thread", "--threads", "2"], "needs --threads 1"),
     (["--dram-channels", "1", "--dram-mts", "100"], "exceeds the peak"),  # 0.8 GB/s < the measured 25
+    (["--costs-out", "costs.json"], "use it with --engine vllm"),
 ])
 def test_bad_arguments(monkeypatch, capsys, argv, needle):
     monkeypatch.setattr(calibrate_cmd, "calibrate", lambda **kw: synthetic())

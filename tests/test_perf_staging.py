@@ -231,3 +231,19 @@ def test_the_step_fill_weighs_each_step_by_its_time():
     assert timer.time_weighted_tokens() > 0.5 * 8192
     # the record prices a step by its tokens: (16^2 + 8192^2) / (16 + 8192), within the last steps' decay
     assert record.time_weighted_tokens() == pytest.approx((16 ** 2 + 8192 ** 2) / (16 + 8192), rel=0.01)
+
+
+def test_the_cost_record_from_a_device_is_the_replays_price_of_the_same_work():
+    """``vamp_costs_from_device``: a prefill token at a full chunk's modeled seconds per token, a staged expert at
+    its bytes over the host link, on the device and efficiency given."""
+    from moetide.perf import StepTimeModel
+    from moetide.perf.step import Efficiency, StepShape
+    from moetide.perf.step_calibrate import vamp_costs_from_device
+
+    m, gpu, eff = get_model("qwen3-30b-a3b"), get_gpu("h100"), Efficiency(matmul=0.5, step_overhead_s=1e-3)
+    costs = vamp_costs_from_device(gpu, eff, m, chunk_tokens=4096, dtype_bytes=2)
+    chunk_s = StepTimeModel(m, gpu, dtype_bytes=2, kv_dtype_bytes=2, efficiency=eff).step_time_s(
+        *StepShape.prefill(4096).as_args())
+    assert costs == {"prefill_s_per_token": pytest.approx(chunk_s / 4096),
+                     "copy_s_per_expert": pytest.approx(m.expert_bytes(2) / gpu.host_link_bandwidth_bytes_per_s)}
+    assert costs["prefill_s_per_token"] > 1e-3 / 4096  # the step overhead is in it

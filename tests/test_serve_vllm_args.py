@@ -33,3 +33,18 @@ def test_a_key_with_spaces_is_refused(monkeypatch):
     monkeypatch.delenv("MOETIDE_API_KEY", raising=False)
     with pytest.raises(UserError, match="--api-key must be a non-empty key without spaces"):
         translate(["--api-key", "two words"])
+
+
+def test_a_cost_record_becomes_the_plugins_costs(tmp_path):
+    """--vamp-costs (a record, or the report `moetide calibrate --engine vllm --costs-out` writes) reaches the
+    plugin as its settings' ``costs``, not as a flag vLLM would refuse."""
+    import json
+
+    record = {"prefill_s_per_token": 1.2e-4, "copy_s_per_expert": 1.4e-4}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"vamp_costs": record}))
+    argv, _ = translate(["--policy", "vamp", "--vamp-costs", str(path)])
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"]["costs"] == record
+    assert "--vamp-costs" not in argv
+    assert "costs" not in json.loads(translate(["--policy", "vamp"])[0][3])["kv_connector_extra_config"]

@@ -37,9 +37,10 @@ from moetide.perf.calibrate import (
     model_cpu_s,
     offload_efficiency_for_host,
 )
+from moetide.perf.step_calibrate import vamp_costs_from_device
 from moetide.report.tables import format_table
 from moetide.report.toml import toml_line
-from moetide.specs import get_host
+from moetide.specs import get_host, get_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --engine vllm: the KV block size the server will run with (default 32)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                         help="with --engine vllm: the server's token budget per step (default 8192)")
+    parser.add_argument("--costs-out", metavar="FILE.json",
+                        help="with --engine vllm: write vamp's cost record priced from the fitted device, for "
+                             "`moetide serve --engine vllm --vamp-costs FILE` and `moetide replay --vamp-costs FILE`")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -92,6 +96,11 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.out is not None:
         check_toml_output("--out", Path(args.out), "host", "host.toml")
     check_output_path("--json", args.json)
+    if args.costs_out is not None:
+        if args.engine != "vllm":
+            raise UserError("--costs-out prices vLLM's plugin: use it with --engine vllm (moetide's engine measures "
+                            "its own record at start)")
+        check_output_path("--costs-out", args.costs_out)
     if args.device_out is not None:
         if args.model is None:
             raise UserError("--device-out describes the engine on a checkpoint: give --model DIR too")
@@ -314,7 +323,13 @@ def _engine_steps(args: argparse.Namespace, cal: Calibration) -> tuple[dict[str,
         calibrate_device.write_device_file(Path(args.device_out), calibrate_device.device_file_text(
             device, step_fit, folder, samples, args.engine))
         text += f"\nwrote {args.device_out} (moetide replay --gpu {args.device_out} --model {folder})"
+    if args.costs_out is not None:
+        costs = vamp_costs_from_device(device, step_fit.efficiency(), get_model(str(folder / "config.json")),
+                                       chunk_tokens=args.max_num_batched_tokens,
+                                       dtype_bytes=calibrate_device.CPU_DTYPE_BYTES)
+        Path(args.costs_out).write_text(json.dumps({"vamp_costs": costs}, indent=2) + "\n")
+        text += f"\nwrote {args.costs_out} (moetide serve --engine vllm --vamp-costs {args.costs_out})"
     record = {"model": str(folder), "engine": args.engine, "device_out": args.device_out,
-              "fit": dataclasses.asdict(step_fit),
+              "costs_out": args.costs_out, "fit": dataclasses.asdict(step_fit),
               "steps": [{"shape": list(s.shape.as_args()), "seconds": s.seconds} for s in samples]}
     return record, text

@@ -1,8 +1,8 @@
 """``moetide serve --engine vllm``: vLLM's own OpenAI server, with moetide's plugin configured.
 
 The options both engines share are translated to vLLM's flags: ``--model`` (vLLM's positional model),
-``--policy``, ``--max-offload-ratio``, ``--vamp-horizon-s`` and ``--line-cycle-steps`` (the plugin's settings, in
-``--kv-transfer-config``),
+``--policy``, ``--max-offload-ratio``, ``--vamp-horizon-s``, ``--line-cycle-steps`` and ``--vamp-costs`` (the
+plugin's settings, in ``--kv-transfer-config``; the cost record as its ``costs``),
 ``--kv-cache-memory`` (``--kv-cache-memory-bytes``), ``--block-size``, ``--max-num-seqs``,
 ``--max-num-batched-tokens``, ``--max-model-len``, ``--served-model-name``, ``--host``, ``--port`` and
 ``--chat-template``. The API key (``--api-key``, else ``$MOETIDE_API_KEY``, as for moetide's own server) reaches
@@ -21,6 +21,7 @@ import json
 import os
 import sys
 
+from moetide.commands.options import read_costs
 from moetide.errors import UserError
 from moetide.vllm.server import SERVE_FLAGS_ENV
 from moetide.vllm.settings import SCHEDULER_CLS, PluginSettings
@@ -31,7 +32,7 @@ SAME_FLAGS = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
               "served_model_name": "--served-model-name", "host": "--host", "port": "--port",
               "chat_template": "--chat-template"}
 SETTINGS = ("policy", "max_offload_ratio", "vamp_horizon_s", "line_cycle_steps")
-NOT_OPTIONS = {"model", "engine", "kv_cache_memory", "verb", "api_key"}  # translated otherwise
+NOT_OPTIONS = {"model", "engine", "kv_cache_memory", "verb", "api_key", "vamp_costs"}  # translated otherwise
 
 
 def vllm_argv(args: argparse.Namespace, defaults: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -43,7 +44,8 @@ def vllm_argv(args: argparse.Namespace, defaults: argparse.Namespace, extra: lis
             raise UserError(f"{flag}: moetide serve --engine vllm sets it (use --policy, --max-offload-ratio and "
                             f"--kv-cache-memory)")
     try:
-        settings = PluginSettings(**{name: getattr(args, name) for name in SETTINGS})
+        settings = PluginSettings(**{name: getattr(args, name) for name in SETTINGS},
+                                  costs=read_costs(args.vamp_costs) if args.vamp_costs else None)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     argv = ["--model", args.model, "--kv-transfer-config", json.dumps(settings.kv_transfer_config())]

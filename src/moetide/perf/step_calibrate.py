@@ -202,3 +202,14 @@ def designed_runs(quick: bool, longest: int, repeats: int | None = None) -> list
     than ``longest`` tokens skips the longest prompts."""
     runs = ENGINE_STEP_RUNS[quick] * (ENGINE_STEP_REPEATS[quick] if repeats is None else repeats)
     return [run for run in ((2, 64, 4), *runs) if run[1] + run[2] <= longest]
+
+
+def vamp_costs_from_device(device: HardwareSpec, efficiency: Efficiency, model: ModelSpec, *, chunk_tokens: int,
+                           dtype_bytes: int) -> dict[str, float]:
+    """The cost record ``vamp`` is priced by (``core.pressure.step_costs.EngineCosts``' fields) from a measured
+    device, as the replay prices the same work: a prefill token at a full chunk's step seconds per token, and a
+    staged expert at its bytes over the device's host link."""
+    steps = StepTimeModel(model, device, dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes, efficiency=efficiency)
+    chunk = StepShape.prefill(chunk_tokens)
+    return {"prefill_s_per_token": steps.step_time_s(*chunk.as_args()) / chunk_tokens,
+            "copy_s_per_expert": model.expert_bytes(dtype_bytes) / device.host_link_bandwidth_bytes_per_s}

@@ -203,18 +203,18 @@ def test_a_region_the_line_no_longer_allows_drains_and_goes_back(policy_name):
     line.offload([(0, 0)])
     assert pool.allocate(5) == [0, 1, 2, 3, 1000]
     policy._allowed = 0  # ... and what a later review took back
-    assert not policy.maybe_reclaim(line, pool, 1.0, 0)
+    assert not policy.maybe_reclaim(line, pool, 1.0)
     assert pool.is_draining(1001) and pool.num_drained_blocks == 1 and pool.allocate(1) is None
     pool.free([1000])
-    assert policy.maybe_reclaim(line, pool, 2.0, 0) and line.residency.num_offloaded == 0 and pool.num_blocks == 4
+    assert policy.maybe_reclaim(line, pool, 2.0) and line.residency.num_offloaded == 0 and pool.num_blocks == 4
     assert policy.num_given_back == 1
     policy._allowed = 1
     line.offload([(0, 0)])
     assert pool.allocate(1) == [1000]
     policy._allowed = 0
-    assert not policy.maybe_reclaim(line, pool, 3.0, 0) and pool.is_draining(1001)
+    assert not policy.maybe_reclaim(line, pool, 3.0) and pool.is_draining(1001)
     policy._allowed = 1  # the line grows back before the region is empty: it stays, its blocks are KV again
-    assert not policy.maybe_reclaim(line, pool, 4.0, 0)
+    assert not policy.maybe_reclaim(line, pool, 4.0)
     assert not pool.is_draining(1001) and pool.allocate(1) == [1001] and line.residency.num_offloaded == 1
     line.check_invariants()
     pool.check_invariants()
@@ -229,7 +229,7 @@ def test_without_give_back_the_line_only_grows():
     line.offload([(0, 0)])
     assert pool.allocate(5) == [0, 1, 2, 3, 1000]
     for t in range(5):
-        assert not policy.maybe_reclaim(line, pool, float(t), 0)
+        assert not policy.maybe_reclaim(line, pool, float(t))
     assert not pool.is_draining(1001) and pool.allocate(1) == [1001]
 
 
@@ -247,7 +247,7 @@ def test_once_pressure_has_receded_for_good_the_line_comes_back_a_window_at_a_ti
     given_back = {}
     for t in range(0, 100, 5):
         held = pool.allocate(pool.num_free_blocks) if t == 10 else None  # no room at the check at 10 s
-        if policy.maybe_reclaim(line, pool, float(t), 0):
+        if policy.maybe_reclaim(line, pool, float(t)):
             given_back[t] = line.residency.num_offloaded
         if held:
             pool.free(held)
@@ -317,12 +317,12 @@ def test_the_line_moves_out_while_reuse_is_measured_and_back_when_it_stops():
                 pool.evict(action.num_blocks)
         relieve(policy, view(pool, line, 1, request(f"back-{t}", 0, hashes=hashes), preemptible=running,
                             now=t + 0.5))
-        policy.maybe_reclaim(line, pool, t + 0.9, 0)
+        policy.maybe_reclaim(line, pool, t + 0.9)
         most = max(most, line.residency.num_offloaded)
     assert most == 2
     for t in range(80, 600):
         steps.busy = float(t)
-        policy.maybe_reclaim(line, pool, float(t), 0)
+        policy.maybe_reclaim(line, pool, float(t))
         if not line.residency.num_offloaded:
             break
     assert line.residency.num_offloaded == 0 and 100 < t < 600
@@ -561,28 +561,19 @@ def test_a_queue_waits_where_moving_the_line_does_not_pay(case):
     assert line.residency.num_offloaded == 0
 
 
-def test_the_queues_region_goes_back_one_residence_after_the_last_refusal():
-    """Requests arrive one a second and three run, so a residence is about three seconds (Little's law). The
-    queue's region stays within it, starts draining a residence after the last refusal, and goes back once its
-    blocks are free."""
-    pool, line, policy, running, held = queue_setup(0.01)
-    for t in range(10):
-        now = 990.0 + t
-        policy.admitting(request(f"arrival-{t}", 0), now, line)  # one arrival a second
-        assert not policy.maybe_reclaim(line, pool, now, 3)
-    plan = ask_for_queue(policy, pool, line, running, now=1000.0)
-    assert plan == [OffloadExperts(((0, 0),))]
+def test_the_queues_region_stays_with_the_allowance_until_the_pool_is_calm():
+    """The queue raises the allowance itself, so its region is not given back while the pool stays full (a drain
+    would lose the cached prefixes in it); once the pool has had room to spare for ``calm_reviews`` horizons (two
+    here, 20 s, checked every 5 s) the allowance falls and the region goes back."""
+    pool, line, policy, running, held = queue_setup(0.01, num_running=2, step_tokens=20, calm_reviews=2.0)
+    assert ask_for_queue(policy, pool, line, running) == [OffloadExperts(((0, 0),))]
     line.offload([(0, 0)])
     region = pool.allocate(2)  # the head is admitted into the region
-    assert sorted(region) == [1000, 1001]
-    for t in (1001.0, 1002.0):  # arrivals go on, each admitted at once
-        policy.admitting(request(f"arrival-{t}", 0), t, line)
-        assert not policy.maybe_reclaim(line, pool, t, 3) and not pool.is_draining(1000)  # within a residence
-        assert policy.reads_every_step
-    assert not policy.maybe_reclaim(line, pool, 1003.5, 3) and pool.is_draining(1000)  # a residence on: drains
-    pool.free(region)
-    assert policy.maybe_reclaim(line, pool, 1004.0, 3) and line.residency.num_offloaded == 0
-    assert pool.num_blocks == 4
-    pool.free(held)
+    for t in range(1000, 1060, 5):  # the pool stays full
+        assert not policy.maybe_reclaim(line, pool, float(t))
+    assert line.residency.num_offloaded == 1 and not pool.is_draining(region[0])
+    pool.free(held + region)  # the requests finish: room to spare
+    returned = [t for t in range(1060, 1100, 5) if policy.maybe_reclaim(line, pool, float(t))]
+    assert returned == [1080] and line.residency.num_offloaded == 0 and pool.num_blocks == 4
     line.check_invariants()
     pool.check_invariants()

@@ -153,7 +153,7 @@ class Scheduler:
         alone = len(self.running) + len(self.waiting) <= 1 and not self.config.threshold_caps_lone_request
         self._threshold = 0 if alone else threshold
         if self.expert_line is not None:
-            out.reclaimed = self.policy.maybe_reclaim(self.expert_line, self.kv.pool, self.now_s, len(self.running))
+            out.reclaimed = self.policy.maybe_reclaim(self.expert_line, self.kv.pool, self.now_s)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)

@@ -174,14 +174,13 @@ class LineBooks:
         config = self.residency.config
         return self.residency.num_offloaded / (config.num_layers * config.num_experts)
 
-    def begin_step(self, num_running: int) -> None:
-        """Before the step is scheduled (``num_running`` requests running): the policy may give a drained region
-        back."""
+    def begin_step(self) -> None:
+        """Before the step is scheduled: the policy may give a drained region back."""
         self.step = LineStep()
         if self.line is None:
             return
         last = self.line.last_region()
-        if self.policy.maybe_reclaim(self.line, self.pool, self.now_s, num_running):
+        if self.policy.maybe_reclaim(self.line, self.pool, self.now_s):
             self._reclaimed(last)
         if self.settings.line_cycle_steps:
             self._cycle()

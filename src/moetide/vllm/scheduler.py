@@ -114,7 +114,7 @@ class _MoetideScheduling:
 
     # ---- vLLM's scheduler methods -------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
-        self.moetide.begin_step(len(self.running))
+        self.moetide.begin_step()
         output = super().schedule(*args, **kwargs)
         self.moetide.end_step(output.total_num_scheduled_tokens)
         return output

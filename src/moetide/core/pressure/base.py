@@ -80,9 +80,8 @@ class PressurePolicy(Protocol):
         """Called at every waiting request's prefix lookup (``request.num_computed_tokens`` set to its hits),
         before allocation."""
 
-    def maybe_reclaim(self, line: ExpertLine, pool: BlockPool, now_s: float, num_running: int) -> bool:
-        """Called before each step with an expert line (``num_running``: the requests running into it); True when
-        it moved the line back towards the experts."""
+    def maybe_reclaim(self, line: ExpertLine, pool: BlockPool, now_s: float) -> bool:
+        """Called before each step with an expert line; True when it moved the line back towards the experts."""
         return False
 
     @property

@@ -24,13 +24,15 @@ requester; a waiting one waits, unless nothing runs and only the line can admit 
 waiting, not as evictions or preemptions. A waiting request refused at that gate while others run (admitted, its
 whole sequence is reserved, so no preemption follows; under first-chunk admission a request admitted early is one
 preempted later, and the rule does not apply) may move the line at once
-(``_queue_region``): the queue drains at the rate the batch runs, which one more running request raises by 1/n
-(none in the share of step time whose steps fill the token budget: compute-bound, ``VampParams.step_fill``), and
-the region's staging lowers by the share it adds to every step (``StepStats.staging_share``); the region goes out
-when the first outweighs ``margin`` times the second, within ``queue_staging_share`` of exposed staging in all.
-Both sides are shares of the same throughput, so no horizon enters; the queue's part of the allowance goes
-back once no request has been refused for one residence (Little's law: requests running over requests arriving,
-measured on the driver's clock), the served workload's own time scale.
+(``_queue_region``): the queue drains at the rate the batch runs, which one more running request raises by at
+most 1/n and the region's KV by at most its share of the pool (none in the share of step time whose steps fill
+the token budget: compute-bound, ``VampParams.step_fill``), and which the region's staging lowers by the share it
+adds to every step (``StepStats.staging_share``); the region goes out when the first outweighs ``margin`` times
+the second, within ``queue_staging_share`` of exposed staging in all.
+Both sides are shares of the same throughput, so no horizon enters. The allowance follows the region, which goes
+back as any growth does (below): giving it back as soon as the queue had been gone for one residence drained
+cached prefixes that the reviews then counted as ghost hits and answered with whole windows, which tipped the
+whole WEKA trace into collapse near its cliff (docs/vamp/policy.md).
 
 The line follows the allowance back (``give_back``): the last region drains (its free blocks leave the pool, each
 used block when its request lets it go) and its experts get their pages back when it is empty; a calm pool gives
@@ -71,12 +73,6 @@ class VampPolicy(PressurePolicy):
         # preemption is an admission of its own
         self._admitted: tuple[str, int] | None = None
         self._allowed = 0  # experts the line may have offloaded now (moved by _review)
-        self._queue_allowed = 0  # ... and beyond that, for the waiting queue (_queue_region; gone with the queue)
-        self._last_refusal_s: float | None = None  # when a waiting request was last refused while others ran
-        self._arrivals = DecayedRate(params.horizon_s)  # admissions asked for per second
-        self._running = DecayedRate(params.horizon_s)  # requests running, averaged over time
-        self._num_running = 0  # at the last step start
-        self._running_t: float | None = None
         self._demand = DecayedRate(params.horizon_s)  # prompt tokens asked for (first admissions) per second
         self._grew_at: float | None = None  # busy s per demanded token when the line last grew (checked next review)
         self._no_growth_until = -math.inf
@@ -94,10 +90,8 @@ class VampPolicy(PressurePolicy):
         step, and a draining region goes back at the first step after its last block is freed."""
         if self.params.reclaim or self._draining is not None:
             return True
-        if self._queue_allowed:
-            return True  # the queue's part goes back once no request has been refused for a residence
         line = self._line  # a review lowered the allowance: the next step starts giving back
-        return self.params.give_back and line is not None and line.residency.num_offloaded > self._allowance
+        return self.params.give_back and line is not None and line.residency.num_offloaded > self._allowed
 
     # ---- the plan ---------------------------------------------------------------------------------------------
     def refusal_holds_until(self, now_s: float) -> float:
@@ -117,16 +111,15 @@ class VampPolicy(PressurePolicy):
             self._size_ghost_list(line)
             self._review(line, view.now_s)
         need = view.shortfall_blocks
-        room = max(self._allowance - line.residency.num_offloaded, 0) if line is not None else 0
+        room = max(self._allowed - line.residency.num_offloaded, 0) if line is not None else 0
         region, gained = self._offload_region(view, need, room) if room else ([], 0)
         if gained >= need:  # the line covers it: no victim to look at
             self._keep_draining_region(view.pool)
             return [OffloadExperts(tuple(region))]
         evict = list(self._evict_units(view))
         evictable = sum(freed for freed, _ in evict)
-        if gained + evictable < need and view.whole_sequence and view.running:
-            self._last_refusal_s = view.now_s  # a queue: the requester waits unless the line moves for it
-            grown = self._queue_region(view, need - evictable) if line is not None else None
+        if gained + evictable < need and view.whole_sequence and view.running and line is not None:
+            grown = self._queue_region(view, need - evictable)  # a queue: it waits unless the line moves for it
             if grown is not None:
                 region, gained = grown
         if not gained and evictable < need:
@@ -159,14 +152,9 @@ class VampPolicy(PressurePolicy):
             actions.append(EvictPrefix(left))
         return actions
 
-    @property
-    def _allowance(self) -> int:
-        """Experts the line may have offloaded now: the reviews' allowance and the queue's."""
-        return self._allowed + self._queue_allowed
-
     def _queue_region(self, view: PressureView, need: int) -> tuple[list[tuple[int, int]], int] | None:
         """The region that admits a waiting requester (``need`` blocks beyond what eviction frees) when the queue's
-        waiting outweighs its staging (module docstring), with the queue's allowance raised to keep it; None
+        throughput outweighs its staging (module docstring), with the allowance raised to keep it; None
         otherwise."""
         p, line = self.params, view.expert_line
         residency = line.residency
@@ -177,13 +165,15 @@ class VampPolicy(PressurePolicy):
             return None
         now = p.steps.staging_share(residency.num_offloaded)
         after = p.steps.staging_share(residency.num_offloaded + len(region))
-        # the queue drains at the rate the batch runs: one more running request adds 1/n to it, except in the
+        # the queue drains at the rate the batch runs. One more running request adds at most 1/n to it, and KV
+        # at most its own share of the pool (a KV-bound batch grows in proportion to its pool); nothing in the
         # share of step time whose steps fill the token budget (compute-bound: a larger batch waits on compute
-        # there); the region's staging takes (after - now) from every step
-        gain = (1.0 - p.step_fill()) / len(view.running)
+        # there). The region's staging takes (after - now) from every step.
+        pool_blocks = line.kv_room(view.pool)[1]
+        gain = min(1.0 / len(view.running), gained / max(pool_blocks, 1)) * (1.0 - p.step_fill())
         if after > p.queue_staging_share or gain <= p.margin * (after - now):
             return None
-        self._queue_allowed = max(self._queue_allowed, residency.num_offloaded + len(region) - self._allowed)
+        self._allowed = max(self._allowed, residency.num_offloaded + len(region))
         return region, gained
 
     def _evict_units(self, view: PressureView):
@@ -278,7 +268,6 @@ class VampPolicy(PressurePolicy):
         self._admitted = admission
         if request.num_cached_prompt_tokens is None:  # its first admission (not a preempted one's return)
             self._demand.add(now_s, request.num_prompt_tokens)
-            self._arrivals.add(now_s, 1.0)
         if line is not None:
             self._size_ghost_list(line)
         self._count_ghost_hits(request, now_s)
@@ -345,53 +334,38 @@ class VampPolicy(PressurePolicy):
             rate.add(now_s, 0.0)  # the clocks run from the start, not from the first hit
 
     # ---- giving regions back -------------------------------------------------------------------------------
-    def maybe_reclaim(self, line, pool, now_s: float, num_running: int) -> bool:
+    def maybe_reclaim(self, line, pool, now_s: float) -> bool:
         """The scheduler's call before each step: give the last region back once it has drained (``give_back``),
         start draining it while more experts are offloaded than the line allows, and (``vamp-reclaim``) every
         ``reclaim_check_s`` review the line and lower it by the last region once the pool has had room to spare
-        for ``reclaim_hold_s``; the queue's part of the allowance goes once no request has been refused for a
-        residence. Returns whether a region went back."""
+        for ``reclaim_hold_s``. Returns whether a region went back."""
         p = self.params
-        self._watch_queue(now_s, num_running)
         if p.reclaim and now_s >= self._next_reclaim_check_s:
             self._next_reclaim_check_s = now_s + p.reclaim_check_s
             self._observe(now_s)
             self._review(line, now_s)
             last = line.last_region()
             self._check_room(line, pool, now_s, p.reclaim_hold_s, len(last[0]) if last is not None else 0)
-        elif p.give_back and self._allowed and now_s >= self._next_reclaim_check_s and not self._queue_allowed:
+        elif p.give_back and self._allowed and now_s >= self._next_reclaim_check_s:
             # pressure that has receded for good: reviews run only at a shortfall, and none comes
             self._next_reclaim_check_s = now_s + p.reclaim_check_s
             self._size_ghost_list(line)
             self._check_room(line, pool, now_s, p.calm_reviews * p.horizon_s, self._experts_for(line, self._window()))
         return p.give_back and self._give_back(line, pool)
 
-    def _watch_queue(self, now_s: float, num_running: int) -> None:
-        """Average the running requests over time, and drop the queue's part of the allowance once no waiting
-        request has been refused for one residence (running over arriving requests; held while either is
-        unmeasured)."""
-        since = now_s if self._running_t is None else self._running_t
-        self._running.add_spread(now_s, self._num_running * (now_s - since))
-        self._running_t, self._num_running = now_s, num_running
-        if not self._queue_allowed or self._last_refusal_s is None:
-            return
-        running, arrivals = self._running.rate(now_s), self._arrivals.rate(now_s)
-        if running is not None and arrivals and now_s - self._last_refusal_s >= running / arrivals:
-            self._queue_allowed = 0
-
     def _give_back(self, line, pool) -> bool:
         """Start draining the last region while more experts are offloaded than allowed (cancel the drain once they
         are not); give it back once every block of it has drained."""
         if self._draining is None:
             # called every step: the cheap test first
-            last = line.last_region() if line.residency.num_offloaded > self._allowance else None
+            last = line.last_region() if line.residency.num_offloaded > self._allowed else None
             if last is None:
                 return False
             ids = list(last[1])
             self._remember(pool, self._lost_by_drain(pool, ids))
             pool.drain(ids)
             self._draining = ids  # a region whose blocks were all free goes at once, below
-        elif line.residency.num_offloaded <= self._allowance:  # the allowance came back up: the region stays
+        elif line.residency.num_offloaded <= self._allowed:  # the allowance came back up: the region stays
             self._keep_draining_region(pool)
             return False
         if pool.num_drained_blocks < len(self._draining) or not line.reclaim_last():
@@ -438,6 +412,5 @@ class VampPolicy(PressurePolicy):
         if self._roomy_since is None:
             self._roomy_since = now_s
         if now_s - self._roomy_since >= hold_s:
-            out = line.residency.num_offloaded - self._queue_allowed
-            self._allowed = min(self._allowed, max(out - experts, 0))
+            self._allowed = min(self._allowed, max(line.residency.num_offloaded - experts, 0))
             self._roomy_since = None  # the smaller pool must show room of its own before the next region goes

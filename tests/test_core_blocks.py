@@ -395,3 +395,17 @@ def test_host_blocks_in_use_count_a_shared_block_once():
     pool.touch([10])  # a hit on the cached, free host block
     assert pool.num_host_blocks_in_use == 1
     pool.check_invariants()
+
+
+def test_eviction_covers_counts_cached_free_blocks_outside_the_protected_ones():
+    from moetide.core.blocks import BlockPool
+    from moetide.core.kv_manager import KVCacheManager
+
+    pool = BlockPool(range(6))
+    kv = KVCacheManager(pool, 4)
+    kv.allocate_slots("a", 12, [11, 12, 13])  # three full blocks, registered
+    kv.free("a")
+    hits = kv.find_prefix([11, 12, 13], 13)[0]
+    assert pool.eviction_covers(3) and not pool.eviction_covers(4)
+    assert pool.eviction_covers(2, protect=hits[:1]) and not pool.eviction_covers(3, protect=hits[:1])
+    pool.check_invariants()

@@ -82,6 +82,9 @@ def test_the_allocation_takes_what_peek_says_it_would_evict(view):
     assert uncached == BASE - 1 - 4 and view.num_cached_free_blocks == 4
     victims = view.peek_victims(2)
     assert view.num_cached_among_next(uncached + 2) == 2
+    assert view.eviction_covers(4) and not view.eviction_covers(5)  # as many as the cached free blocks
+    assert not view.eviction_covers(4, protect={victims[0]}) and view.eviction_covers(3, protect={victims[0]})
+    assert view.eviction_covers(0)
     assert view.evict(2) == victims
     view.check_invariants()
     got = pool.get_new_blocks(uncached + 2)

@@ -5,7 +5,7 @@ subclass and the only writer; the module docstring of ``core.blocks`` says what 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from moetide.core.host_tier import HostTier
 from moetide.core.prefix_index import PrefixIndex
@@ -96,6 +96,12 @@ class PoolBooks:
 
     def block_hash(self, block_id: int) -> int | None:
         return self._index.hash_of(block_id)
+
+    def eviction_covers(self, num_blocks: int, protect: Collection[int] = ()) -> bool:
+        """Whether the cached free blocks outside ``protect`` (a requester's own hits) number ``num_blocks`` or
+        more: what eviction alone can free."""
+        cached = len(self._cached_free)
+        return cached - len(protect) >= num_blocks or cached - self.num_free_among(protect) >= num_blocks
 
     def cached_free_block_ids(self) -> list[int]:
         """Cached-but-free blocks in eviction order (next victim first)."""

@@ -137,6 +137,19 @@ class VllmPool:
     def block_ids(self) -> list[int]:
         return [b for b in range(1, len(self.pool.blocks)) if b not in self._reserve]
 
+    def eviction_covers(self, num_blocks: int, protect: Collection[int] = ()) -> bool:
+        """Whether the cached free blocks outside ``protect`` number ``num_blocks`` or more, found by walking the
+        free queue only until that many are seen (a shortfall is small; the queue may hold the whole pool)."""
+        if num_blocks <= 0:
+            return True
+        found = 0
+        for block in self._free_blocks():
+            if self._is_cached(block) and block.block_id not in protect:
+                found += 1
+                if found >= num_blocks:
+                    return True
+        return False
+
     def num_cached_among_next(self, num_blocks: int, skip: Collection[int] = ()) -> int:
         """How many of the next ``num_blocks`` blocks vLLM would allocate (``skip``'s aside: a request's hits,
         which leave the queue first) are cached: those its allocation would evict. O(num_blocks)."""

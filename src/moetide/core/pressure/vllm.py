@@ -30,9 +30,7 @@ class VllmPolicy(PressurePolicy):
         return math.inf  # the answer reads the pool alone
 
     def relieve(self, view: PressureView) -> list[Action]:
-        cached_free = view.pool.num_cached_free_blocks
-        enough = cached_free - len(view.protected_blocks) >= view.shortfall_blocks  # without counting (O(1))
-        if enough or cached_free - view.pool.num_free_among(view.protected_blocks) >= view.shortfall_blocks:
+        if view.pool.eviction_covers(view.shortfall_blocks, view.protected_blocks):
             return [EvictPrefix(view.shortfall_blocks)]
         if view.requester_is_running:
             victim = view.preemptible[-1] if view.preemptible else view.requester

@@ -30,9 +30,8 @@ the token budget: compute-bound, ``VampParams.step_fill``), and which the region
 adds to every step (``StepStats.staging_share``); the region goes out when the first outweighs ``margin`` times
 the second, within ``queue_staging_share`` of exposed staging in all.
 Both sides are shares of the same throughput, so no horizon enters. The allowance follows the region, which goes
-back as any growth does (below): giving it back as soon as the queue had been gone for one residence drained
-cached prefixes that the reviews then counted as ghost hits and answered with whole windows, which tipped the
-whole WEKA trace into collapse near its cliff (docs/vamp/policy.md).
+back as any growth does (below), not when the queue is gone: draining it then loses the cached prefixes it holds,
+which the reviews count as ghost hits and answer with whole windows (docs/vamp/policy.md).
 
 The line follows the allowance back (``give_back``): the last region drains (its free blocks leave the pool, each
 used block when its request lets it go) and its experts get their pages back when it is empty; a calm pool gives

@@ -206,11 +206,10 @@ def measure(args: argparse.Namespace, policy: str, seed: int, device: str, serve
     return row, devices
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_served_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint, the WEKA slice and the servers' settings, as the served benchmarks share them."""
     parser.add_argument("--model", required=True, help="fp32 checkpoint folder (make-test-model, head_dim >= 32)")
     parser.add_argument("--trace", required=True, help="the WEKA Claude Code trace")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--max-requests", type=int, default=90)
     parser.add_argument("--session-rate", type=float, default=8.0)
     parser.add_argument("--length-scale", type=float, default=0.1)
@@ -225,15 +224,27 @@ def main() -> int:
     parser.add_argument("--max-offload-ratio", type=float, default=0.5)
     parser.add_argument("--device", help="a device file from `moetide calibrate --engine vllm` (default: now)")
     parser.add_argument("--server-core", default="1")
+
+
+def engine_device(args: argparse.Namespace, work: str) -> str:
+    """``--device``, or vLLM's steps timed now on the server's core (``moetide calibrate --engine vllm``)."""
+    if args.device is not None:
+        return args.device
+    device = os.path.join(work, "device.toml")
+    fit = calibrate_command(args.server_core, args.model, device, ["--engine", "vllm", "--block-size",
+                            str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens)])
+    print(json.dumps({"calibration": fit, "device": device}), flush=True)
+    return device
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_served_arguments(parser)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--policies", nargs="+", default=["stock", "vamp"], choices=["stock", "vamp"])
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="vllm_serve_prediction_")
-    device = args.device
-    if device is None:
-        device = os.path.join(work, "device.toml")
-        fit = calibrate_command(args.server_core, args.model, device, ["--engine", "vllm", "--block-size",
-                                str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens)])
-        print(json.dumps({"calibration": fit, "device": device}), flush=True)
+    device = engine_device(args, work)
     PluginSettings(policy="vamp", max_offload_ratio=args.max_offload_ratio)  # refuse a bad ratio before any run
     measured: dict[str, list[dict]] = {policy: [] for policy in args.policies}
     devices: dict[tuple[str, int], str] = {}  # (policy, seed) -> its server's "engine" device file

@@ -34,10 +34,10 @@ import os
 import statistics
 import tempfile
 
-from serve_prediction import calibrate_command, predict_replay
+from serve_prediction import predict_replay
 from serve_side_by_side import bench_serve, stop, wait_ready
-from vllm_serve_prediction import api_server_cost, delta, plugin_costs_of, scheduler_flags, scrape, served_device, \
-    start_server
+from vllm_serve_prediction import add_served_arguments, api_server_cost, delta, engine_device, plugin_costs_of, \
+    scheduler_flags, scrape, served_device, slice_flags, start_server
 
 from moetide.commands.options import parse_bytes
 from moetide.serve.harness import free_port
@@ -66,10 +66,7 @@ def kv_with_cap(args: argparse.Namespace) -> str:
 def workload_flags(args: argparse.Namespace, workload: str, seed: int) -> list[str]:
     """``bench-serve`` / ``replay`` flags of one workload at one seed (each seed draws its prompts afresh)."""
     if workload == "weka":
-        return [args.trace, "--seed", str(seed), "--max-requests", str(args.max_requests), "--session-rate",
-                str(args.session_rate), "--length-scale", str(args.length_scale), "--max-input-tokens",
-                str(args.max_input_tokens), "--max-output-tokens", str(args.max_output_tokens), "--time-scale",
-                str(args.time_scale)]
+        return slice_flags(args, seed)
     return ["--seed", str(seed), "--sessions", str(args.agent_sessions), "--session-rate",
             str(args.agent_session_rate), "--length-scale", str(args.agent_length_scale), "--max-input-tokens",
             str(args.max_input_tokens), "--max-output-tokens", str(args.max_output_tokens), "--time-scale",
@@ -187,30 +184,15 @@ def summarize(workload: str, rows: dict, predicted: dict, texts: dict, unloaded_
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="fp32 checkpoint folder (make-test-model, head_dim >= 32)")
-    parser.add_argument("--trace", required=True, help="the WEKA Claude Code trace")
+    add_served_arguments(parser)
     parser.add_argument("--workloads", nargs="+", default=["weka", "agent"], choices=["weka", "agent"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--policies", nargs="+", default=["stock", "vamp", "stock-cap"],
                         choices=["stock", "vamp", "stock-cap"], help="stock-cap: stock given the cap's bytes as KV")
-    parser.add_argument("--max-requests", type=int, default=90)
-    parser.add_argument("--session-rate", type=float, default=8.0)
-    parser.add_argument("--length-scale", type=float, default=0.1)
-    parser.add_argument("--time-scale", type=float, default=0.002)
     parser.add_argument("--agent-sessions", type=int, default=16)
     parser.add_argument("--agent-session-rate", type=float, default=4.0)
     parser.add_argument("--agent-length-scale", type=float, default=0.05)
     parser.add_argument("--agent-time-scale", type=float, default=0.01)
-    parser.add_argument("--max-input-tokens", type=int, default=900)
-    parser.add_argument("--max-output-tokens", type=int, default=256)
-    parser.add_argument("--kv-cache-memory", default="4MiB", help="KV budget of both servers and the replay")
-    parser.add_argument("--max-model-len", type=int, default=2016)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-offload-ratio", type=float, default=0.5)
-    parser.add_argument("--device", help="a device file from `moetide calibrate --engine vllm` (default: now)")
-    parser.add_argument("--server-core", default="1")
     args = parser.parse_args()
     PluginSettings(policy="vamp", max_offload_ratio=args.max_offload_ratio)  # refuse a bad ratio before any run
     return args
@@ -219,12 +201,7 @@ def arguments() -> argparse.Namespace:
 def main() -> int:
     args = arguments()
     work = tempfile.mkdtemp(prefix="vllm_serve_vamp_")
-    device = args.device
-    if device is None:
-        device = os.path.join(work, "device.toml")
-        fit = calibrate_command(args.server_core, args.model, device, ["--engine", "vllm", "--block-size",
-                                str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens)])
-        print(json.dumps({"calibration": fit, "device": device}), flush=True)
+    device = engine_device(args, work)
     state = {"device": device, "served": None, "unloaded": {}, "texts": {}}
     rows: dict[str, dict[str, list]] = {w: {p: [] for p in args.policies} for w in args.workloads}
     for seed in args.seeds:  # interleaved, a fresh server each round

@@ -81,6 +81,7 @@ class VampPolicy(PressurePolicy):
         self._roomy_since: float | None = None  # since when the pool has had room to spare (vamp-reclaim)
         self._draining: list[int] | None = None  # blocks of the region being given back (give_back)
         self._line = None  # the expert line of the last plan (read by reads_every_step)
+        self._refused_at_gate = False  # the last ask was at the full-sequence gate
         self.num_given_back = 0
 
     @property
@@ -95,15 +96,17 @@ class VampPolicy(PressurePolicy):
     # ---- the plan ---------------------------------------------------------------------------------------------
     def refusal_holds_until(self, now_s: float) -> float:
         """A waiting request refused now is refused again until the next review moves the allowance (the other
-        ways out, eviction and the room already allowed, move only with the pool), unless the queue may still move
-        the line: its answer follows the queue and the step mix, so it is asked at every step."""
+        ways out, eviction and the room already allowed, move only with the pool), unless it was refused at the
+        full-sequence gate where the queue may still move the line: that answer follows the batch and the step mix,
+        so it is asked at every step."""
         line = self._line
-        if (self.params.queue_staging_share and line is not None
+        if (self._refused_at_gate and self.params.queue_staging_share and line is not None
                 and line.residency.num_offloaded < line.residency.max_num_offloaded):
             return now_s
         return now_s if self._next_review_s is None else max(now_s, self._next_review_s)
 
     def relieve(self, view: PressureView) -> list[Action]:
+        self._refused_at_gate = view.whole_sequence  # read by refusal_holds_until, should this ask be refused
         self._observe(view.now_s)
         line = self._line = view.expert_line
         if line is not None:

@@ -26,6 +26,17 @@ def test_offloading_under_cuda_graphs_is_refused_in_one_line(policy, device, cud
         assert "\n" not in reason and reason.endswith("add --enforce-eager") and repr(policy) in reason
 
 
+@pytest.mark.parametrize("device, mode, flag", [
+    ("cpu", dict(pipeline_parallel=2), "--pipeline-parallel-size"),
+    ("cuda", dict(expert_parallel=True), "--enable-expert-parallel"),
+    ("xpu", {}, "policy 'vllm'"),
+])
+def test_parallelism_and_platforms_the_line_does_not_cover_are_refused_in_one_line(device, mode, flag):
+    reason = unsupported_mode("vamp", device, False, **mode)
+    assert reason is not None and "\n" not in reason and flag in reason
+    assert unsupported_mode("vllm", device, False, **mode) is None  # nothing offloaded: vLLM's own modes
+
+
 def test_the_compile_cache_key_covers_the_plugins_settings():
     """vLLM's ``KVTransferConfig.compute_hash`` counts no factor; with the plugin loaded (vLLM's own entry-point
     loading, in a fresh process) two settings that change the forward hash apart, and other connectors are left

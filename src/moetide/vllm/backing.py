@@ -22,7 +22,7 @@ accessible (grants round out to pages, releases round in), so protection is exac
 pages and off by less than a page per layer at each region edge otherwise.
 
 One backing per process: the worker's connector finds it with ``registered_backing``. CUDA's counterpart (driver
-virtual memory: reserve, create, map, unmap) is ``vllm.cuda_backing``.
+virtual memory: reserve, create, map, unmap) is ``vllm.vmm_backing``.
 """
 
 from __future__ import annotations
@@ -105,12 +105,20 @@ class BlockSpans:
         """Units wholly inside ``block_ids`` that no kept block (``is_kept(id)``) touches: what giving them back
         frees. Only blocks a unit's width away can share a unit, so only those neighbours are looked at (modulo the
         pool: a layer's last block lies next to the following layer's first)."""
+        return self._free_of_kept(block_ids, is_kept, inward=True)
+
+    def untouched(self, block_ids: Iterable[int], is_kept) -> list[tuple[int, int]]:
+        """Units that ``block_ids`` touch and no kept block (``is_kept(id)``) touches: everything a backing that maps
+        what blocks touch may give back once the blocks are gone."""
+        return self._free_of_kept(block_ids, is_kept, inward=False)
+
+    def _free_of_kept(self, block_ids: Iterable[int], is_kept, *, inward: bool) -> list[tuple[int, int]]:
         ids = set(block_ids)
         extent = min(layout[4] for layout in self._layout)
         radius = -(-self.granule // max(extent, 1)) + 1
         near = {(b + d) % self.num_blocks for b in ids for d in range(-radius, radius + 1)} - ids
         holes = self.units((b for b in near if is_kept(b)), inward=False)
-        return [piece for span in self.units(ids, inward=True) for piece in _subtract(span, holes)]
+        return [piece for span in self.units(ids, inward=inward) for piece in _subtract(span, holes)]
 
 
 class CpuBacking:
@@ -239,7 +247,7 @@ def _subtract(span: tuple[int, int], holes: list[tuple[int, int]]) -> list[tuple
 
 
 def install(backing) -> None:
-    """Make ``backing`` (a ``CpuBacking`` or a ``cuda_backing.CudaVmmBacking``) this process's."""
+    """Make ``backing`` (a ``CpuBacking`` or a ``vmm_backing.VmmBacking``) this process's."""
     global _BACKING
     _BACKING = backing
 

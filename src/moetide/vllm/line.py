@@ -21,8 +21,10 @@ from moetide.errors import UserError
 from moetide.specs.hf_config import model_from_hf_dict
 from moetide.specs.model import ModelSpec
 from moetide.vllm.settings import WHERE, ExpertShape, PluginSettings
+from moetide.vllm.vmm import lendable_bytes
 
 logger = logging.getLogger(__name__)
+FP8_QUANTIZATIONS = ("fp8", "compressed-tensors")  # the checkpoints whose experts the pager pages in FP8
 HOST_COPY_BYTES_PER_S = 10e9  # default copy speed of a host expert into its staging slot, when no record gives it
 
 
@@ -50,11 +52,17 @@ def model_spec(hf_config: dict) -> ModelSpec:
     return model_from_hf_dict(hf_config, hf_config.get("model_type", "model"), "the model's config.json")
 
 
-def expert_shape(spec: ModelSpec, tensor_parallel_size: int = 1, dtype_bytes: int = 2) -> ExpertShape:
-    """The routed experts of one rank; an expert's bytes are split over the tensor-parallel ranks."""
+def expert_shape(spec: ModelSpec, tensor_parallel_size: int = 1, dtype_bytes: int = 2,
+                 granule: int | None = None) -> ExpertShape:
+    """The routed experts of one rank; an expert's bytes are split over the tensor-parallel ranks. With a
+    ``granule`` (the device maps memory in granules: ``vllm.vmm``) an expert is worth to the KV cache what its rows
+    surely free: the whole granules inside its ``w13`` and ``w2`` rows (``vmm.lendable_bytes``)."""
+    expert_bytes = max(spec.expert_bytes(dtype_bytes) // tensor_parallel_size, 1)
+    if granule is not None:
+        w2_row = spec.hidden_size * spec.moe_intermediate_size * dtype_bytes // tensor_parallel_size
+        expert_bytes = lendable_bytes(2 * w2_row, granule) + lendable_bytes(w2_row, granule)
     return ExpertShape(num_layers=spec.num_moe_layers, num_experts=spec.num_experts,
-                       experts_per_token=spec.num_experts_per_tok,
-                       expert_bytes=max(spec.expert_bytes(dtype_bytes) // tensor_parallel_size, 1))
+                       experts_per_token=spec.num_experts_per_tok, expert_bytes=expert_bytes)
 
 
 def model_experts(settings: PluginSettings, vllm_config) -> tuple[ExpertShape | None, int | None]:
@@ -77,8 +85,25 @@ def model_experts(settings: PluginSettings, vllm_config) -> tuple[ExpertShape | 
         raise ValueError(f"moetide: policy {settings.policy!r} offloads experts, and the model's config names no "
                          f"routed experts: it is dense; use policy 'vllm' (or give {WHERE}.experts)")
     shape = settings.experts or expert_shape(spec, vllm_config.parallel_config.tensor_parallel_size,
-                                             model.dtype.itemsize)
+                                             expert_dtype_bytes(model), device_granule())
     return shape, spec.params_active
+
+
+def expert_dtype_bytes(model_config) -> int:
+    """Bytes of one expert weight: 1 in an FP8 checkpoint, else the model's dtype."""
+    return 1 if model_config.quantization in FP8_QUANTIZATIONS else model_config.dtype.itemsize
+
+
+def device_granule() -> int | None:
+    """The granule the line's memory moves in on this platform (CUDA's mapping granularity), or None where pages
+    are small enough to count an expert's bytes whole (the CPU)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cuda":
+        return None
+    from moetide.vllm.cuda_driver import GRANULE
+
+    return GRANULE
 
 
 def kv_block_bytes(kv_cache_config) -> int:

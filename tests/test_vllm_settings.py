@@ -32,3 +32,13 @@ def test_bad_settings_name_the_key(extra, message):
     with pytest.raises(ValueError) as error:
         PluginSettings.from_extra_config(extra)
     assert message in str(error.value)
+
+
+def test_cpu_vmm_granule_is_a_whole_number_of_pages():
+    import mmap
+
+    assert PluginSettings.from_extra_config({"cpu_vmm_granule": 16 * mmap.PAGESIZE}).cpu_vmm_granule == \
+        16 * mmap.PAGESIZE
+    for bad in (-1, mmap.PAGESIZE + 1, True, 1.5):
+        with pytest.raises(ValueError, match="cpu_vmm_granule"):
+            PluginSettings.from_extra_config({"cpu_vmm_granule": bad})

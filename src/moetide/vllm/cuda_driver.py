@@ -11,10 +11,7 @@ import ctypes
 
 import torch
 
-from moetide.vllm.vmm import DeviceMemory, SharedStaging, VmmDriver
-
-GRANULE = 2 << 20  # the mapping granularity the engine core sizes the line with (current GPUs'; checked at start)
-_MEMORY: dict[int, tuple[DeviceMemory, SharedStaging]] = {}
+from moetide.vllm.vmm import VmmDriver
 
 _CU_MEM_ALLOCATION_TYPE_PINNED = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
@@ -116,16 +113,3 @@ class CudaDriver(VmmDriver):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-
-def device_memory(device: int) -> tuple[DeviceMemory, SharedStaging]:
-    """This process's ledger of CUDA device ``device`` and its layers' shared staging chunk: the expert pager's rows
-    and the KV backing take from one ``DeviceMemory``. ``RuntimeError`` in one line where the device's mapping
-    granularity is not the ``GRANULE`` the engine core sized the line with."""
-    if device not in _MEMORY:
-        driver = CudaDriver(device)
-        if driver.granule != GRANULE:
-            raise RuntimeError(f"moetide: CUDA device {device} maps memory in {driver.granule}-byte granules; the "
-                               f"line is sized for {GRANULE}: this GPU is not supported yet")
-        memory = DeviceMemory(driver)
-        _MEMORY[device] = (memory, SharedStaging(memory))
-    return _MEMORY[device]

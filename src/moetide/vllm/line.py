@@ -85,7 +85,7 @@ def model_experts(settings: PluginSettings, vllm_config) -> tuple[ExpertShape | 
         raise ValueError(f"moetide: policy {settings.policy!r} offloads experts, and the model's config names no "
                          f"routed experts: it is dense; use policy 'vllm' (or give {WHERE}.experts)")
     shape = settings.experts or expert_shape(spec, vllm_config.parallel_config.tensor_parallel_size,
-                                             expert_dtype_bytes(model), device_granule())
+                                             expert_dtype_bytes(model), device_granule(settings))
     return shape, spec.params_active
 
 
@@ -94,16 +94,14 @@ def expert_dtype_bytes(model_config) -> int:
     return 1 if model_config.quantization in FP8_QUANTIZATIONS else model_config.dtype.itemsize
 
 
-def device_granule() -> int | None:
-    """The granule the line's memory moves in on this platform (CUDA's mapping granularity), or None where pages
-    are small enough to count an expert's bytes whole (the CPU)."""
+def device_granule(settings: PluginSettings) -> int | None:
+    """The granule the line's memory moves in on this platform (``line_memory.line_granule``), or None where it
+    moves pages, small enough to count an expert's bytes whole (the CPU's default)."""
     from vllm.platforms import current_platform
 
-    if current_platform.device_type != "cuda":
-        return None
-    from moetide.vllm.cuda_driver import GRANULE
+    from moetide.vllm.line_memory import line_granule
 
-    return GRANULE
+    return line_granule(settings, current_platform.device_type)
 
 
 def kv_block_bytes(kv_cache_config) -> int:

@@ -57,6 +57,7 @@ from vllm.model_executor.utils import replace_parameter
 from moetide.core.pressure import policy_entry
 from moetide.vllm.shared_rows import PageRun, SharedRows, StagingArea
 from moetide.vllm.line import LineOp, line_max_offloaded, model_experts
+from moetide.vllm.line_memory import device_memory
 from moetide.vllm.plugin import plugin_settings
 from moetide.vllm.staging import ExpertSlots, page_experts, take_counts
 
@@ -75,7 +76,9 @@ class PagedExperts:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.max_offloaded = max_offloaded_experts(get_current_vllm_config_or_none())
+        config = get_current_vllm_config_or_none()
+        self.settings = plugin_settings(config) if config is not None else None
+        self.max_offloaded = max_offloaded_experts(config)
         self.line_enabled = self.max_offloaded > 0
 
     def paged_weights(self) -> tuple[str, ...]:
@@ -117,15 +120,15 @@ class PagedExperts:
     def _add_staging_rows(self, num_slots: int) -> None:
         """The staging rows after the experts' own, once, before vLLM compiles the forward. On the CPU the weights
         move into shared memory (``vllm.shared_rows``) and the staging rows map onto the staging area every layer
-        shares where rows are whole pages; on CUDA into the driver's virtual memory (``vllm.vmm.VmmRows``), whose
-        staging granules every layer of one shape shares too."""
+        shares where rows are whole pages; where the line moves granules (``vllm.line_memory``: CUDA) into the
+        driver's virtual memory (``vllm.vmm.VmmRows``), whose staging granules every layer of one shape shares."""
         layer = self.layer
         names = self.paged_weights()
-        if layer.w13_weight.device.type == "cuda":
-            from moetide.vllm.cuda_driver import device_memory
+        vmm = device_memory(self.settings, layer.w13_weight.device)
+        if vmm is not None:
             from moetide.vllm.vmm import VmmRows
 
-            memory, staging = device_memory(layer.w13_weight.device.index or 0)
+            memory, staging = vmm
             self.vmm_rows = [VmmRows(memory, getattr(layer, name).data, self.num_experts, num_slots, staging)
                              for name in names]
             for name, rows in zip(names, self.vmm_rows):

@@ -163,13 +163,13 @@ def reserve_blocks(vllm_config, kv_cache_config) -> int:
     return line_reserve_blocks(settings, shape, kv_block_bytes(kv_cache_config))
 
 
-def spare_bytes(kv_cache_config) -> int:
+def spare_bytes(vllm_config, kv_cache_config) -> int:
     """Device memory the KV backing holds from the start for the granules a grant needs beyond its experts' whole
-    granules (``vmm_backing.spare_granules``), taken from the base's share: on CUDA; 0 on the CPU, whose backing
-    counts pages."""
+    granules (``vmm_backing.spare_granules``), taken from the base's share where the line moves granules
+    (``line_memory``); 0 where it moves pages."""
     from moetide.vllm.line import device_granule
 
-    granule = device_granule()
+    granule = device_granule(plugin_settings(vllm_config))
     if granule is None:
         return 0
     from moetide.vllm.vmm_backing import spare_granules
@@ -232,7 +232,7 @@ def _patch_sizing() -> None:
             return config
         token = _EXTRA_BLOCKS.set(extra)
         try:
-            return from_groups(vllm_config, kv_cache_groups, available_memory - spare_bytes(config))
+            return from_groups(vllm_config, kv_cache_groups, available_memory - spare_bytes(vllm_config, config))
         finally:
             _EXTRA_BLOCKS.reset(token)
 
@@ -284,25 +284,26 @@ def _patch_worker() -> None:
 
 
 def _allocate_on_backing(kv_cache_config, device, layout, kernel_block_sizes, extra: int):
-    """vLLM's ``allocate_kv_cache`` over a ``CpuBacking`` or, on CUDA, a ``vmm_backing.VmmBacking`` on the device
-    memory the expert pager's rows hold (which has not run inside vLLM yet: docs/vllm_plugin.md); the views are
-    built by vLLM's own ``create_kv_cache_views``."""
+    """vLLM's ``allocate_kv_cache`` over a ``CpuBacking`` or, where the line moves granules (``line_memory``: CUDA,
+    or the CPU when asked), a ``vmm_backing.VmmBacking`` on the device memory the expert pager's rows hold; the
+    views are built by vLLM's own ``create_kv_cache_views``."""
     import torch
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
     from vllm.v1.worker.utils import create_kv_cache_views
 
     from moetide.vllm.backing import CpuBacking, install
+    from moetide.vllm.line_memory import device_memory
     from moetide.vllm.pager import check_every_layer_paged
 
     check_every_layer_paged(_RUNNER_CONFIG.get())
     tensors = kv_cache_config.kv_cache_tensors
     num_blocks = kv_cache_config.num_blocks
     sizes = dict(num_base_blocks=num_blocks - extra, num_blocks=num_blocks)
-    if device.type == "cuda":
-        from moetide.vllm.cuda_driver import device_memory
+    memory = device_memory(plugin_settings(_RUNNER_CONFIG.get()), device)
+    if memory is not None:
         from moetide.vllm.vmm_backing import VmmBacking
 
-        backing = VmmBacking(tensors[0].size, tensors, device_memory(device.index or 0)[0], **sizes)
+        backing = VmmBacking(tensors[0].size, tensors, memory[0], **sizes)
     else:
         backing = CpuBacking(tensors[0].size, tensors, **sizes)
     install(backing)

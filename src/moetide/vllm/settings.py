@@ -15,6 +15,9 @@ One JSON object configures both halves of the plugin (the scheduler and the work
 * ``line_cycle_steps``: exercise the line (0, the default: off). Every that many steps the last region starts
   going back (it drains, then returns to its experts), or, with none out, the rest of the cap goes out again. For
   soak tests of the KV mechanics under a policy that does not move the line itself (``static-offload``).
+* ``cpu_vmm_granule``: on the CPU, run the line as on CUDA, over the driver's virtual-memory calls done with
+  ``memfd`` and ``mmap`` (``vllm.vmm.HostDriver``) at this granule in bytes (a multiple of the page size); 0, the
+  default: the CPU's own page lending. For testing the CUDA design inside vLLM without a GPU.
 
 No vLLM import here: the CLI builds these settings and vLLM's side parses them.
 """
@@ -22,6 +25,7 @@ No vLLM import here: the CLI builds these settings and vLLM's side parses them.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -52,6 +56,9 @@ class ExpertShape:
                 raise ValueError(f"{WHERE}.experts.{f.name} must be a positive whole number, got {value!r}")
 
 
+PAGE_BYTES = mmap.PAGESIZE
+
+
 @dataclass(frozen=True)
 class PluginSettings:
     policy: str = "vllm"
@@ -61,6 +68,7 @@ class PluginSettings:
     costs: dict[str, float] | None = None
     experts: ExpertShape | None = None
     line_cycle_steps: int = 0
+    cpu_vmm_granule: int = 0
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -68,6 +76,9 @@ class PluginSettings:
         cycle = self.line_cycle_steps
         if not isinstance(cycle, int) or isinstance(cycle, bool) or cycle < 0:
             raise ValueError(f"{WHERE}.line_cycle_steps must be a whole number >= 0, got {cycle!r}")
+        granule = self.cpu_vmm_granule
+        if not isinstance(granule, int) or isinstance(granule, bool) or granule < 0 or granule % PAGE_BYTES:
+            raise ValueError(f"{WHERE}.cpu_vmm_granule must be 0 or a multiple of {PAGE_BYTES} bytes, got {granule!r}")
         try:
             self.serving_config()
         except ValueError as exc:  # name the key as the user wrote it
@@ -107,7 +118,7 @@ class PluginSettings:
         """The JSON-ready object ``from_extra_config`` reads back."""
         out: dict[str, Any] = {"policy": self.policy, "max_offload_ratio": self.max_offload_ratio,
                                "vamp_horizon_s": self.vamp_horizon_s, "clock": self.clock,
-                               "line_cycle_steps": self.line_cycle_steps}
+                               "line_cycle_steps": self.line_cycle_steps, "cpu_vmm_granule": self.cpu_vmm_granule}
         if self.costs is not None:
             out["costs"] = dict(self.costs)
         if self.experts is not None:

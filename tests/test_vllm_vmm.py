@@ -206,6 +206,8 @@ def test_host_driver_refuses_what_the_cuda_driver_refuses():
     view = drv.view(address, 2 * GRANULE)
     view[:GRANULE].fill_(5)
     assert int(view[GRANULE:].sum()) == 5 * GRANULE
+    with pytest.raises(ValueError, match="one mapping"):  # cuMemUnmap takes one mapping's whole range
+        drv.unmap(address, 2 * GRANULE)
 
 
 @pytest.mark.parametrize("row", [1 << 20, 3 << 20, 6 << 20, 5632 << 10, 224 << 20, 96 << 10])

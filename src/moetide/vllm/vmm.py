@@ -73,7 +73,8 @@ class VmmDriver(abc.ABC):
 
     @abc.abstractmethod
     def unmap(self, address: int, size: int) -> None:
-        """Take whatever chunks are behind ``[address, address + size)`` away; the addresses fault again."""
+        """Take the chunk mapped at exactly ``[address, address + size)`` away (one ``map``'s range, never part of
+        one or several: CUDA's ``cuMemUnmap`` takes the whole range one mapping made); the addresses fault again."""
 
     @abc.abstractmethod
     def set_access(self, address: int, size: int) -> None:
@@ -149,12 +150,10 @@ class HostDriver(VmmDriver):
 
     def unmap(self, address: int, size: int) -> None:
         self._check(address, size)
-        inside = [a for a, (s, _) in self._mapped.items() if address <= a and a + s <= address + size]
-        if sum(self._mapped[a][0] for a in inside) != size:
-            raise ValueError(f"range {address:#x}+{size} is not a whole set of mappings")
+        if self._mapped.get(address, (None,))[0] != size:
+            raise ValueError(f"range {address:#x}+{size} is not the range of one mapping")
         _map_fixed(address, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        for a in inside:
-            del self._mapped[a]
+        del self._mapped[address]
 
     def set_access(self, address: int, size: int) -> None:
         self._check(address, size)
@@ -243,12 +242,16 @@ class DeviceMemory:
                 if zero:
                     self.driver.view(address + offset, count * g).zero_()
         except BaseException:
-            for offset, count in mapped:
-                self.driver.unmap(address + offset, count * g)
+            self.unmap_granules(address, [o for offset, count in mapped for o in range(offset, offset + count * g, g)])
             for handle in handles:
                 self.put(handle)
             raise
         return handles
+
+    def unmap_granules(self, address: int, offsets: list[int]) -> None:
+        """Unmap the granule chunks at ``offsets`` from ``address``, one call each (each was its own mapping)."""
+        for offset in offsets:
+            self.driver.unmap(address + offset, self.granule)
 
     def stats(self) -> dict[str, int | None]:
         return {"device_held_bytes": self.held_bytes, "device_peak_bytes": self.peak_bytes,
@@ -314,8 +317,7 @@ class VmmRows:
         going = sorted(self.covered(offloaded) - self.lent)
         if going:
             self.memory.driver.synchronize()
-        for offset, count in runs(going, self.memory.granule):
-            self.memory.driver.unmap(self.address + offset, count * self.memory.granule)
+        self.memory.unmap_granules(self.address, going)
         for offset in going:
             self.memory.put(self.home.pop(offset))
         self.lent.update(going)

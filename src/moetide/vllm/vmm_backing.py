@@ -20,7 +20,7 @@ import torch
 
 from moetide.vllm.backing import BlockSpans, check_op
 from moetide.vllm.line import LineOp
-from moetide.vllm.vmm import DeviceMemory, OverBudget, runs
+from moetide.vllm.vmm import DeviceMemory, OverBudget
 
 
 class VmmBacking:
@@ -88,8 +88,7 @@ class VmmBacking:
         offsets = sorted(o for start, end in ranges for o in range(start, end, g) if o in self._granules)
         if offsets:
             self.memory.driver.synchronize()
-        for offset, count in runs(offsets, g):
-            self.memory.driver.unmap(self.address + offset, count * g)
+        self.memory.unmap_granules(self.address, offsets)
         for offset in offsets:
             self.memory.put(self._granules.pop(offset))
 

@@ -36,7 +36,7 @@ def generate(model, *, plugin: dict | None, eager: bool) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("eager", [False])  # vLLM's default; eager TP 2 gave the same tokens (docs/vllm_plugin.md)
 def test_tensor_parallel_ranks_move_the_line_together_with_stock_tokens(checkpoint, eager):
     from moetide.vllm.metrics import MoetideConnectorStats
 

@@ -62,8 +62,28 @@ def test_qwen3_next_flags_for_vllm_cpu(tmp_path, torch_one_thread):
     assert config["layer_types"].count("full_attention") == 1
 
 
+def test_max_position_and_fp8_experts_for_vllm(tmp_path, torch_one_thread):
+    """``--max-position`` sets the longest sequence the config declares (vLLM caps ``max_model_len`` at it);
+    ``--quantization`` writes the routed experts in block FP8 with one float32 scale per 128 x 128 block."""
+    pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    rc, out = make(tmp_path, "q", "--arch", "qwen3_moe", "--max-position", "32768", "--hidden", "128",
+                   "--expert-intermediate", "256", "--dtype", "bfloat16", "--quantization", "fp8")
+    config = json.loads((out / "config.json").read_text())
+    assert rc == 0 and config["max_position_embeddings"] == 32768
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        name = "model.layers.0.mlp.experts.0.gate_proj.weight"
+        assert str(f.get_tensor(name).dtype) == "torch.float8_e4m3fn"
+        assert tuple(f.get_tensor(name + "_scale_inv").shape) == (2, 1)  # 256 x 128 in 128 x 128 blocks
+        assert str(f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype) == "torch.bfloat16"
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--arch", "mixtral", "--experts", "2", "--top-k", "3"), "top-k (3) exceeds the number of experts (2)"),
+    (("--arch", "qwen3_moe", "--quantization", "fp8"), "--quantization fp8: --hidden (64) and --expert-intermediate"),
+    (("--arch", "mixtral", "--quantization", "fp8"), "--quantization fp8: written for qwen3_moe only"),
     (("--arch", "qwen3_moe", "--vocab", "100"), "vocab_size must be at least 300"),
     (("--arch", "qwen3_moe", "--heads", "3"), "attention heads (3) must be a multiple of KV heads (2)"),
     (("--arch", "mixtral", "--hidden", "0"), "hidden_size must be a positive integer, got 0"),

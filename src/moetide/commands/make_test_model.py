@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="qwen3_next: Gated DeltaNet key and value head size (default %(default)s; vLLM-CPU needs 128)")
     add("--seed", type=int, default=DEFAULTS.seed, help="torch seed for the weights (default %(default)s)")
     add("--dtype", choices=DTYPE_NAMES, default=DEFAULTS.dtype, help="weight dtype (default %(default)s)")
+    add("--max-position", type=int, default=DEFAULTS.max_position_embeddings, metavar="N",
+        help="the config's max_position_embeddings: the longest sequence vLLM lets it serve (default %(default)s)")
     add("--quantization", choices=QUANTIZATIONS,
         help="write the routed experts in block FP8 (128 x 128 scales) as vLLM reads this format (qwen3_moe; "
              "moetide's engine does not read it)")
@@ -54,7 +56,8 @@ def _tiny_args(args: argparse.Namespace) -> TinyModelArgs:
                          num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                          moe_intermediate_size=args.expert_intermediate,
                          linear_num_key_heads=args.linear_key_heads, linear_num_value_heads=args.linear_value_heads,
-                         linear_head_dim=args.linear_head_dim, seed=args.seed, dtype=args.dtype)
+                         linear_head_dim=args.linear_head_dim, seed=args.seed, dtype=args.dtype,
+                         max_position_embeddings=args.max_position)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -76,6 +76,7 @@ class TinyModelArgs:
     dense_layer_ids: tuple[int, ...] = ()
     seed: int = 0
     dtype: str = "float32"
+    max_position_embeddings: int = 4096  # the longest sequence the config declares (vLLM caps max_model_len at it)
 
     @property
     def layers(self) -> int:
@@ -118,7 +119,8 @@ def _common_fields(args: TinyModelArgs, special_id: int) -> dict[str, Any]:
     return dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                 num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_kv_heads,
                 head_dim=args.head_dim, num_experts_per_tok=args.num_experts_per_tok,
-                max_position_embeddings=4096, bos_token_id=special_id, eos_token_id=special_id,
+                max_position_embeddings=args.max_position_embeddings, bos_token_id=special_id,
+                eos_token_id=special_id,
                 pad_token_id=special_id, tie_word_embeddings=False)
 
 

@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from moetide.vllm.line import LineOp  # noqa: E402
+from moetide.vllm.line_memory import lendable_bytes  # noqa: E402
 from moetide.vllm.staging import ExpertSlots  # noqa: E402
 from moetide.vllm.vmm import (  # noqa: E402
     DeviceMemory,
@@ -23,7 +24,6 @@ from moetide.vllm.vmm import (  # noqa: E402
     OverBudget,
     SharedStaging,
     VmmRows,
-    lendable_bytes,
     move_experts,
 )
 from moetide.vllm.vmm_backing import VmmBacking, spare_granules  # noqa: E402

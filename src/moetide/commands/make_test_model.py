@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from moetide.engine.testmodel import ARCHS, DTYPE_NAMES, TinyModelArgs, make_test_model
-from moetide.engine.testmodel_fp8 import QUANTIZATIONS, quantize_experts
+from moetide.engine.testmodel_fp8 import QUANTIZATIONS, check_quantizable, quantize_experts
 from moetide.errors import UserError
 
 DEFAULTS = TinyModelArgs(arch=ARCHS[0])
@@ -68,11 +68,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--out {out}: directory is not empty (pass --overwrite to write into it)")
     tiny = _tiny_args(args)
     if args.quantization is not None:  # its sizes checked before anything is written
-        quantize_experts(None, args.quantization, tiny.arch, tiny.hidden_size, tiny.moe_intermediate_size)
+        check_quantizable(args.quantization, tiny.arch, tiny.hidden_size, tiny.moe_intermediate_size)
     make_test_model(tiny, out)
     experts = ""
     if args.quantization is not None:
-        count = quantize_experts(out, args.quantization, tiny.arch, tiny.hidden_size, tiny.moe_intermediate_size)
+        count = quantize_experts(out, args.quantization, tiny.arch)
         experts = f", {count} expert weights in block FP8 ({args.quantization})"
     print(f"wrote a {tiny.arch} test model to {out}: {tiny.layers} layers, hidden {tiny.hidden_size}, "
           f"{tiny.num_experts} experts (top-{tiny.num_experts_per_tok}), vocab {tiny.vocab_size}, {tiny.dtype}, "

@@ -39,12 +39,9 @@ def quantize_block(weight):
     return fp8.view(nb * BLOCK, kb * BLOCK)[:n, :k].contiguous(), scale
 
 
-def quantize_experts(out: Path | None, quantization: str, arch: str, hidden: int, expert_intermediate: int) -> int:
-    """Rewrite the checkpoint in ``out`` with its routed experts in block FP8 (module docstring); returns how many
-    expert weights were quantized. ``UserError`` for an architecture or size this does not cover; with ``out``
-    None, only that check."""
-    from safetensors.torch import load_file, save_file
-
+def check_quantizable(quantization: str, arch: str, hidden: int, expert_intermediate: int) -> None:
+    """``UserError`` for an architecture or size ``quantize_experts`` does not cover (checked before anything is
+    written)."""
     if quantization not in QUANTIZATIONS:
         raise UserError(f"--quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     if arch not in EXPERT_ARCHS:
@@ -52,8 +49,13 @@ def quantize_experts(out: Path | None, quantization: str, arch: str, hidden: int
     if hidden % BLOCK or expert_intermediate % BLOCK:
         raise UserError(f"--quantization {quantization}: --hidden ({hidden}) and --expert-intermediate "
                         f"({expert_intermediate}) must be multiples of {BLOCK}, the FP8 block")
-    if out is None:
-        return 0
+
+
+def quantize_experts(out: Path, quantization: str, arch: str) -> int:
+    """Rewrite the checkpoint in ``out`` with its routed experts in block FP8 (module docstring; sizes checked by
+    ``check_quantizable``); returns how many expert weights were quantized."""
+    from safetensors.torch import load_file, save_file
+
     path = out / "model.safetensors"
     tensors, done = load_file(path), 0
     suffix = "_scale_inv" if quantization == "fp8" else "_scale"

@@ -20,8 +20,8 @@ from moetide.core.pressure.step_costs import ASSUMED_FLOPS, EngineCosts, RecordS
 from moetide.errors import UserError
 from moetide.specs.hf_config import model_from_hf_dict
 from moetide.specs.model import ModelSpec
+from moetide.vllm.line_memory import lendable_bytes
 from moetide.vllm.settings import WHERE, ExpertShape, PluginSettings
-from moetide.vllm.vmm import lendable_bytes
 
 logger = logging.getLogger(__name__)
 FP8_QUANTIZATIONS = ("fp8", "compressed-tensors")  # the checkpoints whose experts the pager pages in FP8
@@ -56,7 +56,7 @@ def expert_shape(spec: ModelSpec, tensor_parallel_size: int = 1, dtype_bytes: in
                  granule: int | None = None) -> ExpertShape:
     """The routed experts of one rank; an expert's bytes are split over the tensor-parallel ranks. With a
     ``granule`` (the device maps memory in granules: ``vllm.vmm``) an expert is worth to the KV cache what its rows
-    surely free: the whole granules inside its ``w13`` and ``w2`` rows (``vmm.lendable_bytes``)."""
+    surely free: the whole granules inside its ``w13`` and ``w2`` rows (``line_memory.lendable_bytes``)."""
     expert_bytes = max(spec.expert_bytes(dtype_bytes) // tensor_parallel_size, 1)
     if granule is not None:
         w2_row = spec.hidden_size * spec.moe_intermediate_size * dtype_bytes // tensor_parallel_size

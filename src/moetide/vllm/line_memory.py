@@ -6,6 +6,8 @@ the backing's spare) and by each worker (the pager's rows and the KV backing).""
 
 from __future__ import annotations
 
+import math
+
 CUDA_GRANULE = 2 << 20  # the mapping granularity the engine core sizes the line with on CUDA (checked at start)
 _MEMORY: dict[str, tuple] = {}  # device -> (DeviceMemory, SharedStaging) of this process
 
@@ -43,3 +45,9 @@ def device_memory(settings, device):
         memory = DeviceMemory(driver)
         _MEMORY[key] = (memory, SharedStaging(memory))
     return _MEMORY[key]
+
+
+def lendable_bytes(row_bytes: int, granule: int) -> int:
+    """The fewest bytes of whole granules inside one row of ``row_bytes``, wherever in a run of equal rows it lies:
+    what offloading one expert surely frees of that weight."""
+    return max(row_bytes - granule + math.gcd(row_bytes, granule), 0) // granule * granule

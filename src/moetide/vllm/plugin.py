@@ -276,14 +276,14 @@ def _patch_worker() -> None:
         extra = reserve_blocks(vllm_config, kv_cache_config) if vllm_config is not None else 0
         if not extra or device.type not in ("cpu", "cuda") or not kv_cache_config.kv_cache_tensors:
             return allocate(kv_cache_config, device, layout, kernel_block_sizes)
-        return _allocate_on_backing(kv_cache_config, device, layout, kernel_block_sizes, extra)
+        return _allocate_on_backing(vllm_config, kv_cache_config, device, layout, kernel_block_sizes, extra)
 
     gpu_model_runner.allocate_kv_cache = allocate_kv_cache
     runner.initialize_kv_cache_tensors = initialize_kv_cache_tensors
     runner.execute_model = execute_model
 
 
-def _allocate_on_backing(kv_cache_config, device, layout, kernel_block_sizes, extra: int):
+def _allocate_on_backing(vllm_config, kv_cache_config, device, layout, kernel_block_sizes, extra: int):
     """vLLM's ``allocate_kv_cache`` over a ``CpuBacking`` or, where the line moves granules (``line_memory``: CUDA,
     or the CPU when asked), a ``vmm_backing.VmmBacking`` on the device memory the expert pager's rows hold; the
     views are built by vLLM's own ``create_kv_cache_views``."""
@@ -295,11 +295,11 @@ def _allocate_on_backing(kv_cache_config, device, layout, kernel_block_sizes, ex
     from moetide.vllm.line_memory import device_memory
     from moetide.vllm.pager import check_every_layer_paged
 
-    check_every_layer_paged(_RUNNER_CONFIG.get())
+    check_every_layer_paged(vllm_config)
     tensors = kv_cache_config.kv_cache_tensors
     num_blocks = kv_cache_config.num_blocks
     sizes = dict(num_base_blocks=num_blocks - extra, num_blocks=num_blocks)
-    memory = device_memory(plugin_settings(_RUNNER_CONFIG.get()), device)
+    memory = device_memory(plugin_settings(vllm_config), device)
     if memory is not None:
         from moetide.vllm.vmm_backing import VmmBacking
 

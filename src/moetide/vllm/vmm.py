@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import abc
 import ctypes
-import math
 import mmap
 import os
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from moetide.vllm.shared_rows import map_fixed
 from moetide.vllm.staging import ExpertSlots
 
 _PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
@@ -145,14 +145,14 @@ class HostDriver(VmmDriver):
             raise ValueError(f"chunk {handle} of {chunk_size} bytes mapped over {size}")
         if any(a < address + size and address < a + s for a, (s, _) in self._mapped.items()):
             raise ValueError(f"range {address:#x}+{size} is already mapped")
-        _map_fixed(address, size, _PROT_NONE, mmap.MAP_SHARED, fd)
+        map_fixed(address, size, _PROT_NONE, mmap.MAP_SHARED, fd)
         self._mapped[address] = (size, handle)
 
     def unmap(self, address: int, size: int) -> None:
         self._check(address, size)
         if self._mapped.get(address, (None,))[0] != size:
             raise ValueError(f"range {address:#x}+{size} is not the range of one mapping")
-        _map_fixed(address, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        map_fixed(address, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         del self._mapped[address]
 
     def set_access(self, address: int, size: int) -> None:
@@ -360,12 +360,6 @@ def runs(offsets: Iterable[int], granule: int) -> list[tuple[int, int]]:
     return out
 
 
-def lendable_bytes(row_bytes: int, granule: int) -> int:
-    """The fewest bytes of whole granules inside one row of ``row_bytes``, wherever in a run of equal rows it lies:
-    what offloading one expert surely frees of that weight."""
-    return max(row_bytes - granule + math.gcd(row_bytes, granule), 0) // granule * granule
-
-
 def _merge_rows(rows: Iterable[int], row_bytes: int) -> list[tuple[int, int]]:
     """The byte intervals of ``rows`` (each ``row_bytes`` long), adjacent rows merged."""
     out: list[tuple[int, int]] = []
@@ -386,9 +380,3 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_NORESERVE = 0x4000  # Linux's value (Python 3.11's mmap module does not name it)
 _MAP_RESERVE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-
-
-def _map_fixed(address: int, size: int, prot: int, flags: int, fd: int = -1) -> None:
-    from moetide.vllm.shared_rows import map_fixed
-
-    map_fixed(address, size, prot, flags, fd)

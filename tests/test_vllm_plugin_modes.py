@@ -26,15 +26,16 @@ def test_offloading_under_cuda_graphs_is_refused_in_one_line(policy, device, cud
         assert "\n" not in reason and reason.endswith("add --enforce-eager") and repr(policy) in reason
 
 
+@pytest.mark.parametrize("cuda_graphs", [True, False])  # vLLM's default, and --enforce-eager
 @pytest.mark.parametrize("device, mode, flag", [
     ("cpu", dict(pipeline_parallel=2), "--pipeline-parallel-size"),
     ("cuda", dict(expert_parallel=True), "--enable-expert-parallel"),
     ("xpu", {}, "policy 'vllm'"),
 ])
-def test_parallelism_and_platforms_the_line_does_not_cover_are_refused_in_one_line(device, mode, flag):
-    reason = unsupported_mode("vamp", device, False, **mode)
+def test_parallelism_and_platforms_the_line_does_not_cover_are_refused_in_one_line(device, mode, flag, cuda_graphs):
+    reason = unsupported_mode("vamp", device, cuda_graphs, **mode)
     assert reason is not None and "\n" not in reason and flag in reason
-    assert unsupported_mode("vllm", device, False, **mode) is None  # nothing offloaded: vLLM's own modes
+    assert unsupported_mode("vllm", device, cuda_graphs, **mode) is None  # nothing offloaded: vLLM's own modes
 
 
 def test_the_compile_cache_key_covers_the_plugins_settings():

@@ -92,15 +92,16 @@ def test_an_offloading_policy_under_cuda_graphs_is_refused_before_the_engine(mon
                                                         "--enforce-eager"]), "cuda")
 
 
+@pytest.mark.parametrize("mode", [[], ["--enforce-eager"]])  # vLLM's default (compiled), and eager
 @pytest.mark.parametrize("flags, named", [(["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
                                           (["--enable-expert-parallel"], "--enable-expert-parallel")])
-def test_an_offloading_policy_under_pipeline_or_expert_parallelism_is_refused_before_the_engine(flags, named):
+def test_an_offloading_policy_under_pipeline_or_expert_parallelism_is_refused_before_the_engine(flags, named, mode):
     kv = '{"kv_connector": "MoetideConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"policy": "vamp"}}'
-    args = server.vllm_parser().parse_args(["--model", "M", "--kv-transfer-config", kv, *flags])
+    args = server.vllm_parser().parse_args(["--model", "M", "--kv-transfer-config", kv, *flags, *mode])
     with pytest.raises(server.StartError, match=named):
         server.refuse_mode(args, "cpu")
     server.refuse_mode(server.vllm_parser().parse_args(["--model", "M", "--tensor-parallel-size", "2",
-                                                        "--kv-transfer-config", kv]), "cpu")
+                                                        "--kv-transfer-config", kv, *mode]), "cpu")
 
 
 @pytest.mark.parametrize("config, head_size", [

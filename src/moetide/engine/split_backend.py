@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moetide.core.splits import SeqResidency, StepSplit
+from moetide.core.splits import StepSplit
 from moetide.engine import native
 from moetide.engine.attention import (
     attend_gathered,
@@ -57,7 +57,7 @@ from moetide.engine.attention import (
 from moetide.engine.host_kv import HostKVStorage, StagingRing
 from moetide.engine.models import AttentionBackend, StepBatch
 from moetide.engine.split_attention import lse_attention, merge_partials
-from moetide.engine.split_plan import SplitCounters, SplitStepper
+from moetide.engine.split_plan import SplitCounters, SplitStepper, observe_split_step, plan_split_step
 from moetide.engine.storage import ArenaStorage
 from moetide.units import cdiv
 
@@ -161,32 +161,12 @@ class SplitAttentionBackend(AttentionBackend):
 
     def _split_step(self, batch: StepBatch, used: list[list[int]], contexts: list[int]) -> list[int]:
         """Each sequence's ``num_cpu_blocks`` from the split policy (all 0 when no host block is used)."""
-        bs, host = self.layout.block_size, self.host
-        on_host = [[host.is_host(b) for b in blocks] for blocks in used]  # each block classified once
-        seqs = []
-        for i, flags in enumerate(on_host):
-            num_host = sum(flags)
-            seqs.append(SeqResidency(i, len(flags) - num_host, num_host))
-        self._split = None
-        if not any(s.num_host_blocks for s in seqs):
-            return [0] * len(seqs)
-        tokens = [[min(bs, context - j * bs) for j in range(len(flags))] for flags, context in zip(on_host, contexts)]
-        device_tokens = sum(n for flags, ns in zip(on_host, tokens) for h, n in zip(flags, ns) if not h)
-        num_queries = max(1, batch.num_tokens // len(seqs))
-        split = self._split = self.stepper.plan(seqs, device_tokens, num_queries)
-        c = self.counters
-        c.steps += 1
-        c.peak_host_blocks = max(c.peak_host_blocks, sum(s.num_host_blocks for s in seqs))
-        c.peak_device_blocks = max(c.peak_device_blocks, sum(s.num_device_blocks for s in seqs))
-        c.peak_kv_tokens = max(c.peak_kv_tokens, sum(contexts))
-        for s, flags, ns in zip(split.splits, on_host, tokens):
-            c.device_blocks += s.num_device_blocks
-            c.cpu_blocks += s.num_cpu_blocks
-            c.streamed_blocks += s.num_streamed_blocks
-            host_tokens = [n for h, n in zip(flags, ns) if h]
-            c.cpu_tokens += sum(host_tokens[: s.num_cpu_blocks])
-            c.streamed_tokens += sum(host_tokens[s.num_cpu_blocks :])
-        return [s.num_cpu_blocks for s in split.splits]
+        on_host = [[self.host.is_host(b) for b in blocks] for blocks in used]  # each block classified once
+        self._split = plan_split_step(self.stepper, self.counters, on_host, contexts, batch.num_tokens,
+                                      self.layout.block_size)
+        if self._split is None:
+            return [0] * len(used)
+        return [s.num_cpu_blocks for s in self._split.splits]
 
     def _regions(self, blocks: list[int], num_cpu: int) -> dict[str, tuple[list[int], list[int]]]:
         """region -> (slot-0 row of each block in the region's row view, the block's index in the table)."""
@@ -258,13 +238,8 @@ class SplitAttentionBackend(AttentionBackend):
     def end_step(self) -> None:
         """Close the step: feed the measured CPU time to the online correction (writescope)."""
         split, self._split = self._split, None
-        if split is None:
-            return
-        c = self.counters
-        c.cpu_s += self._step_cpu_s
-        c.predicted_cpu_s += split.predicted_cpu_s
-        c.probes += split.probe
-        self.stepper.observe(split, self._step_cpu_s)
+        if split is not None:
+            observe_split_step(self.stepper, self.counters, split, self._step_cpu_s)
 
     # ---- per layer ----------------------------------------------------------------------------------------
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, batch: StepBatch, scale: float) -> Tensor:

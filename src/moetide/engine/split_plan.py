@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetide.core.splits import SplitCosts, SplitPolicy
+from moetide.core.splits import SeqResidency, SplitCosts, SplitPolicy, StepSplit
 from moetide.core.split_planner import SplitStepper as CoreSplitStepper
 from moetide.errors import UserError
 
@@ -89,3 +89,39 @@ class SplitStepper(CoreSplitStepper):
             super().__init__(policy, costs, block_bytes, fixed_ratio)
         except ValueError as exc:
             raise UserError(str(exc)) from None
+
+
+def plan_split_step(stepper: SplitStepper, counters: SplitCounters, on_host: list[list[bool]], contexts: list[int],
+                    num_tokens: int, block_size: int) -> StepSplit | None:
+    """One step's split of the host KV (None when no sequence uses a host block), counted in ``counters``.
+    ``on_host[i]``: whether each used block of sequence i (table order) is host-resident; ``contexts[i]``: its
+    tokens after the step; ``num_tokens``: the step's query tokens. The split's sequence ids are the indices i."""
+    seqs = [SeqResidency(i, len(flags) - sum(flags), sum(flags)) for i, flags in enumerate(on_host)]
+    if not any(s.num_host_blocks for s in seqs):
+        return None
+    bs = block_size
+    tokens = [[min(bs, context - j * bs) for j in range(len(flags))] for flags, context in zip(on_host, contexts)]
+    device_tokens = sum(n for flags, ns in zip(on_host, tokens) for h, n in zip(flags, ns) if not h)
+    split = stepper.plan(seqs, device_tokens, max(1, num_tokens // len(seqs)))
+    c = counters
+    c.steps += 1
+    c.peak_host_blocks = max(c.peak_host_blocks, sum(s.num_host_blocks for s in seqs))
+    c.peak_device_blocks = max(c.peak_device_blocks, sum(s.num_device_blocks for s in seqs))
+    c.peak_kv_tokens = max(c.peak_kv_tokens, sum(contexts))
+    for s, flags, ns in zip(split.splits, on_host, tokens):
+        c.device_blocks += s.num_device_blocks
+        c.cpu_blocks += s.num_cpu_blocks
+        c.streamed_blocks += s.num_streamed_blocks
+        host_tokens = [n for h, n in zip(flags, ns) if h]
+        c.cpu_tokens += sum(host_tokens[: s.num_cpu_blocks])
+        c.streamed_tokens += sum(host_tokens[s.num_cpu_blocks :])
+    return split
+
+
+def observe_split_step(stepper: SplitStepper, counters: SplitCounters, split: StepSplit, cpu_s: float) -> None:
+    """Close a step of ``plan_split_step``: its measured CPU seconds (all layers) to the counters and to the online
+    correction (writescope)."""
+    counters.cpu_s += cpu_s
+    counters.predicted_cpu_s += split.predicted_cpu_s
+    counters.probes += split.probe
+    stepper.observe(split, cpu_s)

@@ -40,6 +40,7 @@ _REGISTERED = False
 _EXTRA_BLOCKS: contextvars.ContextVar[int] = contextvars.ContextVar("moetide_extra_blocks", default=0)
 _CAP_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("moetide_cap_bytes", default=0)
 _RUNNER_CONFIG: contextvars.ContextVar[object | None] = contextvars.ContextVar("moetide_runner_config", default=None)
+_ENGINE_CONFIG: contextvars.ContextVar[object | None] = contextvars.ContextVar("moetide_engine_config", default=None)
 logger = logging.getLogger(__name__)
 
 
@@ -62,6 +63,7 @@ def register() -> None:
     from moetide.vllm import pager
 
     pager.register()
+    _register_attention()
     _patch_compile_key()
     _patch_sizing()
     _patch_worker()
@@ -178,11 +180,37 @@ def spare_bytes(vllm_config, kv_cache_config) -> int:
 
 
 def cap_bytes(vllm_config) -> int:
-    """Bytes of experts the offload cap can give the KV cache (0 without the plugin or a policy that offloads)."""
+    """Bytes a rank's KV cache can hold beyond vLLM's sizing: the experts the offload cap can give it, or the
+    rank's share of the host tier (0 without the plugin)."""
     from moetide.vllm.line import line_reserve_blocks
 
     settings, shape = _settings_and_shape(vllm_config)
-    return 0 if settings is None else line_reserve_blocks(settings, shape, block_bytes=1)
+    if settings is None:
+        return 0
+    return line_reserve_blocks(settings, shape, block_bytes=1) + settings.kv_host_memory // _world_size(vllm_config)
+
+
+def host_blocks(vllm_config, kv_cache_config) -> int:
+    """Block ids the host tier adds after the device's (``vllm.host_tier``; 0 without one)."""
+    from moetide.vllm.host_tier import num_host_blocks
+    from moetide.vllm.line import kv_block_bytes
+
+    settings = plugin_settings(vllm_config)
+    if settings is None or not settings.kv_host_memory or not kv_cache_config.kv_cache_tensors:
+        return 0
+    return num_host_blocks(settings.kv_host_memory, kv_block_bytes(kv_cache_config), _world_size(vllm_config))
+
+
+def _world_size(vllm_config) -> int:
+    return vllm_config.parallel_config.tensor_parallel_size
+
+
+def _register_attention() -> None:
+    """vLLM's CPU attention, as moetide's subclass that adds the host tier and is vLLM's own without one
+    (``vllm.split_attn``), under the name ``CPU_ATTN``: vLLM's CPU platform picks that name whatever is asked."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, "moetide.vllm.split_attn.MoetideCPUAttentionBackend")
 
 
 def _patch_compile_key() -> None:
@@ -214,6 +242,8 @@ def _patch_sizing() -> None:
 
     from_groups, override = kv_cache_utils.get_kv_cache_config_from_groups, kv_cache_utils.may_override_num_blocks
     configs, check = kv_cache_utils.get_kv_cache_configs, kv_cache_utils._check_enough_kv_cache_memory
+    scheduler_config = kv_cache_utils.generate_scheduler_kv_cache_config
+    initialize = core.EngineCore._initialize_kv_caches
 
     def kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
         token = _CAP_BYTES.set(cap_bytes(vllm_config))
@@ -239,6 +269,23 @@ def _patch_sizing() -> None:
     def override_num_blocks(vllm_config, num_blocks):
         return override(vllm_config, num_blocks) + _EXTRA_BLOCKS.get()
 
+    def initialize_kv_caches(self, vllm_config):
+        token = _ENGINE_CONFIG.set(vllm_config)
+        try:
+            return initialize(self, vllm_config)
+        finally:
+            _ENGINE_CONFIG.reset(token)
+
+    def scheduler_kv_cache_config(kv_cache_configs):
+        config = scheduler_config(kv_cache_configs)
+        vllm_config = _ENGINE_CONFIG.get()
+        if vllm_config is not None:
+            config.num_blocks += host_blocks(vllm_config, config)
+        return config
+
+    core.EngineCore._initialize_kv_caches = initialize_kv_caches
+    kv_cache_utils.generate_scheduler_kv_cache_config = core.generate_scheduler_kv_cache_config = \
+        scheduler_kv_cache_config
     kv_cache_utils.get_kv_cache_config_from_groups = config_from_groups
     kv_cache_utils.may_override_num_blocks = override_num_blocks
     kv_cache_utils.get_kv_cache_configs = core.get_kv_cache_configs = kv_cache_configs  # core imports it by name
@@ -275,7 +322,13 @@ def _patch_worker() -> None:
         vllm_config = _RUNNER_CONFIG.get()
         extra = reserve_blocks(vllm_config, kv_cache_config) if vllm_config is not None else 0
         if not extra or device.type not in ("cpu", "cuda") or not kv_cache_config.kv_cache_tensors:
-            return allocate(kv_cache_config, device, layout, kernel_block_sizes)
+            kv_caches = allocate(kv_cache_config, device, layout, kernel_block_sizes)
+            if vllm_config is not None and host_blocks(vllm_config, kv_cache_config):
+                from moetide.vllm import host_tier
+
+                host_tier.install(host_tier.build(vllm_config, plugin_settings(vllm_config), kv_cache_config,
+                                                  kv_caches))
+            return kv_caches
         return _allocate_on_backing(vllm_config, kv_cache_config, device, layout, kernel_block_sizes, extra)
 
     gpu_model_runner.allocate_kv_cache = allocate_kv_cache

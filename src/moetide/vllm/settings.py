@@ -18,6 +18,13 @@ One JSON object configures both halves of the plugin (the scheduler and the work
 * ``cpu_vmm_granule``: on the CPU, run the line as on CUDA, over the driver's virtual-memory calls done with
   ``memfd`` and ``mmap`` (``vllm.vmm.HostDriver``) at this granule in bytes (a multiple of the page size); 0, the
   default: the CPU's own page lending. For testing the CUDA design inside vLLM without a GPU.
+* ``kv_host_memory``: bytes of host memory for KV blocks past the device KV cache (0, the default: none), over
+  every rank; WriteScope's host tier (``vllm.host_tier``): a block's residency is fixed when it is written and
+  attention splits each step between the device blocks, the host blocks the CPU attends in place and the host
+  blocks streamed. Not beside a policy that offloads experts.
+* ``split_policy``, ``split_fixed_ratio``: who attends the host KV each step (``core.splits``), as moetide's
+  engine's ``--split-policy`` and ``--split-fixed-ratio``; ``split_gpu``: the GPU preset or file the split's costs
+  are priced for (``engine.split_plan``).
 
 No vLLM import here: the CLI builds these settings and vLLM's side parses them.
 """
@@ -32,6 +39,7 @@ from typing import Any
 from moetide.core.config import ServingConfig
 from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO
 from moetide.core.pressure import VampParams, policy_entry
+from moetide.engine.split_plan import DEFAULT_SPLIT_GPU
 
 CONNECTOR_NAME = "MoetideConnector"
 CONNECTOR_MODULE = "moetide.vllm.connector"
@@ -69,6 +77,10 @@ class PluginSettings:
     experts: ExpertShape | None = None
     line_cycle_steps: int = 0
     cpu_vmm_granule: int = 0
+    kv_host_memory: int = 0
+    split_policy: str = "writescope"
+    split_fixed_ratio: float = 0.5
+    split_gpu: str = DEFAULT_SPLIT_GPU
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -87,10 +99,15 @@ class PluginSettings:
         if cycle and (not entry.offloads_experts or entry.moves_line):
             raise ValueError(f"{WHERE}.line_cycle_steps exercises the line under a policy that offloads experts and "
                              f"does not move the line itself (static-offload), not {self.policy!r}")
+        if self.kv_host_memory and entry.offloads_experts:
+            raise ValueError(f"{WHERE}.kv_host_memory (a host KV tier) and policy {self.policy!r} (which offloads "
+                             f"experts) do not run together in the plugin yet: use policy 'vllm', or drop "
+                             f"kv_host_memory")
 
     def serving_config(self) -> ServingConfig:
         return ServingConfig(policy=self.policy, max_offload_ratio=self.max_offload_ratio,
-                             vamp_horizon_s=self.vamp_horizon_s)
+                             vamp_horizon_s=self.vamp_horizon_s, kv_host_memory=self.kv_host_memory,
+                             split_policy=self.split_policy, split_fixed_ratio=self.split_fixed_ratio)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> PluginSettings:
@@ -118,7 +135,9 @@ class PluginSettings:
         """The JSON-ready object ``from_extra_config`` reads back."""
         out: dict[str, Any] = {"policy": self.policy, "max_offload_ratio": self.max_offload_ratio,
                                "vamp_horizon_s": self.vamp_horizon_s, "clock": self.clock,
-                               "line_cycle_steps": self.line_cycle_steps, "cpu_vmm_granule": self.cpu_vmm_granule}
+                               "line_cycle_steps": self.line_cycle_steps, "cpu_vmm_granule": self.cpu_vmm_granule,
+                               "kv_host_memory": self.kv_host_memory, "split_policy": self.split_policy,
+                               "split_fixed_ratio": self.split_fixed_ratio, "split_gpu": self.split_gpu}
         if self.costs is not None:
             out["costs"] = dict(self.costs)
         if self.experts is not None:

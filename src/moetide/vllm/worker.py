@@ -1,4 +1,5 @@
-"""``--worker-extension-cls moetide.vllm.worker.MoetideWorkerExtension``: the KV backing's state, by RPC.
+"""``--worker-extension-cls moetide.vllm.worker.MoetideWorkerExtension``: the KV backing's and the host tier's
+state, by RPC.
 
 vLLM splices the class into its worker's bases, so ``LLM.collective_rpc("moetide_backing_stats")`` (or the engine
 core's) asks every worker, in-process or in worker processes, what its backing holds (``vllm.backing``).
@@ -16,3 +17,11 @@ class MoetideWorkerExtension:
 
         backing = registered_backing()
         return None if backing is None else {**backing.stats(), "pager": pager.stats()}
+
+    def moetide_host_tier_stats(self) -> dict | None:
+        """This worker's host tier (``HostTier.stats``: blocks written and used, the split's counters), or None
+        without one."""
+        from moetide.vllm.host_tier import installed
+
+        tier = installed()
+        return None if tier is None else tier.stats()

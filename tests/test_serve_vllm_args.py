@@ -48,3 +48,18 @@ def test_a_cost_record_becomes_the_plugins_costs(tmp_path):
     assert config["kv_connector_extra_config"]["costs"] == record
     assert "--vamp-costs" not in argv
     assert "costs" not in json.loads(translate(["--policy", "vamp"])[0][3])["kv_connector_extra_config"]
+
+
+def test_the_host_tier_options_become_the_plugins_settings():
+    """--kv-host-memory and the split options reach the plugin (``vllm.host_tier``); the host tier's admission
+    bound, which only moetide's engine has, goes to vLLM's parser as written, where ``vllm.server`` refuses it."""
+    import json
+
+    argv, _ = translate(["--kv-host-memory", "64MiB", "--split-policy", "fixed-ratio", "--split-fixed-ratio", "0.25",
+                         "--kv-host-active-memory", "8MiB"])
+    extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert (extra["kv_host_memory"], extra["split_policy"], extra["split_fixed_ratio"]) == (64 << 20, "fixed-ratio",
+                                                                                           0.25)
+    assert "--kv-host-memory" not in argv and "--kv-host-active-memory" in argv
+    with pytest.raises(UserError, match="kv_host_memory .* and policy 'vamp'"):
+        translate(["--kv-host-memory", "64MiB", "--policy", "vamp"])

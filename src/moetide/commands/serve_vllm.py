@@ -1,7 +1,8 @@
 """``moetide serve --engine vllm``: vLLM's own OpenAI server, with moetide's plugin configured.
 
 The options both engines share are translated to vLLM's flags: ``--model`` (vLLM's positional model),
-``--policy``, ``--max-offload-ratio``, ``--vamp-horizon-s``, ``--line-cycle-steps`` and ``--vamp-costs`` (the
+``--policy``, ``--max-offload-ratio``, ``--vamp-horizon-s``, ``--line-cycle-steps``, the host KV tier's
+``--kv-host-memory``, ``--split-policy``, ``--split-fixed-ratio`` and ``--split-gpu``, and ``--vamp-costs`` (the
 plugin's settings, in ``--kv-transfer-config``; the cost record as its ``costs``),
 ``--kv-cache-memory`` (``--kv-cache-memory-bytes``), ``--block-size``, ``--max-num-seqs``,
 ``--max-num-batched-tokens``, ``--max-model-len``, ``--served-model-name``, ``--host``, ``--port`` and
@@ -31,7 +32,8 @@ SAME_FLAGS = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
               "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
               "served_model_name": "--served-model-name", "host": "--host", "port": "--port",
               "chat_template": "--chat-template"}
-SETTINGS = ("policy", "max_offload_ratio", "vamp_horizon_s", "line_cycle_steps")
+SETTINGS = ("policy", "max_offload_ratio", "vamp_horizon_s", "line_cycle_steps", "kv_host_memory", "split_policy",
+            "split_fixed_ratio", "split_gpu")
 NOT_OPTIONS = {"model", "engine", "kv_cache_memory", "verb", "api_key", "vamp_costs"}  # translated otherwise
 
 

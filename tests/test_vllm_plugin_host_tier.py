@@ -136,3 +136,23 @@ def test_every_split_gives_the_same_tokens_and_the_split_it_names(checkpoints):
     assert stats["transfer-all"]["cpu_blocks"] == 0 < stats["transfer-all"]["streamed_blocks"]
     assert stats["cpu-all"]["streamed_blocks"] == 0 < stats["cpu-all"]["cpu_blocks"]
     assert stats["fixed-ratio"]["cpu_blocks"] > 0 and stats["fixed-ratio"]["streamed_blocks"] > 0
+
+
+@pytest.mark.slow
+def test_the_documented_server_serves_past_its_device_kv_and_reports_the_host_tier(checkpoints):
+    """``moetide serve --engine vllm --kv-host-memory`` (vLLM's default mode, multiprocessing): a prompt three
+    times the device pool completes, and ``/metrics`` shows the host tier's series."""
+    pytest.importorskip("openai")
+    from vllm_server import Server
+
+    server = Server(checkpoints["qwen3_moe"], "--kv-cache-memory", "2MiB", "--kv-host-memory", "64MiB",
+                    "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16")
+    try:
+        answers = server.complete_all(["long " * 2_400, "a short one"])
+        written = server.metric("moetide:kv_host_blocks_written_total")
+        used = server.metric("moetide:kv_host_blocks_used")
+        share = server.metric("moetide:kv_host_cpu_share")
+    finally:
+        server.close()
+    assert len(answers[0][0]) > 3 * 2_048
+    assert written >= (len(answers[0][0]) - 2_048) // 128 and used > 0 and 0 <= share <= 1, (written, used, share)

@@ -76,9 +76,10 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self):
         """Every step: on the scheduler, the line's gauges and new moves; on a worker, the expert pager's new
-        stagings and unstaged experts (vLLM sums the workers' and adds the scheduler's, ``vllm.metrics``) and,
+        stagings and unstaged experts and the host tier's step (vLLM sums the workers' and adds the scheduler's,
+        ``vllm.metrics``) and,
         where it counts routing, the step's routing (``update_connector_output`` takes it)."""
-        from moetide.vllm import pager
+        from moetide.vllm import host_tier, pager
         from moetide.vllm.metrics import MoetideConnectorStats, line_counts, line_stats
 
         if self._line is not None:
@@ -87,7 +88,8 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
             return stats
         if self.role != KVConnectorRole.WORKER:
             return None
-        return MoetideConnectorStats(pager.STEPS.take())
+        tier = host_tier.installed()
+        return MoetideConnectorStats({**pager.STEPS.take(), **(tier.take_step_stats() if tier is not None else {})})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):

@@ -118,6 +118,8 @@ class HostTier:
         self.counters = SplitCounters()
         self.host_blocks_written = 0  # blocks whose first slot was written on the host
         self.host_blocks_used = 0  # host blocks the last step with any attended
+        self._reported_written = 0  # host_blocks_written at the last ``take_step_stats``
+        self.cpu_share = 0.0  # of the host blocks the last split step attended, the share the CPU attended in place
         self.pending: StepSplit | None = None  # the split of the step under way, closed when the next is built
         self.step_cpu_s = 0.0  # its CPU partials' time so far, all layers
 
@@ -154,6 +156,14 @@ class HostTier:
         rows = (starts[:, None] + torch.arange(self.storage.layout.block_size)).flatten()
         k, v = self.ring.stage(k_rows, v_rows, rows)
         return k.transpose(0, 1), v.transpose(0, 1)
+
+    def take_step_stats(self) -> dict[str, float | int]:
+        """What ``vllm.metrics`` reports for this worker since the last call: blocks written to the host (a
+        counter) and, as gauges, the host blocks the last step attended, the CPU's share of them and writescope's
+        correction factor."""
+        written, self._reported_written = self.host_blocks_written - self._reported_written, self.host_blocks_written
+        return {"kv_host_blocks_written": written, "kv_host_blocks_used": self.host_blocks_used,
+                "kv_host_cpu_share": self.cpu_share, "kv_host_correction_factor": self.stepper.correction_factor}
 
     def stats(self) -> dict:
         return {"host_blocks": self.storage.num_blocks, "host_blocks_written": self.host_blocks_written,

@@ -14,6 +14,11 @@ connector's ``build_prom_metrics``). Series, each labelled like vLLM's (model na
 * ``moetide:unstaged_total`` (counter): offloaded experts routed in a step but not staged, plus MoE layers whose
   pager did not run in a step that ran the model while experts were out (``vllm.pager``). Their tokens were
   computed from memory lent to the KV cache: it must stay 0.
+* With a host KV tier (``vllm.host_tier``): ``moetide:kv_host_blocks_written_total`` (counter): KV blocks written
+  to host memory, summed over the workers (each tensor-parallel rank writes its own shard of a block);
+  ``moetide:kv_host_blocks_used`` (gauge): host blocks the last step that had any attended;
+  ``moetide:kv_host_cpu_share`` (gauge): the share of them the CPU attended in place (the rest were streamed);
+  ``moetide:kv_host_correction_factor`` (gauge): writescope's online correction of the CPU's modeled time.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-GAUGES = ("expert_offload_ratio", "kv_blocks_granted")  # the latest value wins
-COUNTERS = ("line_moves", "line_returns", "stagings", "staged_bytes", "unstaged")  # summed over the interval and the workers
+GAUGES = ("expert_offload_ratio", "kv_blocks_granted", "kv_host_blocks_used", "kv_host_cpu_share",
+          "kv_host_correction_factor")  # the latest value wins
+COUNTERS = ("line_moves", "line_returns", "stagings", "staged_bytes", "unstaged",
+            "kv_host_blocks_written")  # summed over the interval and the workers
 
 
 @dataclass
@@ -91,6 +98,18 @@ class MoetidePromMetrics(KVConnectorPromMetrics):
                 name="moetide:unstaged", labelnames=labelnames,
                 documentation="Offloaded experts routed but not staged, or MoE layers whose expert pager did not "
                               "run while experts were out (all workers). Must stay 0."),
+            "kv_host_blocks_written": self._counter_cls(
+                name="moetide:kv_host_blocks_written", labelnames=labelnames,
+                documentation="KV blocks written to moetide's host KV tier (all workers)."),
+            "kv_host_blocks_used": self._gauge_cls(
+                name="moetide:kv_host_blocks_used", labelnames=labelnames, multiprocess_mode="mostrecent",
+                documentation="Host KV blocks the last step with any attended."),
+            "kv_host_cpu_share": self._gauge_cls(
+                name="moetide:kv_host_cpu_share", labelnames=labelnames, multiprocess_mode="mostrecent",
+                documentation="Share of those host KV blocks the CPU attended in place (the rest were streamed)."),
+            "kv_host_correction_factor": self._gauge_cls(
+                name="moetide:kv_host_correction_factor", labelnames=labelnames, multiprocess_mode="mostrecent",
+                documentation="The split planner's online correction of the CPU's modeled attention time."),
         }
         self.per_engine = {key: create_metric_per_engine(metric, per_engine_labelvalues)
                            for key, metric in self.series.items()}

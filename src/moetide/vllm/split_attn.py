@@ -108,6 +108,7 @@ class MoetideCPUAttentionBuilder(CPUAttentionMetadataBuilder):
             return None
         tier.pending, tier.step_cpu_s = split, 0.0
         tier.host_blocks_used = sum(sum(flags) for flags in on_host)
+        tier.cpu_share = sum(s.num_cpu_blocks for s in split.splits) / tier.host_blocks_used
         seqs, stock = [], []
         for i, s in enumerate(split.splits):
             if not any(on_host[i]):

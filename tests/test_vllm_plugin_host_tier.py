@@ -43,8 +43,9 @@ def checkpoints(tmp_path_factory):
     from moetide.engine.testmodel import TinyModelArgs, make_test_model
 
     root = tmp_path_factory.mktemp("vllm_host_tier")
-    return {arch: make_test_model(TinyModelArgs(arch=arch, head_dim=64, dtype="bfloat16", max_position_embeddings=20_000),
-                                  root / arch) for arch in ("qwen3_moe", "mixtral")}
+    args = {arch: TinyModelArgs(arch=arch, head_dim=64, dtype="bfloat16", max_position_embeddings=20_000)
+            for arch in ("qwen3_moe", "mixtral")}
+    return {arch: make_test_model(a, root / arch) for arch, a in args.items()}
 
 
 def generate(model: Path, batches: list, *, host_tier: dict | None, eager: bool = False,

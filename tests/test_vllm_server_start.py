@@ -51,8 +51,8 @@ def test_start_failures_are_one_line_before_vllm_builds_its_engine(head16_checkp
     model = str(head16_checkpoint)
     assert_refused(*start("--model", model, "--max-num-seqs", "4", "--enforce-eagr"),
                    "--enforce-eagr: not a vLLM option (did you mean --enforce-eager?)")
-    assert_refused(*start("--model", model, "--kv-host-memory", "1GiB"),
-                   "--kv-host-memory: moetide's own engine has it, vLLM does not")
+    assert_refused(*start("--model", model, "--kv-host-active-memory", "1GiB"),
+                   "--kv-host-active-memory: moetide's own engine has it, vLLM does not")
     assert_refused(*start("--model", model), f"--model {model}: attention head size 16; vLLM's CPU attention runs 32")
 
 

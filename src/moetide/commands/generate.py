@@ -52,7 +52,7 @@ from moetide.commands.options import (
     read_costs,
     write_json_output,
 )
-from moetide.engine.split_plan import DEFAULT_SPLIT_GPU
+from moetide.core.splits import DEFAULT_SPLIT_GPU
 from moetide.errors import UserError, read_json
 from moetide.perf.routing_profile import write_profile
 

@@ -336,6 +336,7 @@ SPLIT_POLICIES: dict[str, Callable[[], SplitPolicy]] = {
     "fixed-ratio": FixedRatio,
 }
 BASELINES = ("transfer-all", "cpu-all", "request-split", "fixed-ratio")
+DEFAULT_SPLIT_GPU = "a100-80gb"  # the GPU preset a split's costs are priced for when none is named
 
 
 @dataclass(frozen=True, slots=True)

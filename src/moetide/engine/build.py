@@ -47,12 +47,8 @@ from moetide.engine.host_kv import ArenaPoolView, HostKVStorage
 from moetide.engine.loader import load_model
 from moetide.engine.models import MoECausalLM
 from moetide.engine.split_backend import SplitAttentionBackend
-from moetide.engine.split_plan import (
-    DEFAULT_SPLIT_GPU,
-    PerfSplitCosts,
-    SplitCostSource,
-    SplitStepper,
-)
+from moetide.core.splits import DEFAULT_SPLIT_GPU
+from moetide.engine.split_plan import PerfSplitCosts, SplitCostSource, SplitStepper
 from moetide.engine.state import BlockLinearStateStore, StateLayout
 from moetide.engine.storage import (
     ArenaStorage,

@@ -30,7 +30,6 @@ from moetide.core.split_planner import SplitStepper as CoreSplitStepper
 from moetide.errors import UserError
 
 SplitCostSource = Callable[[int, int], SplitCosts]  # (device-resident tokens, queries per sequence) -> costs
-DEFAULT_SPLIT_GPU = "a100-80gb"
 
 
 class PerfSplitCosts:

@@ -39,7 +39,7 @@ from typing import Any
 from moetide.core.config import ServingConfig
 from moetide.core.experts import DEFAULT_MAX_OFFLOAD_RATIO
 from moetide.core.pressure import VampParams, policy_entry
-from moetide.engine.split_plan import DEFAULT_SPLIT_GPU
+from moetide.core.splits import DEFAULT_SPLIT_GPU
 
 CONNECTOR_NAME = "MoetideConnector"
 CONNECTOR_MODULE = "moetide.vllm.connector"

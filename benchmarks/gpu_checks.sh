@@ -28,6 +28,7 @@ declare -A ABOUT=(
     [vmm-fp8]="block-FP8 experts and their scales paged and staged: the dequantize-and-apply MoE over the slots equals it over the original tensors"
     [staging]="the per-call path's slot tables, counters, Triton masked copy from pinned rows, and its CUDA-graph replay across line moves (plain device rows)"
     [staging-overlap]="the staging copy on a side stream beside MoE-shaped compute: the overlap measured (benchmarks/gpu_staging_overlap.py)"
+    [host-tier-merge]="the host KV tier's CUDA side: torch's fused attention over the device-resident keys with its log-sum-exp, merged with a CPU partial over the host-resident ones, equals full attention (decode and a causal prefill chunk, GQA, fp32/fp16/bf16, five split points)"
     [triton-fused-moe]="vLLM's Triton fused-MoE kernel with staging row ids: not run, the kernel is vLLM's and vLLM cannot be installed on the lent machine"
     [engine-cuda-tests]="moetide's engine on CUDA: parity with transformers under a tight budget, split attention with host KV, the arena, vamp-reclaim"
     [calibrate]="moetide calibrate --quick: this host's DRAM and CPU attention, and the pinned host->device bandwidth"
@@ -38,7 +39,7 @@ declare -A ABOUT=(
     [generate-cold-cpu]="moetide generate --static-offload, offloaded experts computed on the host"
     [cold-experts-same-tokens]="the two runs above give the same tokens"
 )
-ORDER=(vmm-ledger vmm-graph vmm-fp8 staging staging-overlap triton-fused-moe engine-cuda-tests calibrate make-model
+ORDER=(vmm-ledger vmm-graph vmm-fp8 staging staging-overlap host-tier-merge triton-fused-moe engine-cuda-tests calibrate make-model
        bench-engine generate-vamp generate-cold-fetch generate-cold-cpu cold-experts-same-tokens)
 if [ "$MODE" = list ]; then
     for name in "${ORDER[@]}"; do printf '%-26s %s\n' "$name" "${ABOUT[$name]}"; done
@@ -67,6 +68,7 @@ check staging "${PYTEST[@]}" tests/test_vllm_staging.py tests/test_vllm_backing.
 OVERLAP_ARGS=()
 [ "$DEVICE" = cpu ] && OVERLAP_ARGS=(--dry-run)
 check staging-overlap "$PY" benchmarks/gpu_staging_overlap.py "${OVERLAP_ARGS[@]}"
+check host-tier-merge "${PYTEST[@]}" tests/test_split_attention_cuda.py
 printf '{"check": "triton-fused-moe", "ok": null, "skipped": "%s"}\n' "${ABOUT[triton-fused-moe]}"
 check engine-cuda-tests "${PYTEST[@]}" -x -k cuda tests/test_engine_runner.py tests/test_engine_spill.py \
     tests/test_engine_storage.py tests/test_engine_vamp.py

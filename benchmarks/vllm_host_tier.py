@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from moetide.core.splits import DEFAULT_SPLIT_GPU
+
 DEVICE_KV = 2 << 20
 POLICIES = {"transfer-all": {}, "cpu-all": {}, "fixed-ratio": {"split_fixed_ratio": 0.5}, "writescope": {}}
 
@@ -77,7 +79,9 @@ def line(case: str, engine: str, result: dict, reference: dict | None, **extra) 
     if "error" in result:
         out["error"] = result["error"]
     else:
-        out.update(seconds=round(result["seconds"], 3), finished=result["finished"])
+        generated = sum(map(len, result["outputs"]))
+        out.update(seconds=round(result["seconds"], 3), finished=result["finished"],
+                   output_tokens_per_s=round(generated / result["seconds"], 2))
         if reference is not None and "outputs" in reference:
             out["tokens_equal_stock"] = result["outputs"] == reference["outputs"]
         tier = result.get("host_tier")
@@ -121,7 +125,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--cases", nargs="+", choices=("split", "aggregate"), default=["split", "aggregate"])
     parser.add_argument("--model", help="a qwen3_moe or mixtral checkpoint with head_dim 64 (default: make one)")
-    parser.add_argument("--split-gpu", default="a100-80gb", help="the GPU the split's costs are priced for")
+    parser.add_argument("--split-gpu", default=DEFAULT_SPLIT_GPU, help="the GPU the split's costs are priced for")
     parser.add_argument("--aggregate-seqs", type=int, default=56)
     parser.add_argument("--aggregate-length", type=int, default=1_900)
     args = parser.parse_args()

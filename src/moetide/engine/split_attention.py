@@ -22,7 +22,9 @@ the log-sum-exp itself. Two of its habits are handled here. It wants as many KV 
 as one problem per KV head (the G query heads that share a KV head, times the Q queries, are its rows), or, for a
 long prefill chunk with a mask, with the K/V heads repeated: whichever copies less. And a query row with no key to
 attend comes back with lse = 0; it is set to -inf, so the row drops out of the merge like an empty range.
-``lse_attention`` picks the kernel by device.
+``lse_attention`` picks the kernel by device. ``cuda_partial_attention`` is torch's own fused kernel on CUDA
+(``aten._scaled_dot_product_efficient_attention``, which also returns the log-sum-exp): the device partial a CUDA
+host tier needs beside vLLM's attention, checked against full attention by ``benchmarks/gpu_checks.sh``.
 """
 
 from __future__ import annotations
@@ -89,6 +91,37 @@ def cpu_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         if bool(empty.any()):
             lse = lse.masked_fill(empty, float("-inf"))
             out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def cuda_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial_attention`` on CUDA tensors with torch's memory-efficient attention kernel (module docstring);
+    same shapes, ``out`` in fp32 (or wider). GQA repeats the KV heads (the kernel wants one per query head); a mask
+    becomes an additive bias whose rows are padded to a multiple of 16 keys, the kernel's alignment (torch's SDPA
+    front end pads the same way); rows with no key drop out of the merge as in ``cpu_partial_attention``."""
+    batch, num_heads, num_queries, _ = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if num_keys == 0:
+        return (q.new_zeros((batch, num_heads, num_queries, v.shape[-1]), dtype=_widen(q).dtype),
+                q.new_full((batch, num_heads, num_queries), float("-inf"), dtype=torch.float32))
+    group = num_heads // num_kv_heads
+    q = q.to(k.dtype)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    bias = None
+    if mask is not None:
+        padded = q.new_full((batch, num_heads, num_queries, -(-num_keys // 16) * 16), float("-inf"))
+        padded[..., :num_keys] = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
+        bias = padded[..., :num_keys]
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
+    out, lse = _widen(out), lse[..., :num_queries].float()  # the kernel may pad the queries of its lse
+    if mask is not None:
+        empty = ~mask.any(dim=-1).expand(batch, num_heads, num_queries)
+        lse = lse.masked_fill(empty, float("-inf"))
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return out, lse
 
 

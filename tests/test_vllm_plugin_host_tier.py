@@ -4,9 +4,9 @@ The device KV cache is 2 MiB (2,048 tokens of the qwen3_moe and mixtral test che
 64 dims in bf16 is 1 KiB a token); the host tier is 64 MiB. A 16K-token prompt, eight times the device pool, is
 served, where stock vLLM with the same device KV refuses to start; its greedy tokens equal stock vLLM's with the
 whole KV on the device (64 MiB), up to stock vLLM's own near-ties (``tests/greedy.py``). The modes: vLLM's default
-(compiled forward) and eager, in-process and with vLLM's multiprocessing. The split policies (all streamed, all on
-the CPU in place, a fixed share, the planner's) give identical tokens, each with the split it claims. Each engine
-runs in a fresh process (``tests/vllm_generate.py``).
+(compiled forward) and eager, in-process and with vLLM's multiprocessing, and tensor parallelism 2. The split
+policies (all streamed, all on the CPU in place, a fixed share, the planner's) give identical tokens, each with the
+split it claims. Each engine runs in a fresh process (``tests/vllm_generate.py``).
 """
 
 from __future__ import annotations
@@ -118,6 +118,24 @@ def test_mixed_batches_and_prefix_hits_on_host_blocks_equal_stock(checkpoints, s
     check_equal(model, result, stock(arch, "mixed", eager), eager=eager)
     (stats,) = result["host_tier"]
     assert stats["host_blocks_written"] > 0 and stats["steps"] > 0, stats
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_each_hold_their_shard_of_the_host_blocks(checkpoints):
+    """TP 2 (two worker processes, vLLM's default mode): one scheduler hands out the host block ids, each rank
+    writes and attends its KV head's shard of them; greedy tokens equal stock vLLM's at TP 2 with the whole KV on
+    the device."""
+    model = checkpoints["qwen3_moe"]
+    runs = {}
+    for name, host_tier in (("stock", None), ("tier", tier())):
+        spec = {"model": str(model), "max_model_len": MAX_MODEL_LEN, "max_tokens": 12, "token_batches": MIXED,
+                "kv_cache_memory": WHOLE_KV if host_tier is None else DEVICE_KV, "plugin": host_tier,
+                "tensor_parallel_size": 2}
+        runs[name] = run_vllm(spec, plugin=host_tier is not None, multiprocessing=True,
+                              env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # vLLM's 'auto' wants a NUMA node a rank
+    check_equal(model, runs["tier"], runs["stock"], eager=False)
+    ranks = runs["tier"]["host_tier"]
+    assert len(ranks) == 2 and ranks[0]["host_blocks_written"] == ranks[1]["host_blocks_written"] > 0, ranks
 
 
 SWEEP = {"transfer-all": {}, "cpu-all": {}, "fixed-ratio": {"split_fixed_ratio": 0.5}, "writescope": {}}

@@ -33,6 +33,20 @@ GAUGES = ("expert_offload_ratio", "kv_blocks_granted", "kv_host_blocks_used", "k
           "kv_host_correction_factor")  # the latest value wins
 COUNTERS = ("line_moves", "line_returns", "stagings", "staged_bytes", "unstaged",
             "kv_host_blocks_written")  # summed over the interval and the workers
+DOCUMENTATION = {
+    "expert_offload_ratio": "Share of routed experts whose memory moetide's line has given to the KV cache.",
+    "kv_blocks_granted": "KV cache blocks moetide's line has granted and not taken back.",
+    "line_moves": "Moves of moetide's line: regions granted to the KV cache plus regions given back.",
+    "line_returns": "Regions moetide's line gave back to their experts (of its moves).",
+    "stagings": "Offloaded experts staged from their host copies when routed (all workers).",
+    "staged_bytes": "Bytes of offloaded experts staged from their host copies (all workers).",
+    "unstaged": "Offloaded experts routed but not staged, or MoE layers whose expert pager did not run while experts "
+                "were out (all workers). Must stay 0.",
+    "kv_host_blocks_written": "KV blocks written to moetide's host KV tier (all workers).",
+    "kv_host_blocks_used": "Host KV blocks the last step with any attended.",
+    "kv_host_cpu_share": "Share of those host KV blocks the CPU attended in place (the rest were streamed).",
+    "kv_host_correction_factor": "The split planner's online correction of the CPU's modeled attention time.",
+}
 
 
 @dataclass
@@ -76,41 +90,10 @@ class MoetidePromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.series = {
-            "expert_offload_ratio": self._gauge_cls(
-                name="moetide:expert_offload_ratio", labelnames=labelnames, multiprocess_mode="mostrecent",
-                documentation="Share of routed experts whose memory moetide's line has given to the KV cache."),
-            "kv_blocks_granted": self._gauge_cls(
-                name="moetide:kv_blocks_granted", labelnames=labelnames, multiprocess_mode="mostrecent",
-                documentation="KV cache blocks moetide's line has granted and not taken back."),
-            "line_moves": self._counter_cls(
-                name="moetide:line_moves", labelnames=labelnames,
-                documentation="Moves of moetide's line: regions granted to the KV cache plus regions given back."),
-            "line_returns": self._counter_cls(
-                name="moetide:line_returns", labelnames=labelnames,
-                documentation="Regions moetide's line gave back to their experts (of its moves)."),
-            "stagings": self._counter_cls(
-                name="moetide:stagings", labelnames=labelnames,
-                documentation="Offloaded experts staged from their host copies when routed (all workers)."),
-            "staged_bytes": self._counter_cls(
-                name="moetide:staged_bytes", labelnames=labelnames,
-                documentation="Bytes of offloaded experts staged from their host copies (all workers)."),
-            "unstaged": self._counter_cls(
-                name="moetide:unstaged", labelnames=labelnames,
-                documentation="Offloaded experts routed but not staged, or MoE layers whose expert pager did not "
-                              "run while experts were out (all workers). Must stay 0."),
-            "kv_host_blocks_written": self._counter_cls(
-                name="moetide:kv_host_blocks_written", labelnames=labelnames,
-                documentation="KV blocks written to moetide's host KV tier (all workers)."),
-            "kv_host_blocks_used": self._gauge_cls(
-                name="moetide:kv_host_blocks_used", labelnames=labelnames, multiprocess_mode="mostrecent",
-                documentation="Host KV blocks the last step with any attended."),
-            "kv_host_cpu_share": self._gauge_cls(
-                name="moetide:kv_host_cpu_share", labelnames=labelnames, multiprocess_mode="mostrecent",
-                documentation="Share of those host KV blocks the CPU attended in place (the rest were streamed)."),
-            "kv_host_correction_factor": self._gauge_cls(
-                name="moetide:kv_host_correction_factor", labelnames=labelnames, multiprocess_mode="mostrecent",
-                documentation="The split planner's online correction of the CPU's modeled attention time."),
-        }
+            key: self._gauge_cls(name=f"moetide:{key}", labelnames=labelnames, multiprocess_mode="mostrecent",
+                                 documentation=text) if key in GAUGES else
+            self._counter_cls(name=f"moetide:{key}", labelnames=labelnames, documentation=text)
+            for key, text in DOCUMENTATION.items()}
         self.per_engine = {key: create_metric_per_engine(metric, per_engine_labelvalues)
                            for key, metric in self.series.items()}
 

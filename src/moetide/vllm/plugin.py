@@ -66,6 +66,7 @@ def register() -> None:
     _register_attention()
     _patch_compile_key()
     _patch_sizing()
+    _patch_host_blocks()
     _patch_worker()
     _REGISTERED = True
 
@@ -242,8 +243,6 @@ def _patch_sizing() -> None:
 
     from_groups, override = kv_cache_utils.get_kv_cache_config_from_groups, kv_cache_utils.may_override_num_blocks
     configs, check = kv_cache_utils.get_kv_cache_configs, kv_cache_utils._check_enough_kv_cache_memory
-    scheduler_config = kv_cache_utils.generate_scheduler_kv_cache_config
-    initialize = core.EngineCore._initialize_kv_caches
 
     def kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
         token = _CAP_BYTES.set(cap_bytes(vllm_config))
@@ -269,6 +268,21 @@ def _patch_sizing() -> None:
     def override_num_blocks(vllm_config, num_blocks):
         return override(vllm_config, num_blocks) + _EXTRA_BLOCKS.get()
 
+    kv_cache_utils.get_kv_cache_config_from_groups = config_from_groups
+    kv_cache_utils.may_override_num_blocks = override_num_blocks
+    kv_cache_utils.get_kv_cache_configs = core.get_kv_cache_configs = kv_cache_configs  # core imports it by name
+    kv_cache_utils._check_enough_kv_cache_memory = check_enough
+
+
+def _patch_host_blocks() -> None:
+    """The host tier's block ids join the scheduler's KV config only (``host_blocks``); the engine's config is
+    carried to the scheduler's through a context variable, as vLLM passes it no further."""
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
+
+    scheduler_config = kv_cache_utils.generate_scheduler_kv_cache_config
+    initialize = core.EngineCore._initialize_kv_caches
+
     def initialize_kv_caches(self, vllm_config):
         token = _ENGINE_CONFIG.set(vllm_config)
         try:
@@ -286,10 +300,6 @@ def _patch_sizing() -> None:
     core.EngineCore._initialize_kv_caches = initialize_kv_caches
     kv_cache_utils.generate_scheduler_kv_cache_config = core.generate_scheduler_kv_cache_config = \
         scheduler_kv_cache_config
-    kv_cache_utils.get_kv_cache_config_from_groups = config_from_groups
-    kv_cache_utils.may_override_num_blocks = override_num_blocks
-    kv_cache_utils.get_kv_cache_configs = core.get_kv_cache_configs = kv_cache_configs  # core imports it by name
-    kv_cache_utils._check_enough_kv_cache_memory = check_enough
 
 
 def _patch_worker() -> None:

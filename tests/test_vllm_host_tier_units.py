@@ -13,6 +13,7 @@ from vllm import _custom_ops as ops  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from moetide.core.splits import SplitCosts  # noqa: E402
+from moetide.engine import native  # noqa: E402
 from moetide.engine.split_plan import SplitStepper  # noqa: E402
 from moetide.engine.storage import KVLayout  # noqa: E402
 from moetide.vllm.host_tier import BlockOrder, HostTier, num_host_blocks  # noqa: E402
@@ -68,13 +69,15 @@ def test_regions_follow_table_order_and_mask_by_position():
                                           [True, True, True, False]]
 
 
+@pytest.mark.parametrize("queries", [1, 3])
 @pytest.mark.parametrize("num_cpu", [0, 1, 3])
-def test_one_sequence_split_three_ways_equals_vllms_kernel_over_all_of_it_on_the_device(num_cpu):
+def test_one_sequence_split_three_ways_equals_vllms_kernel_over_all_of_it_on_the_device(num_cpu, queries):
     """Blocks 0-1 on the device, 2-4 on the host: the merged partials against ``cpu_attention_with_kv_cache``
-    with the same five blocks in vLLM's tensor (fp32, so the two kernels' roundings stay below 1e-5)."""
-    from moetide.vllm.split_attn import _regions, _Seq, MoetideCPUAttentionImpl
+    with the same five blocks in vLLM's tensor (fp32, so the two kernels' roundings stay below 1e-5). A decode
+    query's in-place blocks go through the native paged kernel, a chunk's through torch's flash attention."""
+    from moetide.vllm.split_attn import MoetideCPUAttentionImpl, _regions, _Seq
 
-    dtype, bs, context, queries = torch.float32, 32, 150, 3
+    dtype, bs, context = torch.float32, 32, 150
     isa = _get_attn_isa(dtype, bs, DIM)
     generator = torch.Generator().manual_seed(1)
     k, v = (torch.randn(context, KV_HEADS, DIM, generator=generator) for _ in range(2))
@@ -103,5 +106,9 @@ def test_one_sequence_split_three_ways_equals_vllms_kernel_over_all_of_it_on_the
     seq = _Seq(0, queries, _regions(table, [False, False, True, True, True], num_cpu, 2, bs, context, queries))
     impl = MoetideCPUAttentionImpl.__new__(MoetideCPUAttentionImpl)
     impl.num_heads, impl.head_size, impl.scale = HEADS, DIM, 0.125
-    got = impl._attend(t, "layer", q, device, seq)
+    with torch.inference_mode():  # as vLLM runs the forward (the native kernels take no autograd)
+        got = impl._attend(t, "layer", q, device, seq)
+        if queries == 1 and native.available():  # the decode query's in-place blocks took the native kernel
+            assert all(t.decode_partial("layer", q.view(1, HEADS, 1, DIM), r.blocks, r.last_row_keys, 0.125)
+                       is not None for r in seq.regions if r.kind == "cpu")
     assert (got - expected).abs().max() < 1e-5

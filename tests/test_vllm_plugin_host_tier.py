@@ -111,7 +111,7 @@ def test_a_16k_prompt_eight_times_the_device_pool_is_served_as_stock_serves_it_w
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, eager, multiprocessing", [
-    ("qwen3_moe", True, False), ("qwen3_moe", False, True), ("mixtral", False, False)])
+    ("qwen3_moe", True, False), ("qwen3_moe", False, True), ("mixtral", True, False)])
 def test_mixed_batches_and_prefix_hits_on_host_blocks_equal_stock(checkpoints, stock, arch, eager, multiprocessing):
     model = checkpoints[arch]
     result = generate(model, MIXED, host_tier=tier(), eager=eager, multiprocessing=multiprocessing)

@@ -8,8 +8,8 @@ when routed (``moetide:stagings_total``) and none is routed without being staged
 every request completes, and the greedy tokens of both rounds equal ``--policy vllm``'s on a pool large enough for
 the burst, up to stock vLLM's own near-ties (``tests/greedy.py``: how vLLM batches a burst depends on its pool, and
 on these random-weight checkpoints that flips tokens whose log-probabilities are a few thousandths of a nat apart,
-in stock vLLM too). In vLLM's default mode (the documented command: a compiled forward) and with
-``--enforce-eager``; the two modes are compared each with itself, as their kernels differ.
+in stock vLLM too). In vLLM's default mode (the documented command: a compiled forward) on every architecture,
+and with ``--enforce-eager`` on qwen3_moe; the two modes are compared each with itself, as their kernels differ.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ MODES = {"default": (), "eager": ("--enforce-eager",)}
 @pytest.mark.parametrize("mode", list(MODES))
 def test_vamp_moves_the_line_for_a_burst_and_answers_as_vllm(checkpoint, mode):
     arch, model = checkpoint
+    if mode == "eager" and arch != "qwen3_moe":
+        pytest.skip("--enforce-eager runs once, on qwen3_moe: the server's path through the plugin is the same for "
+                    "every architecture, and the default mode runs all three")
     server = Server(model, *plugin_flags("vamp", "2MiB"), *MODES[mode])
     try:
         vamp_answers = [server.complete_all(prompts(arch)) for _ in range(2)]

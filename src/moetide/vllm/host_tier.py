@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from moetide.core.splits import StepSplit
+from moetide.engine import native
 from moetide.engine.host_kv import HostKVStorage, StagingRing
 from moetide.engine.split_plan import SplitCounters, SplitStepper
 from moetide.engine.storage import KVLayout
@@ -148,13 +149,33 @@ class HostTier:
         k_view, v_view = self.storage.kv_views(self.layer_index[layer_name])
         return tuple(view[blocks].flatten(0, 1).transpose(0, 1) for view in (k_view, v_view))
 
+    def decode_partial(self, layer_name: str, q: Tensor, blocks: Tensor, num_keys: int,
+                       scale: float) -> tuple[Tensor, Tensor] | None:
+        """One decode query's partial over host ``blocks`` (storage indices, table order) read where they lie, by
+        the native paged kernel: (out [1, Hq, 1, D] fp32, lse [1, Hq, 1]) over their first ``num_keys`` keys; None
+        where that kernel does not take it (``cpu_partial_attention`` over ``host_kv`` then)."""
+        _, num_heads, _, head_dim = q.shape
+        if not native.decode_worth_it(q, num_keys, native.EXPERT_DTYPES):
+            return None
+        k_rows, v_rows = self.storage.kv_rows(self.layer_index[layer_name])
+        if q.dtype != k_rows.dtype:
+            return None
+        rows = self._rows(blocks)
+        lse = torch.empty(1, num_heads, dtype=torch.float32)
+        out = native.paged_decode_attention(q.reshape(1, num_heads, head_dim), k_rows, v_rows, rows[None],
+                                            torch.tensor([num_keys]), scale, lse=lse, fp32_out=True)
+        return out.view(1, num_heads, 1, head_dim), lse.view(1, num_heads, 1)
+
+    def _rows(self, blocks: Tensor) -> Tensor:
+        """The ``kv_rows`` rows of every slot of host ``blocks`` (storage indices), in order."""
+        starts = torch.tensor(self.storage.key_rows((blocks + self.first_host_id).tolist()))
+        return (starts[:, None] + torch.arange(self.storage.layout.block_size)).flatten()
+
     def streamed_kv(self, layer_name: str, blocks: Tensor) -> tuple[Tensor, Tensor]:
         """(K, V) of host ``blocks`` (storage indices) through the staging ring, as an accelerator receives them:
         [Hkv, n · block_size, D] each."""
         k_rows, v_rows = self.storage.kv_rows(self.layer_index[layer_name])
-        starts = torch.tensor(self.storage.key_rows((blocks + self.first_host_id).tolist()))
-        rows = (starts[:, None] + torch.arange(self.storage.layout.block_size)).flatten()
-        k, v = self.ring.stage(k_rows, v_rows, rows)
+        k, v = self.ring.stage(k_rows, v_rows, self._rows(blocks))
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def take_step_stats(self) -> dict[str, float | int]:

@@ -14,8 +14,9 @@ one, each step:
   kernel writes the rest (``HostTier.write``).
 * **forward** (each layer): vLLM's kernel for the device-only sequences; for each other sequence, one partial
   attention per region (its device blocks read through ``BlockOrder``, its CPU blocks in place, its streamed
-  blocks through the ring), each with its log-sum-exp from torch's CPU flash attention, merged exactly
-  (``engine.split_attention``). Causal masking is by position, so prefill chunks and decode tokens go the same way.
+  blocks through the ring), each with its log-sum-exp, merged exactly (``engine.split_attention``). A decode
+  query's CPU blocks are read where they lie by the native paged kernel (``HostTier.decode_partial``); the rest go
+  through torch's CPU flash attention. Causal masking is by position, so prefill chunks and decode tokens go the same way.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class _Region:
     kind: str  # "device" (ids into vLLM's tensor), "cpu" or "stream" (host storage indices)
     blocks: Tensor
     mask: Tensor | None  # [1, 1, Q, n · block_size] True = attend; None: every query attends every key
+    last_row_keys: int  # keys the last query attends: a prefix of the region's, in position order
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def _regions(table: Tensor, on_host: list[bool], num_cpu: int, first_host_id: in
         blocks = table[index].long() - (first_host_id if kind != "device" else 0)
         key_pos = (index[:, None] * block_size + torch.arange(block_size)).flatten()
         mask = key_pos[None, :] <= query_pos[:, None]
-        regions.append(_Region(kind, blocks, None if bool(mask.all()) else mask[None, None]))
+        regions.append(_Region(kind, blocks, None if bool(mask.all()) else mask[None, None], int(mask[-1].sum())))
     return tuple(regions)
 
 
@@ -205,11 +207,20 @@ class MoetideCPUAttentionImpl(CPUAttentionBackendImpl):
                 partials.append(cpu_partial_attention(q, k[None], v[None], self.scale, region.mask))
             elif region.kind == "cpu":
                 began = time.perf_counter()
-                k, v = tier.host_kv(layer_name, region.blocks)
-                partials.append(cpu_partial_attention(q, k[None], v[None], self.scale, region.mask))
+                partials.append(self._in_place(tier, layer_name, q, region))
                 tier.step_cpu_s += time.perf_counter() - began
             else:
                 k, v = tier.streamed_kv(layer_name, region.blocks)
                 partials.append(lse_attention(q, k[None], v[None], self.scale, region.mask))
         out, _ = merge_partials(partials)
         return out[0].transpose(0, 1)
+
+    def _in_place(self, tier: HostTier, layer_name: str, q: Tensor, region: _Region) -> tuple[Tensor, Tensor]:
+        """The CPU's partial over host blocks where they lie: a decode query by the native paged kernel (no copy),
+        else torch's CPU flash attention over the blocks gathered."""
+        if q.shape[2] == 1:
+            partial = tier.decode_partial(layer_name, q, region.blocks, region.last_row_keys, self.scale)
+            if partial is not None:
+                return partial
+        k, v = tier.host_kv(layer_name, region.blocks)
+        return cpu_partial_attention(q, k[None], v[None], self.scale, region.mask)

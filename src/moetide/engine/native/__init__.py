@@ -197,14 +197,15 @@ def gdn_decode(mixed: Tensor, conv_weight: Tensor, blocks: StateBlocks, layer_id
 
 def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: Tensor, lengths: Tensor,
                            scale: float, new_kv: tuple[Tensor, Tensor] | None = None,
-                           lse: Tensor | None = None) -> Tensor:
+                           lse: Tensor | None = None, fp32_out: bool = False) -> Tensor:
     """q [b, Hq, D] fp32 or bf16, one query per sequence at the end of its context; k_rows, v_rows [rows, Hkv, D]
     views (same strides; unit stride along D; fp32, or bf16 with a bf16 q: rows widened to fp32 as they are read,
     the output rounded to bf16 once); key_rows [b, L] int64 rows of each sequence's keys, the first
     ``lengths[s]`` of them valid -> [b, Hq, D]. ``new_kv`` ([b, Hkv, D] each): written first into each
     sequence's last row (its decode token's slot), all of them before any sequence attends. ``lse`` ([b, Hq]
     fp32, contiguous): filled with each row's log-sum-exp (natural log, -inf for a sequence with no key; a split
-    merge's input)."""
+    merge's input). ``fp32_out``: with a bf16 q, return the fp32 output unrounded (a split merge rounds once,
+    after it)."""
     lib = load()
     b, Hq, D = q.shape
     Hkv = k_rows.shape[1]
@@ -243,7 +244,7 @@ def paged_decode_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, key_rows: 
     if status:  # the kernel checks the indices before it touches memory
         raise ValueError(f"key_rows must lie in [0, {num_rows})" if status == 1
                          else f"lengths must lie in [0, {L}]")
-    return out if out.dtype == dtype else out.to(dtype)
+    return out if out.dtype == dtype or fp32_out else out.to(dtype)
 
 
 def rms_norm(x: Tensor, eps: float, weight: Tensor, zero_centered: bool, gate: Tensor | None = None,

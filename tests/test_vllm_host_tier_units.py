@@ -69,6 +69,16 @@ def test_regions_follow_table_order_and_mask_by_position():
                                           [True, True, True, False]]
 
 
+def test_a_chunks_mask_covers_only_the_blocks_it_overlaps():
+    from moetide.vllm.split_attn import _regions
+
+    regions = _regions(torch.tensor([5, 6, 7, 8]), [False] * 4, num_cpu=0, first_host_id=9, block_size=4,
+                       context=16, num_queries=8)  # queries at 8-15: blocks 5 and 6 (keys 0-7) seen by all
+    assert [(r.kind, r.blocks.tolist(), r.mask is None) for r in regions] == [("device", [5, 6], True),
+                                                                             ("device", [7, 8], False)]
+    assert regions[1].mask.shape == (1, 1, 8, 8) and regions[1].last_row_keys == 8
+
+
 @pytest.mark.parametrize("queries", [1, 3])
 @pytest.mark.parametrize("num_cpu", [0, 1, 3])
 def test_one_sequence_split_three_ways_equals_vllms_kernel_over_all_of_it_on_the_device(num_cpu, queries):

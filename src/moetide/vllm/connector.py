@@ -77,8 +77,7 @@ class MoetideConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self):
         """Every step: on the scheduler, the line's gauges and new moves; on a worker, the expert pager's new
         stagings and unstaged experts and the host tier's step (vLLM sums the workers' and adds the scheduler's,
-        ``vllm.metrics``) and,
-        where it counts routing, the step's routing (``update_connector_output`` takes it)."""
+        ``vllm.metrics``) and, where it counts routing, the step's routing (``update_connector_output`` takes it)."""
         from moetide.vllm import host_tier, pager
         from moetide.vllm.metrics import MoetideConnectorStats, line_counts, line_stats
 

@@ -16,7 +16,8 @@ one, each step:
   attention per region (its device blocks read through ``BlockOrder``, its CPU blocks in place, its streamed
   blocks through the ring), each with its log-sum-exp, merged exactly (``engine.split_attention``). A decode
   query's CPU blocks are read where they lie by the native paged kernel (``HostTier.decode_partial``); the rest go
-  through torch's CPU flash attention. Causal masking is by position, so prefill chunks and decode tokens go the same way.
+  through torch's CPU flash attention. Causal masking is by position, so prefill chunks and decode tokens go the
+  same way.
 """
 
 from __future__ import annotations
@@ -143,7 +144,9 @@ class MoetideCPUAttentionBuilder(CPUAttentionMetadataBuilder):
 
 def _regions(table: Tensor, on_host: list[bool], num_cpu: int, first_host_id: int, block_size: int,
              context: int, num_queries: int) -> tuple[_Region, ...]:
-    """A sequence's device, CPU and streamed blocks (table order within each) with their causal masks."""
+    """A sequence's device, CPU and streamed blocks (table order within each) with their causal masks. For a
+    prefill chunk each kind's blocks that every query sees come apart from the rest, so the mask (an additive bias
+    of Q x keys) covers only the blocks the chunk overlaps."""
     where = {"device": [], "cpu": [], "stream": []}
     num_host = 0
     for j, host in enumerate(on_host):
@@ -153,14 +156,19 @@ def _regions(table: Tensor, on_host: list[bool], num_cpu: int, first_host_id: in
     query_pos = torch.arange(context - num_queries, context)
     regions = []
     for kind, positions in where.items():
-        if not positions:
-            continue
-        index = torch.tensor(positions)
-        blocks = table[index].long() - (first_host_id if kind != "device" else 0)
-        key_pos = (index[:, None] * block_size + torch.arange(block_size)).flatten()
-        mask = key_pos[None, :] <= query_pos[:, None]
-        regions.append(_Region(kind, blocks, None if bool(mask.all()) else mask[None, None], int(mask[-1].sum())))
+        seen = [j for j in positions if (j + 1) * block_size - 1 <= context - num_queries]
+        parts = [positions] if num_queries == 1 else [seen, [j for j in positions if j not in seen]]
+        regions += [_region(kind, table, part, first_host_id, block_size, query_pos) for part in parts if part]
     return tuple(regions)
+
+
+def _region(kind: str, table: Tensor, positions: list[int], first_host_id: int, block_size: int,
+            query_pos: Tensor) -> _Region:
+    index = torch.tensor(positions)
+    blocks = table[index].long() - (first_host_id if kind != "device" else 0)
+    key_pos = (index[:, None] * block_size + torch.arange(block_size)).flatten()
+    mask = key_pos[None, :] <= query_pos[:, None]
+    return _Region(kind, blocks, None if bool(mask.all()) else mask[None, None], int(mask[-1].sum()))
 
 
 def _close_step(tier: HostTier) -> None:

@@ -29,24 +29,25 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-GAUGES = ("expert_offload_ratio", "kv_blocks_granted", "kv_host_blocks_used", "kv_host_cpu_share",
-          "kv_host_correction_factor")  # the latest value wins
-COUNTERS = ("line_moves", "line_returns", "stagings", "staged_bytes", "unstaged",
-            "kv_host_blocks_written")  # summed over the interval and the workers
-DOCUMENTATION = {
-    "expert_offload_ratio": "Share of routed experts whose memory moetide's line has given to the KV cache.",
-    "kv_blocks_granted": "KV cache blocks moetide's line has granted and not taken back.",
-    "line_moves": "Moves of moetide's line: regions granted to the KV cache plus regions given back.",
-    "line_returns": "Regions moetide's line gave back to their experts (of its moves).",
-    "stagings": "Offloaded experts staged from their host copies when routed (all workers).",
-    "staged_bytes": "Bytes of offloaded experts staged from their host copies (all workers).",
-    "unstaged": "Offloaded experts routed but not staged, or MoE layers whose expert pager did not run while experts "
-                "were out (all workers). Must stay 0.",
-    "kv_host_blocks_written": "KV blocks written to moetide's host KV tier (all workers).",
-    "kv_host_blocks_used": "Host KV blocks the last step with any attended.",
-    "kv_host_cpu_share": "Share of those host KV blocks the CPU attended in place (the rest were streamed).",
-    "kv_host_correction_factor": "The split planner's online correction of the CPU's modeled attention time.",
+SERIES = {  # name (after "moetide:") -> (kind, documentation); a gauge's latest value wins, a counter is summed
+    # over the interval and the workers
+    "expert_offload_ratio": ("gauge", "Share of routed experts whose memory moetide's line has given to the KV cache."),
+    "kv_blocks_granted": ("gauge", "KV cache blocks moetide's line has granted and not taken back."),
+    "line_moves": ("counter", "Moves of moetide's line: regions granted to the KV cache plus regions given back."),
+    "line_returns": ("counter", "Regions moetide's line gave back to their experts (of its moves)."),
+    "stagings": ("counter", "Offloaded experts staged from their host copies when routed (all workers)."),
+    "staged_bytes": ("counter", "Bytes of offloaded experts staged from their host copies (all workers)."),
+    "unstaged": ("counter", "Offloaded experts routed but not staged, or MoE layers whose expert pager did not run "
+                            "while experts were out (all workers). Must stay 0."),
+    "kv_host_blocks_written": ("counter", "KV blocks written to moetide's host KV tier (all workers)."),
+    "kv_host_blocks_used": ("gauge", "Host KV blocks the last step with any attended."),
+    "kv_host_cpu_share": ("gauge", "Share of those host KV blocks the CPU attended in place (the rest were "
+                                   "streamed)."),
+    "kv_host_correction_factor": ("gauge", "The split planner's online correction of the CPU's modeled attention "
+                                           "time."),
 }
+GAUGES = tuple(key for key, (kind, _) in SERIES.items() if kind == "gauge")
+COUNTERS = tuple(key for key, (kind, _) in SERIES.items() if kind == "counter")
 
 
 @dataclass
@@ -93,7 +94,7 @@ class MoetidePromMetrics(KVConnectorPromMetrics):
             key: self._gauge_cls(name=f"moetide:{key}", labelnames=labelnames, multiprocess_mode="mostrecent",
                                  documentation=text) if key in GAUGES else
             self._counter_cls(name=f"moetide:{key}", labelnames=labelnames, documentation=text)
-            for key, text in DOCUMENTATION.items()}
+            for key, (_, text) in SERIES.items()}
         self.per_engine = {key: create_metric_per_engine(metric, per_engine_labelvalues)
                            for key, metric in self.series.items()}
 

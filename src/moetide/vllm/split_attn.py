@@ -156,8 +156,11 @@ def _regions(table: Tensor, on_host: list[bool], num_cpu: int, first_host_id: in
     query_pos = torch.arange(context - num_queries, context)
     regions = []
     for kind, positions in where.items():
-        seen = [j for j in positions if (j + 1) * block_size - 1 <= context - num_queries]
-        parts = [positions] if num_queries == 1 else [seen, [j for j in positions if j not in seen]]
+        parts = [positions]
+        if num_queries > 1:  # blocks every query sees, then the ones the chunk overlaps
+            parts = [[], []]
+            for j in positions:
+                parts[(j + 1) * block_size - 1 > context - num_queries].append(j)
         regions += [_region(kind, table, part, first_host_id, block_size, query_pos) for part in parts if part]
     return tuple(regions)
 

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 # Tiny, but with every code path on: qwen3_moe has a dense MLP layer (mlp_only_layers) and no top-k renormalization;
-# qwen3_next has 3 Gated DeltaNet layers + 1 gated full-attention layer and twice as many value heads as key heads.
+# qwen3_next has 3 Gated DeltaNet layers + 1 gated full-attention layer and twice as many value heads as key heads;
+# deepseek_v2 has MLA, a first dense layer, group-limited routing, a shared expert and YaRN RoPE.
 TINY_CHECKPOINTS = {
     "qwen3_moe": dict(arch="qwen3_moe", num_layers=3, dense_layer_ids=(1,)),
     "mixtral": dict(arch="mixtral", num_layers=2),
     "qwen3_next": dict(arch="qwen3_next", num_layers=4),
+    "deepseek_v2": dict(arch="deepseek_v2", num_layers=3),
 }
 ENGINE_ARCHS = tuple(TINY_CHECKPOINTS)
 

@@ -13,8 +13,8 @@ PAGE_BYTES = 8192  # tiny experts are 24 KiB: 3 pages each, so the KV budget mov
 BLOCK_SIZE = 4
 TIGHT = dict(page_bytes=PAGE_BYTES, block_size=BLOCK_SIZE, max_num_batched_tokens=64, ignore_eos=True)
 # KV pages (of 8 KiB) that make every mechanism fire for N=64 while the largest request still fits alone
-STATIC_PAGES = {"qwen3_moe": 10, "mixtral": 6, "qwen3_next": 4}
-POLICY_PAGES = {"qwen3_moe": 16, "mixtral": 8, "qwen3_next": 6}
+STATIC_PAGES = {"qwen3_moe": 10, "mixtral": 6, "qwen3_next": 4, "deepseek_v2": 4}
+POLICY_PAGES = {"qwen3_moe": 16, "mixtral": 8, "qwen3_next": 6, "deepseek_v2": 5}
 
 
 def parity_prompts() -> list[list[int]]:

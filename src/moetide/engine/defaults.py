@@ -9,5 +9,5 @@ from __future__ import annotations
 
 from moetide.core.config import DEFAULT_KV_CACHE_MEMORY
 
-ENGINE_ARCHS = ("qwen3_moe", "mixtral", "qwen3_next")
+ENGINE_ARCHS = ("qwen3_moe", "mixtral", "qwen3_next", "deepseek_v2")
 ENGINE_DEFAULTS = dict(kv_cache_memory=DEFAULT_KV_CACHE_MEMORY, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192)

@@ -12,14 +12,16 @@ Layouts (all offsets in bytes from the arena's start; ``page_bytes`` is a multip
 
       [full-attention layer a][k | v][slot 0..block_size-1][kv head][head dim]   (model dtype)
 
-  so one layer's K (or V) of one block is a contiguous ``[block_size, Hkv, D]`` tile, and a block's position in
-  the arena is (group, slot): ``group = b // blocks_per_group`` at ``group × pages_per_block × page_bytes``,
-  ``slot = b % blocks_per_group`` at ``slot × kv_block_bytes`` inside it (``core.arena``'s rule). The same rule
-  as one strided view — ``[num_groups, blocks_per_group, A, 2, block_size, Hkv, D]`` — lets attention gather any
-  blocks by (group, slot) index tensors. Linear-attention state blocks use the raw byte view
-  (``[num_groups, blocks_per_group, kv_block_bytes]``, see ``engine.state``). For reading, each layer's K and V
-  are also one *row* view ``[rows, Hkv, D]`` in which every token slot of every block is a row (``kv_rows``,
-  ``key_rows``), so attention gathers a whole step's keys with one ``index_select`` per layer.
+  (MLA, ``KVLayout.values_in_keys``: ``[layer a][slot][1][latent | rope key]``, no V tile: a layer's values are the
+  first ``kv_lora_rank`` elements of its keys, read through the same rows), so one layer's K (or V) of one block is a
+  contiguous ``[block_size, Hkv, D]`` tile, and a block's position in the arena is (group, slot): ``group = b //
+  blocks_per_group`` at ``group × pages_per_block × page_bytes``, ``slot = b % blocks_per_group`` at ``slot ×
+  kv_block_bytes`` inside it (``core.arena``'s rule). The same rule as one strided view — ``[num_groups,
+  blocks_per_group, A, 2, block_size, Hkv, D]`` — lets attention gather any blocks by (group, slot) index tensors.
+  Linear-attention state blocks use the raw byte view (``[num_groups, blocks_per_group, kv_block_bytes]``, see
+  ``engine.state``). For reading, each layer's K and V are also one *row* view ``[rows, Hkv, D]`` in which every token
+  slot of every block is a row (``kv_rows``, ``key_rows``), so attention gathers a whole step's keys with one
+  ``index_select`` per layer.
 * **Routed expert** (MoE layer m, expert e) lives in ``arena.home_pages(m, e)`` (consecutive pages): its fused
   ``gate_up`` [2I, H] then ``down`` [H, I], packed with no gap; the pages' tail is padding. Home pages are evenly
   spaced, so all experts of a MoE layer are also one strided view (``stacked_experts``: [E, 2I, H] and
@@ -53,17 +55,27 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Geometry of one KV block. ``attn_layer_ids`` are the model's full-attention layers, in block order."""
+    """Geometry of one KV block. ``attn_layer_ids`` are the model's full-attention layers, in block order.
+    ``values_in_keys``: a token stores one vector per layer that attention reads as its key and (a prefix of it)
+    as its value — MLA's compressed latent plus rope key (``MoECausalLM.kv_cache_shape``) — so a block holds no
+    V tile and the V views are the K views."""
 
     attn_layer_ids: tuple[int, ...]
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    values_in_keys: bool = False
+
+    @property
+    def tiles_per_layer(self) -> int:
+        """K and V, or the K tile alone (``values_in_keys``)."""
+        return 1 if self.values_in_keys else 2
 
     @property
     def bytes_per_token(self) -> int:
-        return len(self.attn_layer_ids) * 2 * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+        return (len(self.attn_layer_ids) * self.tiles_per_layer * self.num_kv_heads * self.head_dim
+                * dtype_bytes(self.dtype))
 
     @property
     def block_bytes(self) -> int:
@@ -71,9 +83,9 @@ class KVLayout:
 
     @classmethod
     def of(cls, model: MoECausalLM, block_size: int) -> KVLayout:
-        config = model.config
         attn = tuple(i for i, layer in enumerate(model.layers) if layer.is_full_attention)
-        return cls(attn, block_size, config.num_kv_heads, config.head_dim, model.embed_tokens.weight.dtype)
+        num_kv_heads, head_dim, values_in_keys = model.kv_cache_shape()
+        return cls(attn, block_size, num_kv_heads, head_dim, model.embed_tokens.weight.dtype, values_in_keys)
 
 
 @dataclass(frozen=True)
@@ -255,12 +267,16 @@ def layer_kv_views(typed: Tensor, kv: KVLayout, lead_size: tuple[int, ...],
                    lead_stride: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
     """Per full-attention layer a, (K, V) views [*lead_size, block_size, Hkv, D] of ``typed`` (the storage in the KV
     dtype), one block per position of the leading dims (``lead_stride`` elements apart), in the per-block layout
-    ``[layer a][k | v][slot][kv head][head dim]``."""
+    ``[layer a][k | v][slot][kv head][head dim]`` (V is K where ``values_in_keys``)."""
     tile = kv.block_size * kv.num_kv_heads * kv.head_dim  # elements of one layer's K (or V) in one block
     size = (*lead_size, kv.block_size, kv.num_kv_heads, kv.head_dim)
     stride = (*lead_stride, kv.num_kv_heads * kv.head_dim, kv.head_dim, 1)
-    return [(typed.as_strided(size, stride, storage_offset=2 * a * tile),
-             typed.as_strided(size, stride, storage_offset=(2 * a + 1) * tile)) for a in range(len(kv.attn_layer_ids))]
+    views = []
+    for a in range(len(kv.attn_layer_ids)):
+        k = typed.as_strided(size, stride, storage_offset=kv.tiles_per_layer * a * tile)
+        v = k if kv.values_in_keys else typed.as_strided(size, stride, storage_offset=(2 * a + 1) * tile)
+        views.append((k, v))
+    return views
 
 
 def layer_kv_rows(typed: Tensor, kv: KVLayout, unit: int) -> list[tuple[Tensor, Tensor]]:
@@ -271,11 +287,11 @@ def layer_kv_rows(typed: Tensor, kv: KVLayout, unit: int) -> list[tuple[Tensor, 
     views = []
     for a in range(len(kv.attn_layer_ids)):
         pair = []
-        for offset in (2 * a * tile, (2 * a + 1) * tile):
+        for offset in ((a * tile,) if kv.values_in_keys else (2 * a * tile, (2 * a + 1) * tile)):
             rows = max(0, (typed.numel() - offset - width) // unit + 1)
             pair.append(typed.as_strided((rows, kv.num_kv_heads, kv.head_dim), (unit, kv.head_dim, 1),
                                          storage_offset=offset))
-        views.append((pair[0], pair[1]))
+        views.append((pair[0], pair[-1]))
     return views
 
 

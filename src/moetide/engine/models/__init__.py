@@ -26,6 +26,7 @@ from moetide.engine.models.hooks import (
     StepContext,
     causal_attention,
 )
+from moetide.engine.models.deepseek_v2 import DeepseekV2EngineConfig, DeepseekV2ForCausalLM
 from moetide.engine.models.mixtral import MixtralEngineConfig, MixtralForCausalLM
 from moetide.engine.models.qwen3_moe import Qwen3MoeEngineConfig, Qwen3MoeForCausalLM
 from moetide.engine.models.qwen3_next import Qwen3NextEngineConfig, Qwen3NextForCausalLM
@@ -34,6 +35,7 @@ MODEL_CLASSES: dict[str, type[MoECausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
 }
 if tuple(MODEL_CLASSES) != ENGINE_ARCHS:
     raise ImportError(f"engine.defaults.ENGINE_ARCHS {ENGINE_ARCHS} must name MODEL_CLASSES' architectures, "
@@ -43,6 +45,8 @@ __all__ = [
     "MODEL_CLASSES",
     "AttentionBackend",
     "ContiguousKVCache",
+    "DeepseekV2EngineConfig",
+    "DeepseekV2ForCausalLM",
     "DecodeRows",
     "DictLinearStateStore",
     "ExpertProvider",

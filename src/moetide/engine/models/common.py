@@ -186,7 +186,8 @@ class DecoderLayer(nn.Module):
         would take its native kernel op by op (a decode step whose attention backend hands out its key rows,
         ``decode_rows``), so that one call gives the same bits; else None. What holds for every step like this one
         is checked once and kept (``native_attention_weights``)."""
-        if not self.is_full_attention or x.dim() != 2 or not x.is_contiguous() or rope[0].dtype != x.dtype:
+        if (not self.is_full_attention or not self.self_attn.joint_qk or x.dim() != 2 or not x.is_contiguous()
+                or rope[0].dtype != x.dtype):
             return None
         attn = self.self_attn
         rows = ctx.attention.decode_rows(attn.layer_id, attn.num_heads, x)
@@ -266,6 +267,7 @@ class MoECausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
         self.rope = RopeCache(config.rotary_dim, config.rope_theta)
+        self.rope_dtype: torch.dtype | None = None  # the tables' dtype; None: the activations'
         self.own_experts = ModuleExpertProvider({i: layer.mlp.experts for i, layer in enumerate(layers)
                                                  if isinstance(layer.mlp, SparseMoE)})
 
@@ -277,7 +279,8 @@ class MoECausalLM(nn.Module):
         x = self.embed_tokens(token_ids)  # [T, H]
         batch = ctx.batch
         max_position = max(c + n for c, n in zip(batch.num_computed_tokens, batch.num_new_tokens)) - 1
-        rope = self.rope.lookup(batch.positions(x.device), max_position, x.dtype)  # once per step, for all layers
+        rope = self.rope.lookup(batch.positions(x.device), max_position,  # once per step, for all layers
+                                self.rope_dtype or x.dtype)
         experts = ctx.experts if ctx.experts is not None else self.own_experts
         stacked = self.decode_layers(x, ctx, rope, experts)
         if stacked is not None:
@@ -314,6 +317,11 @@ class MoECausalLM(nn.Module):
         for layer, layer_ids in zip(self.layers, ids):
             experts.route(layer.mlp.layer_id, layer_ids)
         return out, residual
+
+    def kv_cache_shape(self) -> tuple[int, int, bool]:
+        """(KV heads, head dim, values_in_keys) of what one token stores per full-attention layer
+        (``engine.storage.KVLayout``): K and V of ``num_kv_heads`` heads here; MLA stores one latent instead."""
+        return self.config.num_kv_heads, self.config.head_dim, False
 
     # ---- per-sequence state --------------------------------------------------------------------------------
 

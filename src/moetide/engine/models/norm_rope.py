@@ -4,6 +4,9 @@ arithmetic and the native CPU kernel where it gives the same bits (see ``models.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -52,21 +55,76 @@ class RMSNorm(nn.Module):
         return self(total), total
 
 
-def rope_tables(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> Rope:
-    """cos and *signed* sin [T, rotary_dim] for LongTensor[T] positions (transformers' default RoPE, inv_freq on
-    the CPU); the sin table's first half is negated, so ``apply_rope`` swaps halves without negating them."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+def default_inv_freq(rotary_dim: int, theta: float) -> Tensor:
+    """transformers' default RoPE frequencies [rotary_dim / 2] (fp32, on the CPU)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN's parameters as a config's ``rope_parameters`` (or older ``rope_scaling``) give them."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @staticmethod
+    def mscale_of(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    def cos_sin_factor(self) -> float:
+        """What the cos and sin tables are multiplied by (transformers' ``attention_factor``)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return self.mscale_of(self.factor, self.mscale) / self.mscale_of(self.factor, self.mscale_all_dim)
+        return self.mscale_of(self.factor)
+
+    def inv_freq(self, rotary_dim: int, theta: float) -> Tensor:
+        """transformers 5.19's ``_compute_yarn_parameters`` frequencies: each dimension between interpolation
+        (``1 / (factor · base^(2i/d))``) and extrapolation, by a linear ramp over the correction range."""
+        def correction_dim(rotations: float) -> float:
+            return (rotary_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
+                    / (2 * math.log(theta)))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rotary_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        pos_freqs = theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+        extrapolation = 1 - ramp
+        return 1.0 / (self.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
+def rope_tables(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype, *,
+                inv_freq: Tensor | None = None, factor: float = 1.0) -> Rope:
+    """cos and *signed* sin [T, rotary_dim] for LongTensor[T] positions (transformers' default RoPE, or the
+    given ``inv_freq``, tables times ``factor``; inv_freq on the CPU); the sin table's first half is negated, so
+    ``apply_rope`` swaps halves without negating them."""
+    if inv_freq is None:
+        inv_freq = default_inv_freq(rotary_dim, theta)
     freqs = positions[:, None].float() * inv_freq.to(positions.device)  # [T, R/2]
-    sin = freqs.sin()
-    return torch.cat([freqs, freqs], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
+    cos, sin = torch.cat([freqs, freqs], dim=-1).cos(), freqs.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
 class RopeCache:
     """``rope_tables`` for positions [0, N), computed once and regrown (doubling) when a sequence gets longer; a
-    step gathers its rows by position. Elementwise the same numbers as computing them per step."""
+    step gathers its rows by position. Elementwise the same numbers as computing them per step. ``yarn``: YaRN's
+    frequencies and table factor instead of the default RoPE's."""
 
-    def __init__(self, rotary_dim: int, theta: float) -> None:
-        self.rotary_dim, self.theta = rotary_dim, theta
+    def __init__(self, rotary_dim: int, theta: float, yarn: Yarn | None = None) -> None:
+        self.rotary_dim, self.theta, self.yarn = rotary_dim, theta, yarn
         self._tables: dict[tuple[torch.device, torch.dtype], Rope] = {}
 
     def lookup(self, positions: Tensor, max_position: int, dtype: torch.dtype) -> Rope:
@@ -76,8 +134,10 @@ class RopeCache:
         if tables is None or tables[0].shape[0] <= max_position:
             size = max(256, max_position + 1, 2 * (0 if tables is None else tables[0].shape[0]))
             with torch.inference_mode(False):  # normal tensors, usable in and out of inference mode
+                yarn = self.yarn  # its frequencies made here, not where the model was built (maybe on meta)
+                inv_freq = None if yarn is None else yarn.inv_freq(self.rotary_dim, self.theta)
                 tables = rope_tables(torch.arange(size, device=positions.device), self.rotary_dim, self.theta,
-                                     dtype)
+                                     dtype, inv_freq=inv_freq, factor=1.0 if yarn is None else yarn.cos_sin_factor())
             self._tables[key] = tables
         return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
 
@@ -90,3 +150,14 @@ def apply_rope(x: Tensor, rope: Rope) -> Tensor:
     rot = x[..., :rotary_dim]
     out = rot * cos + torch.cat([rot[..., half:], rot[..., :half]], dim=-1) * sin
     return out if rotary_dim == x.shape[-1] else torch.cat([out, x[..., rotary_dim:]], dim=-1)
+
+
+def apply_rope_interleaved(x: Tensor, rope: Rope) -> Tensor:
+    """x [T, h, R] rotated in adjacent pairs (x[2i], x[2i+1]) by frequency i — DeepSeek's convention, which
+    transformers 5.19 writes as a complex product in fp32 — from ``rope_tables``' halves-convention tables; computed
+    in fp32 and cast back to x's dtype, as transformers does."""
+    half = rope[0].shape[-1] // 2
+    cos, sin = rope[0][:, None, :half].float(), rope[1][:, None, half:].float()  # [T, 1, R/2]
+    pairs = x.float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)

@@ -112,7 +112,8 @@ class DeepseekV2EngineConfig:
                    num_experts_per_tok=spec.num_experts_per_tok, moe_intermediate_size=spec.moe_intermediate_size,
                    intermediate_size=spec.intermediate_size, dense_mlp_layer_ids=tuple(spec.dense_mlp_layer_ids),
                    num_shared_experts=spec.num_shared_experts,
-                   routed_scaling_factor=float(data.get("routed_scaling_factor", 1.0)), topk_method=method,
+                   routed_scaling_factor=read_float(r, "routed_scaling_factor") if "routed_scaling_factor" in data
+                   else 1.0, topk_method=method,
                    n_group=n_group, topk_group=topk_group, norm_topk_prob=r.bool("norm_topk_prob", False))
 
 

@@ -26,6 +26,7 @@ from moetide.perf.calibrate import (
     FLASH_KERNEL,
     KERNELS,
     KV_DTYPE_BYTES,
+    MLA_SHAPE,
     NATIVE_KERNEL,
     AttentionSample,
     AttentionShape,
@@ -115,7 +116,10 @@ def test_quick_run_times_the_engines_kernel_per_shape(quick_run):
         assert a["kernel"] == ("native" if decode_fp32 and native.available() else "flash"), a
     used = {a["kernel"] for a in doc["attention"]}
     assert doc["attention_kernel"] == {k: KERNELS[k] for k in KERNELS if k in used}
-    assert set(doc["fit_by_kernel"]) == used
+    mla = {a["kernel"] + "-mla" for a in doc["attention"] if a["mla_value_dim"]}
+    assert mla == {"flash-mla", "native-mla" if native.available() else "flash-mla"}
+    assert set(doc["fit_by_kernel"]) == used | mla
+    assert 0 < doc["fit"]["cpu_compute_mla"] <= 1
     assert calibration_kernels(str(out)) == doc["attention_kernel"]
 
 
@@ -244,6 +248,30 @@ def test_fit_recovers_the_factors_it_was_generated_with():
     assert fit.median_abs_rel_error < 0.01
     with pytest.raises(ValueError):
         fit_cpu_efficiency([], D, C)
+
+
+def test_fit_gives_mla_its_own_compute_share():
+    """MLA samples made with a compute share of 0.2 (GQA's 0.6): the GQA factors are fitted as before and the MLA
+    share apart; the file carries it and the cost model of an MLA model uses it."""
+    fit = CpuFit(0.25, 0.6, 1.5e-4, 0.05, 0.2, cpu_compute_mla=0.2)
+    samples = tuple(AttentionSample(s, t, t, engine_kernel(s)) for s in calibration_shapes(True, 1)
+                    for t in [model_cpu_s(s, D, C, **fit.efficiency())])
+    got = fit_cpu_efficiency(samples, D, C)
+    assert got.cpu_compute == pytest.approx(0.6, rel=0.03) and got.cpu_compute_mla == pytest.approx(0.2, rel=0.03)
+    assert got.median_abs_rel_error < 0.01
+    lite = AttentionShape(num_queries=1, kv_tokens=4096, kv_dtype="bf16", num_seqs=1, **MLA_SHAPE)
+    assert lite.is_mla and lite.kind == "mla_decode"
+    a = AttentionCostModel(get_model("deepseek-v2-lite"), get_gpu("a100-40gb"), get_host("ddr4-3200-8ch"),
+                           offload=OffloadEfficiency(cpu_compute_mla=0.2))
+    assert lite.kv_bytes == 4096 * a.layer_kv_bytes_per_token  # one latent a token, stored once
+    assert lite.flops_per_kv_byte == pytest.approx(a.flops_per_kv_byte(1))
+    slower = AttentionCostModel(get_model("deepseek-v2-lite"), get_gpu("a100-40gb"), get_host("ddr4-3200-8ch"),
+                                offload=OffloadEfficiency(cpu_compute_mla=0.1))
+    assert slower.cpu_s_per_byte() == pytest.approx(2 * a.cpu_s_per_byte())  # compute-bound: twice the time
+    gqa = AttentionCostModel(get_model("qwen3-30b-a3b"), get_gpu("a100-40gb"), get_host("ddr4-3200-8ch"),
+                             offload=OffloadEfficiency(cpu_compute_mla=0.1))
+    assert gqa.cpu_s_per_byte() == AttentionCostModel(get_model("qwen3-30b-a3b"), get_gpu("a100-40gb"),
+                                                      get_host("ddr4-3200-8ch")).cpu_s_per_byte()
 
 
 def test_errors_by_kernel_splits_the_fits_error():

@@ -165,7 +165,7 @@ def _efficiency_lines(cal: Calibration) -> list[str]:
     heads = sorted({(s.shape.num_heads, s.shape.num_kv_heads) for s in cal.attention})
     lines = [
         "",
-        f"# perf.attention's CPU factors, FITTED to the {len(cal.attention)} attention timings (heads "
+        f"# perf.attention's CPU factors, FITTED to the {len(cal.attention)} attention timings (GQA heads "
         f"{', '.join(f'{h}/{k}' for h, k in heads)}, head_dim {HEAD_DIM},",
         f"# {' and '.join(map(str, CALIBRATION_QUERIES))} query tokens, KV of "
         f"{', '.join(map(str, CALIBRATION_KV_TOKENS[cal.quick]))} tokens, fp32 and bf16; each timed with the kernel "
@@ -179,6 +179,9 @@ def _efficiency_lines(cal: Calibration) -> list[str]:
         toml_line("cpu_memory", fit.cpu_memory, "share of the triad bandwidth the attention kernel reaches"),
         toml_line("cpu_compute", fit.cpu_compute, "share of the GEMM rate the attention kernel reaches"),
         toml_line("cpu_sync_s", fit.cpu_sync_s, "per layer: the fixed cost of one kernel call"),
+        *([] if fit.cpu_compute_mla is None else [toml_line(
+            "cpu_compute_mla", fit.cpu_compute_mla, "the same for DeepSeek-V2-Lite's absorbed MLA (16 heads over a "
+            "512 + 64 latent), fitted to its own shapes")]),
         toml_line("host_append", cal.host_append, "MEASURED: a DynamicCache-style append into a fresh tensor, "
                   "as a share of triad (the monolithic ablation's rewrite)"),
     ]
@@ -252,7 +255,7 @@ def _attention_table(cal: Calibration) -> str:
     for s in cal.attention:
         sh = s.shape
         model = model_cpu_s(sh, d.triad_bytes_per_s, cal.gemm_flops_per_s, **fit.efficiency())
-        rows.append([f"{sh.num_heads}/{sh.num_kv_heads}", sh.num_seqs, sh.num_queries, f"{sh.kv_tokens:,}",
+        rows.append([f"{sh.num_heads}/{sh.num_kv_heads}{':MLA' if sh.is_mla else ''}", sh.num_seqs, sh.num_queries, f"{sh.kv_tokens:,}",
                      sh.kv_dtype, s.kernel, f"{s.seconds * 1e3:.3f}", f"{sh.kv_bytes / s.seconds / 1e9:.2f}",
                      f"{sh.flops / s.seconds / 1e9:.1f}", f"{model * 1e3:.3f}", f"{model / s.seconds - 1:+.1%}"])
     table = format_table(["heads", "seqs", "queries", "KV tokens", "KV", "kernel", "ms", "KV GB/s", "GFLOP/s",
@@ -273,7 +276,8 @@ def _text(cal: Calibration, out: str | None) -> str:
               f"read {d.read_bytes_per_s / 1e9:.1f} GB/s; a DynamicCache-style append "
               f"{cal.append_bytes_per_s / 1e9:.1f} GB/s (host_append {cal.host_append:.3f})\nfp32 GEMM {cal.gemm_n}^3: "
               f"{cal.gemm_flops_per_s / 1e9:.1f} GFLOP/s")
-    fitted = (f"fitted: cpu_memory {fit.cpu_memory:.3f}, cpu_compute {fit.cpu_compute:.3f}, cpu_sync_s "
+    mla = "" if fit.cpu_compute_mla is None else f", cpu_compute_mla {fit.cpu_compute_mla:.3f}"
+    fitted = (f"fitted: cpu_memory {fit.cpu_memory:.3f}, cpu_compute {fit.cpu_compute:.3f}{mla}, cpu_sync_s "
               f"{fit.cpu_sync_s * 1e6:.1f} us; error on these same shapes: median {fit.median_abs_rel_error:.1%}, "
               f"max {fit.max_abs_rel_error:.1%}; by kernel: {_by_kernel(cal)} (benchmarks/cpu_attention_model.py "
               f"evaluates other shapes)")

@@ -156,7 +156,8 @@ def _time_flash(shape: AttentionShape, repeats: int, flush_bytes: int, seed: int
     def rand(*size: int) -> torch.Tensor:
         return (torch.rand(*size, generator=gen) * 2 - 1).to(dtype)
 
-    q, k, v = rand(B, Hkv, group * shape.num_queries, d), rand(B, Hkv, N, d), rand(B, Hkv, N, d)
+    q, k = rand(B, Hkv, group * shape.num_queries, d), rand(B, Hkv, N, d)
+    v = k if shape.is_mla else rand(B, Hkv, N, d)  # MLA: the values are the keys (the engine's absorbed form)
     flush = torch.ones(max(1, flush_bytes // 4))
     scale = d**-0.5
     out, lse = op(q, k, v, scale=scale)
@@ -181,7 +182,8 @@ def _time_native(shape: AttentionShape, repeats: int, flush_bytes: int, seed: in
     gen = torch.Generator().manual_seed(seed)
     B, Hq, d, bs = shape.num_seqs, shape.num_heads, shape.head_dim, engine_block_size()
     per_seq = math.ceil(shape.kv_tokens / bs)
-    layout = KVLayout(tuple(range(NATIVE_LAYOUT_LAYERS)), bs, shape.num_kv_heads, d, torch.float32)
+    layout = KVLayout(tuple(range(NATIVE_LAYOUT_LAYERS)), bs, shape.num_kv_heads, d, torch.float32,
+                      values_in_keys=shape.is_mla)
     host = HostKVStorage(layout, B * per_seq, 0, pin=False)
     host.data.view(torch.float32).uniform_(-1, 1, generator=gen)
     blocks = torch.randperm(B * per_seq, generator=gen).tolist()  # sequence s owns blocks[s * per_seq:][:per_seq]

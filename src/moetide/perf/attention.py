@@ -64,6 +64,8 @@ class OffloadEfficiency:
     cpu_memory:         attention kernel's share of the host's sustained (STREAM-like) DRAM bandwidth; an
                         in-place scan of large contiguous blocks is a streaming read, so close to 1
     cpu_compute:        share of the fp32 FMA peak a vectorised attention kernel reaches, bf16 widening included
+    cpu_compute_mla:    the same for multi-head latent attention in the absorbed form (many query heads over one
+                        latent: another loop, compute-bound); None = cpu_compute. ``moetide calibrate`` fits it
     cpu_available:      share of the socket free for attention (1 = idle CPU; a busy CPU is what the online
                         correction learns, this is the static knob)
     link:               share of the measured pinned host-to-device rate (already a measurement: 1.0)
@@ -77,6 +79,7 @@ class OffloadEfficiency:
 
     cpu_memory: float = 0.9
     cpu_compute: float = 0.5
+    cpu_compute_mla: float | None = None
     cpu_available: float = 1.0
     link: float = 1.0
     transfer_latency_s: float = 5e-6
@@ -86,7 +89,8 @@ class OffloadEfficiency:
 
     def __post_init__(self) -> None:
         _fraction("OffloadEfficiency", cpu_memory=self.cpu_memory, cpu_compute=self.cpu_compute,
-                  cpu_available=self.cpu_available, link=self.link, host_append=self.host_append)
+                  cpu_available=self.cpu_available, link=self.link, host_append=self.host_append,
+                  **({} if self.cpu_compute_mla is None else {"cpu_compute_mla": self.cpu_compute_mla}))
         _seconds("OffloadEfficiency", transfer_latency_s=self.transfer_latency_s, cpu_sync_s=self.cpu_sync_s,
                  kernel_launch_s=self.kernel_launch_s)
 
@@ -152,7 +156,8 @@ class AttentionCostModel:
     def cpu_s_per_byte(self, num_queries: int = 1) -> float:
         o, h = self.offload, self.host
         memory = 1.0 / (h.dram_bandwidth_bytes_per_s * o.cpu_memory)
-        compute = self.flops_per_kv_byte(num_queries) / (h.fp32_flops_per_s * o.cpu_compute)
+        share = o.cpu_compute if self.model.mla is None or o.cpu_compute_mla is None else o.cpu_compute_mla
+        compute = self.flops_per_kv_byte(num_queries) / (h.fp32_flops_per_s * share)
         return max(memory, compute) / o.cpu_available
 
     def link_s_per_byte(self) -> float:

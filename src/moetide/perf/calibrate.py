@@ -51,6 +51,7 @@ them only); the fit and ``offload_efficiency_for_host`` are stdlib, so a core in
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import platform
@@ -86,7 +87,12 @@ CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": t
 @dataclass(frozen=True, slots=True)
 class AttentionShape:
     """One CPU attention call: ``num_seqs`` sequences of one layer, each ``num_queries`` new tokens attending
-    ``kv_tokens`` host-resident tokens of ``kv_dtype`` KV (the queries have the same dtype)."""
+    ``kv_tokens`` host-resident tokens of ``kv_dtype`` KV (the queries have the same dtype).
+
+    ``mla_value_dim``: multi-head latent attention in the absorbed form (``engine.models.deepseek_v2``): one KV
+    head whose ``head_dim``-wide key is the latent plus the rope key, stored once, and whose value is its first
+    ``mla_value_dim`` elements. Its bytes and FLOPs are counted as ``perf.attention`` counts them (one stored
+    vector a token; QK^T over ``head_dim`` and PV over ``mla_value_dim``)."""
 
     num_heads: int
     num_kv_heads: int
@@ -95,6 +101,7 @@ class AttentionShape:
     kv_tokens: int
     kv_dtype: str
     num_seqs: int = 1
+    mla_value_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "num_queries", "kv_tokens", "num_seqs"):
@@ -106,15 +113,25 @@ class AttentionShape:
                              f"{self.num_kv_heads} KV heads")
         if self.kv_dtype not in KV_DTYPE_BYTES:
             raise ValueError(f"AttentionShape.kv_dtype must be one of {list(KV_DTYPE_BYTES)}, got {self.kv_dtype!r}")
+        if self.mla_value_dim is not None and (self.num_kv_heads != 1 or not 0 < self.mla_value_dim <= self.head_dim):
+            raise ValueError(f"AttentionShape: MLA has one KV head and a value of at most head_dim "
+                             f"({self.head_dim}) elements, got {self.num_kv_heads} and {self.mla_value_dim}")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla_value_dim is not None
 
     @property
     def kv_bytes(self) -> int:
-        return self.num_seqs * 2 * self.num_kv_heads * self.kv_tokens * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype]
+        tiles = 1 if self.is_mla else 2  # MLA stores one vector a token, read as key and value
+        return (self.num_seqs * tiles * self.num_kv_heads * self.kv_tokens * self.head_dim
+                * KV_DTYPE_BYTES[self.kv_dtype])
 
     @property
     def flops(self) -> int:
-        """QK^T and PV: 2 d each per query head, query token and key."""
-        return self.num_seqs * 4 * self.num_heads * self.head_dim * self.num_queries * self.kv_tokens
+        """QK^T and PV: 2 d each per query head, query token and key (MLA: 2 head_dim + 2 mla_value_dim)."""
+        pair = 2 * (self.head_dim + self.mla_value_dim) if self.is_mla else 4 * self.head_dim
+        return self.num_seqs * pair * self.num_heads * self.num_queries * self.kv_tokens
 
     @property
     def flops_per_kv_byte(self) -> float:
@@ -122,7 +139,8 @@ class AttentionShape:
 
     @property
     def kind(self) -> str:
-        return "decode" if self.num_queries == 1 else "prefill"
+        """decode or prefill, prefixed ``mla_`` for latent attention (``attention_summary``'s groups)."""
+        return ("mla_" if self.is_mla else "") + ("decode" if self.num_queries == 1 else "prefill")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -142,67 +160,92 @@ class AttentionSample:
 
 
 def model_cpu_s(shape: AttentionShape, dram_bytes_per_s: float, flops_per_s: float, *, cpu_memory: float,
-                cpu_compute: float, cpu_sync_s: float) -> float:
-    """perf.attention's CPU time for one call of ``shape`` (module docstring), hand-off included."""
-    per_byte = max(1.0 / (dram_bytes_per_s * cpu_memory), shape.flops_per_kv_byte / (flops_per_s * cpu_compute))
+                cpu_compute: float, cpu_sync_s: float, cpu_compute_mla: float | None = None) -> float:
+    """perf.attention's CPU time for one call of ``shape`` (module docstring), hand-off included; an MLA shape
+    takes ``cpu_compute_mla`` as its compute share where given."""
+    compute = cpu_compute_mla if shape.is_mla and cpu_compute_mla is not None else cpu_compute
+    per_byte = max(1.0 / (dram_bytes_per_s * cpu_memory), shape.flops_per_kv_byte / (flops_per_s * compute))
     return cpu_sync_s + shape.kv_bytes * per_byte
 
 
 @dataclass(frozen=True, slots=True)
 class CpuFit:
-    """Fitted factors and the fit's error on the shapes it was fitted to (relative: model / measured - 1)."""
+    """Fitted factors and the fit's error on the shapes it was fitted to (relative: model / measured - 1).
+    ``cpu_compute_mla``: the MLA shapes' own compute share (None: no MLA shape was timed)."""
 
     cpu_memory: float
     cpu_compute: float
     cpu_sync_s: float
     median_abs_rel_error: float
     max_abs_rel_error: float
+    cpu_compute_mla: float | None = None
 
     def efficiency(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in FITTED_FIELDS}
+        fields = {name: getattr(self, name) for name in FITTED_FIELDS}
+        return fields if self.cpu_compute_mla is None else {**fields, "cpu_compute_mla": self.cpu_compute_mla}
 
 
 def _log_grid(low: float, high: float, num: int) -> list[float]:
     return [math.exp(math.log(low) + (math.log(high) - math.log(low)) * i / (num - 1)) for i in range(num)]
 
 
+def _refined(loss: Callable[..., float], best: tuple[float, ...], axes: tuple[str, ...]) -> tuple[float, ...]:
+    """Two finer grids around ``best`` (loss, *point): each axis "eff" (a share in [1e-3, 1]) or "sync"."""
+    step = 10 ** (1 / 8)  # the coarse grid's spacing
+    for _ in range(2):
+        grids = []
+        for axis, value in zip(axes, best[1:]):
+            if axis == "eff":
+                grids.append([min(1.0, max(MIN_EFFICIENCY, value * step ** (i / 4))) for i in range(-4, 5)])
+            else:
+                grids.append(sorted({0.0, *(min(MAX_SYNC_S, value * step ** (i / 2)) for i in range(-4, 5))}))
+        best = min(best, *((loss(*point), *point) for point in itertools.product(*grids)))
+        step = step ** 0.25
+    return best
+
+
 def fit_cpu_efficiency(samples: Sequence[AttentionSample], dram_bytes_per_s: float,
                        flops_per_s: float) -> CpuFit:
     """cpu_memory, cpu_compute in [1e-3, 1] and cpu_sync_s in [0, 1 ms] minimising sum (log model - log measured)^2
-    (module docstring): a coarse grid, then two finer grids around the best point. Deterministic."""
-    if not samples:
-        raise ValueError("fit_cpu_efficiency needs at least one sample")
-    rows = [(s.shape.kv_bytes, s.shape.flops_per_kv_byte, math.log(s.seconds)) for s in samples]
+    over the GQA samples (module docstring): a coarse grid, then two finer grids around the best point; then, where
+    there are MLA samples, their own ``cpu_compute_mla`` the same way with the other two held (the absorbed form's
+    16 query heads over one latent run another loop than GQA's, and are compute-bound). Deterministic."""
+    gqa, mla = [s for s in samples if not s.shape.is_mla], [s for s in samples if s.shape.is_mla]
+    if not gqa:
+        raise ValueError("fit_cpu_efficiency needs at least one GQA sample")
 
-    def loss(e_m: float, e_c: float, sync: float) -> float:
-        mem, comp = 1.0 / (dram_bytes_per_s * e_m), 1.0 / (flops_per_s * e_c)
-        return sum((math.log(sync + b * max(mem, f * comp)) - lt) ** 2 for b, f, lt in rows)
+    def loss_over(group: Sequence[AttentionSample]) -> Callable[..., float]:
+        rows = [(s.shape.kv_bytes, s.shape.flops_per_kv_byte, math.log(s.seconds)) for s in group]
 
-    effs = _log_grid(MIN_EFFICIENCY, 1.0, 25)
+        def loss(e_m: float, e_c: float, sync: float) -> float:
+            mem, comp = 1.0 / (dram_bytes_per_s * e_m), 1.0 / (flops_per_s * e_c)
+            return sum((math.log(sync + b * max(mem, f * comp)) - lt) ** 2 for b, f, lt in rows)
+
+        return loss
+
+    loss, effs = loss_over(gqa), _log_grid(MIN_EFFICIENCY, 1.0, 25)
     syncs = [0.0, *_log_grid(1e-6, MAX_SYNC_S, 13)]
     best = min(((loss(m, c, s), m, c, s) for m in effs for c in effs for s in syncs))
-    step = 10 ** (1 / 8)  # the coarse grid's spacing
-    for _ in range(2):
-        _, m0, c0, s0 = best
-        ms = [min(1.0, max(MIN_EFFICIENCY, m0 * step ** (i / 4))) for i in range(-4, 5)]
-        cs = [min(1.0, max(MIN_EFFICIENCY, c0 * step ** (i / 4))) for i in range(-4, 5)]
-        ss = sorted({0.0, *(min(MAX_SYNC_S, s0 * step ** (i / 2)) for i in range(-4, 5))})
-        best = min(best, *((loss(m, c, s), m, c, s) for m in ms for c in cs for s in ss))
-        step = step ** 0.25
-    _, e_m, e_c, sync = best
-    errors = [abs(model_cpu_s(s.shape, dram_bytes_per_s, flops_per_s, cpu_memory=e_m, cpu_compute=e_c,
-                              cpu_sync_s=sync) / s.seconds - 1) for s in samples]
-    return CpuFit(e_m, e_c, sync, statistics.median(errors), max(errors))
+    _, e_m, e_c, sync = _refined(loss, best, ("eff", "eff", "sync"))
+    e_mla = None
+    if mla:
+        mla_loss = loss_over(mla)
+        _, e_mla = _refined(lambda c: mla_loss(e_m, c, sync), min((mla_loss(e_m, c, sync), c) for c in effs),
+                            ("eff",))
+    fit = dict(cpu_memory=e_m, cpu_compute=e_c, cpu_sync_s=sync, cpu_compute_mla=e_mla)
+    errors = [abs(model_cpu_s(s.shape, dram_bytes_per_s, flops_per_s, **fit) / s.seconds - 1) for s in samples]
+    return CpuFit(e_m, e_c, sync, statistics.median(errors), max(errors), e_mla)
 
 
 def errors_by_kernel(samples: Sequence[AttentionSample], dram_bytes_per_s: float, flops_per_s: float,
                      efficiency: dict[str, float]) -> dict[str, dict[str, float | int]]:
-    """Per kernel of ``samples``: {"shapes", "median_abs_rel_error", "max_abs_rel_error"} of the model with
+    """Per kernel of ``samples`` (its MLA samples apart, ``KERNEL-mla``): {"shapes", "median_abs_rel_error",
+    "max_abs_rel_error"} of the model with
     ``efficiency`` (``CpuFit.efficiency()``) against the measured times."""
     errors: dict[str, list[float]] = {}
     for s in samples:
         model = model_cpu_s(s.shape, dram_bytes_per_s, flops_per_s, **efficiency)
-        errors.setdefault(s.kernel, []).append(abs(model / s.seconds - 1))
+        errors.setdefault(s.kernel + ("-mla" if s.shape.is_mla else ""), []).append(abs(model / s.seconds - 1))
     return {kernel: {"shapes": len(errs), "median_abs_rel_error": statistics.median(errs),
                      "max_abs_rel_error": max(errs)} for kernel, errs in sorted(errors.items())}
 
@@ -259,6 +302,10 @@ CALIBRATION_QUERIES = (1, 16)
 # by --quick; the short 256 pins cpu_sync_s
 CALIBRATION_KV_TOKENS = {True: (256, 2048, 8192), False: (256, 2048, 8192, 24576)}
 HEAD_DIM = 128
+# DeepSeek-V2-Lite's absorbed MLA (16 query heads over a 512 latent + 64 rope key): the shape whose CPU rate
+# plan-split's DeepSeek-V2-Lite figures rest on; by --quick, the KV lengths timed
+MLA_SHAPE = dict(num_heads=16, num_kv_heads=1, head_dim=576, mla_value_dim=512)
+MLA_KV_TOKENS = {True: (2048, 8192), False: (2048, 8192, 24576)}
 
 
 def seqs_for_threads(num_kv_heads: int, num_threads: int) -> int:
@@ -267,9 +314,14 @@ def seqs_for_threads(num_kv_heads: int, num_threads: int) -> int:
 
 
 def calibration_shapes(quick: bool, num_threads: int) -> list[AttentionShape]:
-    return [AttentionShape(h, hkv, HEAD_DIM, q, n, dtype, seqs_for_threads(hkv, num_threads))
-            for h, hkv in CALIBRATION_HEADS for q in CALIBRATION_QUERIES for n in CALIBRATION_KV_TOKENS[quick]
-            for dtype in KV_DTYPE_BYTES]
+    """The GQA shapes of the fit, then DeepSeek-V2-Lite's MLA (``MLA_SHAPE``) at decode and a prefill chunk."""
+    gqa = [AttentionShape(h, hkv, HEAD_DIM, q, n, dtype, seqs_for_threads(hkv, num_threads))
+           for h, hkv in CALIBRATION_HEADS for q in CALIBRATION_QUERIES for n in CALIBRATION_KV_TOKENS[quick]
+           for dtype in KV_DTYPE_BYTES]
+    mla = [AttentionShape(num_queries=q, kv_tokens=n, kv_dtype=dtype, num_seqs=seqs_for_threads(1, num_threads),
+                          **MLA_SHAPE)
+           for q in CALIBRATION_QUERIES for n in MLA_KV_TOKENS[quick] for dtype in KV_DTYPE_BYTES]
+    return gqa + mla
 
 
 @dataclass(frozen=True)

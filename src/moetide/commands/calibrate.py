@@ -257,7 +257,8 @@ def _attention_table(cal: Calibration) -> str:
         model = model_cpu_s(sh, d.triad_bytes_per_s, cal.gemm_flops_per_s, **fit.efficiency())
         heads = f"{sh.num_heads}/{sh.num_kv_heads}{':MLA' if sh.is_mla else ''}"
         rows.append([heads, sh.num_seqs, sh.num_queries, f"{sh.kv_tokens:,}", sh.kv_dtype, s.kernel,
-                     f"{s.seconds * 1e3:.3f}", f"{sh.kv_bytes / s.seconds / 1e9:.2f}", f"{sh.flops / s.seconds / 1e9:.1f}", f"{model * 1e3:.3f}", f"{model / s.seconds - 1:+.1%}"])
+                     f"{s.seconds * 1e3:.3f}", f"{sh.kv_bytes / s.seconds / 1e9:.2f}",
+                     f"{sh.flops / s.seconds / 1e9:.1f}", f"{model * 1e3:.3f}", f"{model / s.seconds - 1:+.1%}"])
     table = format_table(["heads", "seqs", "queries", "KV tokens", "KV", "kernel", "ms", "KV GB/s", "GFLOP/s",
                           "fit ms", "fit error"], rows)
     medians = ", ".join(f"{k.removeprefix('attention_')} {v / 1e9:.2f}"

@@ -208,9 +208,13 @@ def fit_cpu_efficiency(samples: Sequence[AttentionSample], dram_bytes_per_s: flo
                        flops_per_s: float) -> CpuFit:
     """cpu_memory, cpu_compute in [1e-3, 1] and cpu_sync_s in [0, 1 ms] minimising sum (log model - log measured)^2
     over the GQA samples (module docstring): a coarse grid, then two finer grids around the best point; then, where
-    there are MLA samples, their own ``cpu_compute_mla`` the same way with the other two held (the absorbed form's
-    16 query heads over one latent run another loop than GQA's, and are compute-bound). Deterministic."""
-    gqa, mla = [s for s in samples if not s.shape.is_mla], [s for s in samples if s.shape.is_mla]
+    there are MLA decode samples, their own ``cpu_compute_mla`` the same way with the other two held (the absorbed
+    form's 16 query heads over one latent run another loop than GQA's, and are compute-bound). Decode only: the
+    split is a decode decision (a prefill chunk's CPU share falls to zero, docs/writescope/model.md), and MLA's
+    prefill chunks run torch's flash kernel (bf16 through AMX where the CPU has it) at shares of the fp32 GEMM rate
+    several times its decode's: more spread than one factor can carry. Deterministic."""
+    gqa = [s for s in samples if not s.shape.is_mla]
+    mla = [s for s in samples if s.shape.is_mla and s.shape.num_queries == 1]
     if not gqa:
         raise ValueError("fit_cpu_efficiency needs at least one GQA sample")
 

@@ -153,12 +153,19 @@ class AttentionCostModel:
     def flops_per_kv_byte(self, num_queries: int = 1) -> float:
         return num_queries * self.flops_per_pair_per_layer / self.layer_kv_bytes_per_token
 
-    def cpu_s_per_byte(self, num_queries: int = 1) -> float:
+    def _cpu_memory_and_compute_s_per_byte(self, num_queries: int) -> tuple[float, float]:
         o, h = self.offload, self.host
-        memory = 1.0 / (h.dram_bandwidth_bytes_per_s * o.cpu_memory)
         share = o.cpu_compute if self.model.mla is None or o.cpu_compute_mla is None else o.cpu_compute_mla
-        compute = self.flops_per_kv_byte(num_queries) / (h.fp32_flops_per_s * share)
-        return max(memory, compute) / o.cpu_available
+        return (1.0 / (h.dram_bandwidth_bytes_per_s * o.cpu_memory),
+                self.flops_per_kv_byte(num_queries) / (h.fp32_flops_per_s * share))
+
+    def cpu_s_per_byte(self, num_queries: int = 1) -> float:
+        return max(self._cpu_memory_and_compute_s_per_byte(num_queries)) / self.offload.cpu_available
+
+    def cpu_compute_bound(self, num_queries: int = 1) -> bool:
+        """Whether the CPU's roofline time is its compute's, not its memory's."""
+        memory, compute = self._cpu_memory_and_compute_s_per_byte(num_queries)
+        return compute > memory
 
     def link_s_per_byte(self) -> float:
         return 1.0 / (self.gpu.host_link_bandwidth_bytes_per_s * self.offload.link)

@@ -292,10 +292,7 @@ def evaluate(setup: Setup) -> dict:
 def _rates(setup: Setup) -> dict:
     """The rates the split is planned from (what the text's third line says), in GB/s of KV."""
     a = setup.attention
-    h = a.host
-    compute_bound = a.flops_per_kv_byte() / (h.fp32_flops_per_s * a.offload.cpu_compute) > 1 / (
-        h.dram_bandwidth_bytes_per_s * a.offload.cpu_memory)
     return {"cpu_attention_gb_per_s": 1 / a.cpu_s_per_byte() / 1e9,
-            "cpu_attention_bound": "compute" if compute_bound else "memory",
+            "cpu_attention_bound": "compute" if a.cpu_compute_bound() else "memory",
             "flop_per_kv_byte": a.flops_per_kv_byte(), "link_gb_per_s": 1 / a.link_s_per_byte() / 1e9,
             "device_attention_gb_per_s": 1 / a.device_s_per_byte() / 1e9}

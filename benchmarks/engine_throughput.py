@@ -8,6 +8,8 @@ layers, hidden 512, 8 heads of 64 (2 KV heads), top-2, random weights —
 * ``mixtral-fp32`` / ``mixtral-bf16``: 8 experts of width 512;
 * ``qwen3_next-bf16``: 3 Gated DeltaNet layers (2 key / 4 value heads of 128: vLLM's CPU kernel takes nothing
   else, and only bf16) + 1 full attention, 16 experts of width 256 and a shared expert of 256.
+* ``deepseek_v2-fp32`` / ``deepseek_v2-bf16``: MLA (8 heads, a latent of 128 plus a rope key of 32), a first
+  dense layer, then 16 routed experts of width 256 (top-2 of the best of 2 groups) and a shared expert of 256.
 
 Why it is built this way (each rule fixes a way an earlier version misled): every peer is one **long-lived**
 process, pinned with its threads to one core (``--cpu``), started once per checkpoint, so start-up, lazy
@@ -35,8 +37,8 @@ their ``_per_cpu_s`` twins {min, median, max}, ``warmup_rounds``, ``first_round_
 ``tokens_match_moetide``; then one line per (checkpoint, batch, metric (decode, prefill, decode_cpu,
 prefill_cpu), peer) ratio ``moetide/<peer>`` (above 1: moetide is faster). Nothing asserts a speed.
 
-Run from the repository root: ``.venv/bin/python benchmarks/engine_throughput.py`` (all five checkpoints, batch
-1, 8 and 32: about 15 minutes on an idle core). vLLM runs under ``--vllm-python`` (default
+Run from the repository root: ``.venv/bin/python benchmarks/engine_throughput.py`` (all seven checkpoints, batch
+1, 8 and 32: about 20 minutes on an idle core). vLLM runs under ``--vllm-python`` (default
 ``/work/venv-vllm/bin/python``) in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); if it cannot be imported the
 script says so and measures the rest.
 """
@@ -63,6 +65,8 @@ MODELS = {  # name -> make-test-model arguments (moetide.engine.testmodel.TinyMo
     "mixtral-bf16": dict(arch="mixtral", num_experts=8, moe_intermediate_size=512, dtype="bfloat16"),
     "qwen3_next-bf16": dict(arch="qwen3_next", num_experts=16, moe_intermediate_size=256, dtype="bfloat16",
                             linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=128),
+    "deepseek_v2-fp32": dict(arch="deepseek_v2", num_experts=16, moe_intermediate_size=256, dtype="float32"),
+    "deepseek_v2-bf16": dict(arch="deepseek_v2", num_experts=16, moe_intermediate_size=256, dtype="bfloat16"),
 }
 COMMON = dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_kv_heads=2, head_dim=64,
               num_experts_per_tok=2, vocab_size=1024)

@@ -8,8 +8,9 @@ layers, hidden 512, 8 heads of 64 (2 KV heads), top-2, random weights —
 * ``mixtral-fp32`` / ``mixtral-bf16``: 8 experts of width 512;
 * ``qwen3_next-bf16``: 3 Gated DeltaNet layers (2 key / 4 value heads of 128: vLLM's CPU kernel takes nothing
   else, and only bf16) + 1 full attention, 16 experts of width 256 and a shared expert of 256.
-* ``deepseek_v2-fp32`` / ``deepseek_v2-bf16``: MLA (8 heads, a latent of 128 plus a rope key of 32), a first
-  dense layer, then 16 routed experts of width 256 (top-2 of the best of 2 groups) and a shared expert of 256.
+* ``deepseek_v2-fp32`` / ``deepseek_v2-bf16``: MLA (8 heads of 64 + 64 rope, values of 64, over DeepSeek-V2's
+  latent of 512 plus a rope key of 64: vLLM's CPU MLA takes nothing else), a first dense layer, then 16 routed
+  experts of width 256 (top-2 of the best of 2 groups) and a shared expert of 256.
 
 Why it is built this way (each rule fixes a way an earlier version misled): every peer is one **long-lived**
 process, pinned with its threads to one core (``--cpu``), started once per checkpoint, so start-up, lazy
@@ -58,6 +59,7 @@ from pathlib import Path
 
 BENCHMARK = "engine_throughput"
 CHECK_SEED = 12345
+MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64)  # DeepSeek-V2's: vLLM's CPU MLA kernels take no other
 MODELS = {  # name -> make-test-model arguments (moetide.engine.testmodel.TinyModelArgs fields)
     "qwen3_moe-fp32": dict(arch="qwen3_moe", num_experts=16, moe_intermediate_size=256, dtype="float32"),
     "qwen3_moe-bf16": dict(arch="qwen3_moe", num_experts=16, moe_intermediate_size=256, dtype="bfloat16"),
@@ -65,8 +67,8 @@ MODELS = {  # name -> make-test-model arguments (moetide.engine.testmodel.TinyMo
     "mixtral-bf16": dict(arch="mixtral", num_experts=8, moe_intermediate_size=512, dtype="bfloat16"),
     "qwen3_next-bf16": dict(arch="qwen3_next", num_experts=16, moe_intermediate_size=256, dtype="bfloat16",
                             linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=128),
-    "deepseek_v2-fp32": dict(arch="deepseek_v2", num_experts=16, moe_intermediate_size=256, dtype="float32"),
-    "deepseek_v2-bf16": dict(arch="deepseek_v2", num_experts=16, moe_intermediate_size=256, dtype="bfloat16"),
+    "deepseek_v2-fp32": dict(arch="deepseek_v2", num_experts=16, moe_intermediate_size=256, dtype="float32", **MLA),
+    "deepseek_v2-bf16": dict(arch="deepseek_v2", num_experts=16, moe_intermediate_size=256, dtype="bfloat16", **MLA),
 }
 COMMON = dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_kv_heads=2, head_dim=64,
               num_experts_per_tok=2, vocab_size=1024)
@@ -124,7 +126,11 @@ def vllm_peer(model: str, max_len: int):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, dtype="auto", max_model_len=max_len, seed=0)
+    config = json.loads((Path(model) / "config.json").read_text())
+    extra = {}
+    if config.get("kv_lora_rank") and config.get("dtype", config.get("torch_dtype")) == "float32":
+        extra["attention_backend"] = "CPU_MLA"  # vLLM picks AMX_MLA on an AMX CPU, which takes no fp32
+    llm = LLM(model=model, dtype="auto", max_model_len=max_len, seed=0, **extra)
 
     def generate(prompts, n):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--arch", required=True, choices=ARCHS, help="model architecture (HF model_type)")
     add("--out", required=True, metavar="DIR", help="directory to write (created; must be empty unless --overwrite)")
     add("--overwrite", action="store_true", help="write into a non-empty DIR, replacing files of the same name")
-    add("--layers", type=int, metavar="N", help="decoder layers (default 2; 4 for qwen3_next: 3 linear + 1 full)")
+    add("--layers", type=int, metavar="N", help="decoder layers (default 2; 4 for qwen3_next: 3 linear + 1 full; 3 "
+                                                "for deepseek_v2: 1 dense + 2 MoE)")
     add("--hidden", type=int, default=DEFAULTS.hidden_size, metavar="H", help="hidden size (default %(default)s)")
     add("--experts", type=int, default=DEFAULTS.num_experts, metavar="E", help="routed experts (default %(default)s)")
     add("--top-k", type=int, default=DEFAULTS.num_experts_per_tok, metavar="K",
@@ -41,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="qwen3_next: Gated DeltaNet value heads (default %(default)s)")
     add("--linear-head-dim", type=int, default=DEFAULTS.linear_head_dim,
         help="qwen3_next: Gated DeltaNet key and value head size (default %(default)s; vLLM-CPU needs 128)")
+    add("--kv-lora-rank", type=int, metavar="R",
+        help="deepseek_v2: MLA's compressed latent (default 2 x head dim; vLLM's CPU MLA needs 512)")
+    add("--rope-head-dim", type=int, metavar="R",
+        help="deepseek_v2: MLA's rope key (default head dim / 2; vLLM's CPU MLA needs 64)")
     add("--seed", type=int, default=DEFAULTS.seed, help="torch seed for the weights (default %(default)s)")
     add("--dtype", choices=DTYPE_NAMES, default=DEFAULTS.dtype, help="weight dtype (default %(default)s)")
     add("--max-position", type=int, default=DEFAULTS.max_position_embeddings, metavar="N",
@@ -56,7 +61,8 @@ def _tiny_args(args: argparse.Namespace) -> TinyModelArgs:
                          num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                          moe_intermediate_size=args.expert_intermediate,
                          linear_num_key_heads=args.linear_key_heads, linear_num_value_heads=args.linear_value_heads,
-                         linear_head_dim=args.linear_head_dim, seed=args.seed, dtype=args.dtype,
+                         linear_head_dim=args.linear_head_dim, kv_lora_rank=args.kv_lora_rank,
+                         qk_rope_head_dim=args.rope_head_dim, seed=args.seed, dtype=args.dtype,
                          max_position_embeddings=args.max_position)
 
 

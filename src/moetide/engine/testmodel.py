@@ -58,7 +58,7 @@ def model_class(arch: str) -> Any:
 @dataclass(frozen=True)
 class TinyModelArgs:
     """What to build. ``num_layers=None`` means 2, or 4 for Qwen3-Next (its default puts full attention on every
-    4th layer). ``dense_layer_ids`` become transformers' ``mlp_only_layers`` (Qwen3 architectures only)."""
+    4th layer), or 3 for DeepSeek-V2 (a first dense layer). ``dense_layer_ids`` become transformers' ``mlp_only_layers`` (Qwen3 architectures only)."""
 
     arch: str
     num_layers: int | None = None
@@ -73,6 +73,8 @@ class TinyModelArgs:
     linear_num_key_heads: int = 2
     linear_num_value_heads: int = 4
     linear_head_dim: int = 16
+    kv_lora_rank: int | None = None  # deepseek_v2's MLA latent; None: 2 x head_dim (vLLM's CPU MLA needs 512)
+    qk_rope_head_dim: int | None = None  # deepseek_v2's rope key; None: head_dim / 2 (vLLM's CPU MLA needs 64)
     dense_layer_ids: tuple[int, ...] = ()
     seed: int = 0
     dtype: str = "float32"

@@ -236,8 +236,9 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         fields = {**common, "num_key_value_heads": args.num_attention_heads}
         fields.pop("head_dim")
         return DeepseekV2Config(
-            **fields, kv_lora_rank=2 * args.head_dim, q_lora_rank=None, qk_nope_head_dim=args.head_dim,
-            qk_rope_head_dim=args.head_dim // 2, v_head_dim=args.head_dim, n_routed_experts=args.num_experts,
+            **fields, kv_lora_rank=args.kv_lora_rank or 2 * args.head_dim, q_lora_rank=None,
+            qk_nope_head_dim=args.head_dim, qk_rope_head_dim=args.qk_rope_head_dim or args.head_dim // 2,
+            v_head_dim=args.head_dim, n_routed_experts=args.num_experts,
             n_shared_experts=1, moe_intermediate_size=args.moe_intermediate_size,
             intermediate_size=2 * args.hidden_size, first_k_dense_replace=len(dense),
             topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5,

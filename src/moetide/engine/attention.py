@@ -149,7 +149,8 @@ class PagedAttentionBackend(AttentionBackend):
         k_rows, v_rows = self.storage.kv_rows(a)
         k_cache, v_cache = self.storage.kv_views(a)
         k_cache[plan.write_index] = k.to(k_cache.dtype)  # every token of the step first (see the module docstring)
-        v_cache[plan.write_index] = v.to(v_cache.dtype)
+        if v_cache is not k_cache:  # else the values are the keys (``KVLayout.values_in_keys``): written once
+            v_cache[plan.write_index] = v.to(v_cache.dtype)
         if plan.direct is not None:
             out = self._attend_group(q.view(*plan.direct, *q.shape[1:]), k_rows, v_rows, plan.groups[0], scale)
             return out.reshape(q.shape)
@@ -206,9 +207,11 @@ def scatter_groups(q: Tensor, num_tokens: int, token_indexes: list[Tensor], resu
 
 
 def gather_kv(k_rows: Tensor, v_rows: Tensor, key_rows: Tensor, b: int, num_keys: int) -> tuple[Tensor, Tensor]:
-    """Keys and values [b, L, Hkv, D] of ``key_rows`` ([b·L] row indices into the [rows, Hkv, D] views)."""
+    """Keys and values [b, L, Hkv, D] of ``key_rows`` ([b·L] row indices into the [rows, Hkv, D] views); one
+    gather where the value rows are the key rows (``KVLayout.values_in_keys``)."""
     shape = (b, num_keys, *k_rows.shape[1:])
-    return k_rows.index_select(0, key_rows).view(shape), v_rows.index_select(0, key_rows).view(shape)
+    keys = k_rows.index_select(0, key_rows).view(shape)
+    return keys, keys if v_rows is k_rows else v_rows.index_select(0, key_rows).view(shape)
 
 
 def attend_gathered(q: Tensor, keys: Tensor, values: Tensor, attend: Tensor | None, scale: float) -> Tensor:

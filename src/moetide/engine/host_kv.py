@@ -102,26 +102,28 @@ class StagingRing:
         self._next = 0
 
     def stage(self, k_rows: Tensor, v_rows: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
-        """(K, V) rows ``index`` of the host row views, on the device: [n, Hkv, D] each."""
+        """(K, V) rows ``index`` of the host row views, on the device: [n, Hkv, D] each; where the value rows are the
+        key rows (``KVLayout.values_in_keys``) the keys alone are copied and returned twice."""
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.num_slots
         n = index.numel()
         shape = (n, *k_rows.shape[1:])
+        sources = (k_rows,) if v_rows is k_rows else (k_rows, v_rows)
         device_kv = self._buffer(slot, "device", shape, k_rows.dtype, self.device, pin=False)
         if self.device.type == "cpu":
-            torch.index_select(k_rows, 0, index, out=device_kv[0][:n])
-            torch.index_select(v_rows, 0, index, out=device_kv[1][:n])
-            return device_kv[0][:n], device_kv[1][:n]
-        event = slot.get("event")
-        if event is not None:
-            event.synchronize()  # the previous copy out of this pinned buffer is done
-        host_kv = self._buffer(slot, "host", shape, k_rows.dtype, torch.device("cpu"), pin=True)
-        for src, host, dev in zip((k_rows, v_rows), host_kv, device_kv):
-            torch.index_select(src, 0, index, out=host[:n])
-            dev[:n].copy_(host[:n], non_blocking=True)
-        slot["event"] = torch.cuda.Event()
-        slot["event"].record()
-        return device_kv[0][:n], device_kv[1][:n]
+            for src, dev in zip(sources, device_kv):
+                torch.index_select(src, 0, index, out=dev[:n])
+        else:
+            event = slot.get("event")
+            if event is not None:
+                event.synchronize()  # the previous copy out of this pinned buffer is done
+            host_kv = self._buffer(slot, "host", shape, k_rows.dtype, torch.device("cpu"), pin=True)
+            for src, host, dev in zip(sources, host_kv, device_kv):
+                torch.index_select(src, 0, index, out=host[:n])
+                dev[:n].copy_(host[:n], non_blocking=True)
+            slot["event"] = torch.cuda.Event()
+            slot["event"].record()
+        return device_kv[0][:n], device_kv[len(sources) - 1][:n]
 
     @staticmethod
     def _buffer(slot: dict, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

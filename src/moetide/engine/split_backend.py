@@ -274,7 +274,7 @@ class SplitAttentionBackend(AttentionBackend):
                                       (plan.host_writes, self.host.kv_views(a), CPU)):
             if writes is None:
                 continue
-            for src, cache in zip((k, v), views):
+            for src, cache in zip((k, v), views[: 1 if views[1] is views[0] else 2]):  # V is K: written once
                 rows = src if writes.tokens is None else src.index_select(0, writes.tokens)
                 cache[writes.index] = rows.to(device=device, dtype=cache.dtype)
 

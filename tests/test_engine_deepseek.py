@@ -91,3 +91,16 @@ def test_router_picks_transformers_experts_within_the_kept_groups(tiny_checkpoin
 def test_configs_it_cannot_run_are_one_line_errors(change, field):
     with pytest.raises(UserError, match=f"field '{field}'"):
         DeepseekV2EngineConfig.from_hf({**lite_config(), **change}, "config.json")
+
+
+def test_make_test_model_writes_the_mla_sizes_it_is_given(tmp_path, capsys):
+    """``--kv-lora-rank`` and ``--rope-head-dim``: vLLM's CPU MLA kernels take only DeepSeek's 512 + 64."""
+    from moetide.cli import main
+
+    out = tmp_path / "ds"
+    assert main(["make-test-model", "--arch", "deepseek_v2", "--out", str(out), "--kv-lora-rank", "64",
+                 "--rope-head-dim", "16", "--head-dim", "32"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"]) == (64, 16, 32)
+    assert config["first_k_dense_replace"] == 1 and config["num_hidden_layers"] == 3
+    assert KVLayout.of(load_model(out), block_size=16).bytes_per_token == 3 * (64 + 16) * 4

@@ -84,6 +84,8 @@ def test_router_picks_transformers_experts_within_the_kept_groups(tiny_checkpoin
     (dict(num_key_value_heads=8), "num_key_value_heads"),
     (dict(rope_scaling=dict(type="linear", factor=2.0)), "rope_parameters"),
     (dict(rope_scaling=dict(type="yarn")), "rope_parameters"),
+    (dict(rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, mscale="big")),
+     "rope_parameters"),
     (dict(topk_method="group_limited_greedy", n_group=5, topk_group=1), "n_group"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(routed_scaling_factor="two"), "routed_scaling_factor"),

@@ -14,7 +14,10 @@ order), not bit for bit.
 
 The rest as transformers: the first ``first_k_dense_replace`` layers are dense SwiGLU MLPs, the others route with
 a softmax over all experts in fp32 (from an fp32 router), top-k — over the best ``topk_group`` of ``n_group``
-expert groups for ``group_limited_greedy`` — times ``routed_scaling_factor``, and add ungated shared experts.
+expert groups for ``group_limited_greedy`` — times ``routed_scaling_factor``, and add ungated shared experts. Two
+config keys transformers 5.19 ignores are read as DeepSeek's own modeling code and vLLM read them:
+``moe_layer_freq`` (a layer is MoE when its index is a multiple of it) and ``norm_topk_prob`` (renormalize the top-k
+weights); the released V2 configs set neither away from its default.
 RoPE rotates adjacent pairs (not halves), with YaRN's frequencies where the config asks for them (V2-Lite does).
 Refused in one line: ``scoring_func`` other than softmax and ``topk_method`` other than the two above (V3's
 sigmoid router and bias), attention or MLP biases, and a ``num_key_value_heads`` other than the head count (with
@@ -136,12 +139,17 @@ def read_rope_yarn(r: ConfigReader, rotary_dim: int) -> dict[str, Any]:
         yarn = Yarn(factor=float(params["factor"]),
                     original_max_position_embeddings=int(params["original_max_position_embeddings"]),
                     beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                    mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
-                    attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
+                    mscale=_optional_float(params, "mscale"), mscale_all_dim=_optional_float(params, "mscale_all_dim"),
+                    attention_factor=_optional_float(params, "attention_factor"),
+                    truncate=bool(params.get("truncate", True)))
     except (KeyError, TypeError, ValueError) as err:
         raise r.fail("rope_parameters", f"a yarn RoPE needs a numeric factor and original_max_position_embeddings "
                                         f"({err})") from None
     return dict(rope_theta=float(theta), yarn=yarn)
+
+
+def _optional_float(params: dict[str, Any], key: str) -> float | None:
+    return None if params.get(key) is None else float(params[key])
 
 
 class MLAttention(nn.Module):

@@ -11,6 +11,7 @@ so the offload cap is worth KV blocks. Each engine runs in a fresh process (``te
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from greedy import check_greedy, run_vllm, stock_scorer
@@ -18,8 +19,9 @@ from greedy import check_greedy, run_vllm, stock_scorer
 pytest.importorskip("vllm", reason="vLLM 0.32 is not installed here (scripts/install_vllm.sh installs it)")
 
 MODES = {"default": False, "eager": True}  # enforce_eager
-BATCHES = [[f"request {i} " + "word " * (80 + 30 * i) for i in range(8)],
-           [f"again {i} " + "token " * (60 + 25 * i) for i in range(6)]]
+_RNG = random.Random(0)  # random token ids: the tiny model's continuations of repeated words are one token
+TOKEN_BATCHES = [[[_RNG.randrange(1, 512) for _ in range(n)] for n in lengths]
+                 for lengths in ([100 + 40 * i for i in range(8)], [80 + 30 * i for i in range(6)])]
 PLUGIN = {"policy": "vamp", "max_offload_ratio": 0.5}
 
 
@@ -35,7 +37,7 @@ def checkpoint(tmp_path_factory):
 
 def generate(model, *, plugin: dict | None, mode: str) -> dict:
     spec = {"model": str(model), "max_model_len": 1024, "kv_cache_memory": 4 << 20, "max_tokens": 24,
-            "batches": BATCHES, "plugin": plugin, "enforce_eager": MODES[mode]}
+            "token_batches": TOKEN_BATCHES, "plugin": plugin, "enforce_eager": MODES[mode]}
     return run_vllm(spec, plugin=plugin is not None)
 
 

@@ -40,21 +40,28 @@ from moetide.specs.hf_config import ConfigReader
 # ---- config helpers ----------------------------------------------------------------------------------------
 
 
-def read_rope(r: ConfigReader, head_dim: int, default_partial_factor: float = 1.0) -> tuple[float, int]:
-    """(rope_theta, rotary_dim) from v5's ``rope_parameters`` or the older top-level keys; only plain RoPE."""
+def read_rope_params(r: ConfigReader) -> tuple[dict[str, Any], str, float]:
+    """(the RoPE parameters, v5's ``rope_parameters`` over the older ``rope_scaling``; the rope type; a validated
+    ``rope_theta``, from ``rope_parameters`` or the top level)."""
     params = r.data.get("rope_parameters") or {}
     scaling = r.data.get("rope_scaling") or {}
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise r.fail("rope_parameters", f"rope_type {rope_type!r} is not supported (only 'default')")
     theta = params.get("rope_theta", r.data.get("rope_theta"))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise r.fail("rope_theta", f"expected a positive number (in rope_parameters or top level), got {theta!r}")
+    return {**scaling, **params}, rope_type, float(theta)
+
+
+def read_rope(r: ConfigReader, head_dim: int, default_partial_factor: float = 1.0) -> tuple[float, int]:
+    """(rope_theta, rotary_dim) from v5's ``rope_parameters`` or the older top-level keys; only plain RoPE."""
+    params, rope_type, theta = read_rope_params(r)
+    if rope_type != "default":
+        raise r.fail("rope_parameters", f"rope_type {rope_type!r} is not supported (only 'default')")
     factor = params.get("partial_rotary_factor", r.data.get("partial_rotary_factor", default_partial_factor))
     rotary_dim = int(head_dim * factor)
     if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
         raise r.fail("partial_rotary_factor", f"{factor!r} x head_dim {head_dim} must give an even rotary width")
-    return float(theta), rotary_dim
+    return theta, rotary_dim
 
 
 def read_float(r: ConfigReader, key: str) -> float:

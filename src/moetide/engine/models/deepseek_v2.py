@@ -38,6 +38,7 @@ from moetide.engine.models.common import (
     MoECausalLM,
     SparseMoE,
     read_float,
+    read_rope_params,
     require_silu,
 )
 from moetide.engine.models.hooks import ExpertProvider, StepContext
@@ -123,16 +124,11 @@ class DeepseekV2EngineConfig:
 def read_rope_yarn(r: ConfigReader, rotary_dim: int) -> dict[str, Any]:
     """``rope_theta`` and ``yarn`` (None for the default RoPE) from v5's ``rope_parameters`` or the older
     ``rope_scaling`` plus top-level ``rope_theta``; other RoPE types are refused."""
-    params = dict(r.data.get("rope_scaling") or {})
-    params.update(r.data.get("rope_parameters") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", r.data.get("rope_theta"))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise r.fail("rope_theta", f"expected a positive number (in rope_parameters or top level), got {theta!r}")
+    params, rope_type, theta = read_rope_params(r)
     if rotary_dim % 2:
         raise r.fail("qk_rope_head_dim", f"must be even, got {rotary_dim}")
     if rope_type == "default":
-        return dict(rope_theta=float(theta), yarn=None)
+        return dict(rope_theta=theta, yarn=None)
     if rope_type != "yarn":
         raise r.fail("rope_parameters", f"rope_type {rope_type!r} is not supported (only 'default' and 'yarn')")
     try:
@@ -145,7 +141,7 @@ def read_rope_yarn(r: ConfigReader, rotary_dim: int) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as err:
         raise r.fail("rope_parameters", f"a yarn RoPE needs a numeric factor and original_max_position_embeddings "
                                         f"({err})") from None
-    return dict(rope_theta=float(theta), yarn=yarn)
+    return dict(rope_theta=theta, yarn=yarn)
 
 
 def _optional_float(params: dict[str, Any], key: str) -> float | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,7 +45,7 @@ from moetide.engine.defaults import ENGINE_DEFAULTS
 from moetide.engine.experts import StagedExpertProvider
 from moetide.engine.host_kv import ArenaPoolView, HostKVStorage
 from moetide.engine.loader import load_model
-from moetide.engine.models import MoECausalLM
+from moetide.engine.models import LinearStateShape, MoECausalLM
 from moetide.engine.split_backend import SplitAttentionBackend
 from moetide.core.splits import DEFAULT_SPLIT_GPU
 from moetide.engine.split_plan import PerfSplitCosts, SplitCostSource, SplitStepper
@@ -62,6 +62,7 @@ from moetide.engine.storage import (
 from moetide.core.pressure.step_costs import EngineCosts, engine_vamp_params
 from moetide.engine.vamp import EngineStepStats, measure_costs
 from moetide.errors import UserError
+from moetide.perf.budget import DEFAULT_BLOCK_SIZE, VLLM_KERNEL_BLOCK_ALIGNMENT
 from moetide.specs import get_gpu, host_for
 from moetide.units import cdiv
 
@@ -114,6 +115,7 @@ class EngineConfig(ServingConfig):
 
 @dataclass
 class EngineParts:
+    config: EngineConfig  # as given, with the block size resolved (``engine_block_size``)
     model: MoECausalLM
     storage: ArenaStorage
     attention: PagedAttentionBackend | SplitAttentionBackend
@@ -269,15 +271,29 @@ def _active_host_blocks(config: EngineConfig, kv: KVLayout, host_kv: HostKVStora
     return max(config.kv_host_active_memory // kv.block_bytes, 1)
 
 
+def engine_block_size(model: MoECausalLM, shapes: dict[int, LinearStateShape]) -> int:
+    """vLLM's block size rule (``perf.budget.hybrid_block_size``) on the engine's own bytes: 16, or for a hybrid
+    model the smallest multiple of 16 tokens whose KV page holds one linear-attention layer's state as the engine
+    stores it (the recurrent part in fp32). Then a sequence's state is one block per layer, a prefill chunk of a
+    fresh prompt is not cut every 16 tokens, and a state is copied to a new slot once per page of tokens."""
+    if not shapes:
+        return DEFAULT_BLOCK_SIZE
+    layer_bytes = StateLayout.of(shapes, model.embed_tokens.weight.dtype).largest_layer_bytes
+    page_per_token = KVLayout.of(model, DEFAULT_BLOCK_SIZE).bytes_per_token
+    return VLLM_KERNEL_BLOCK_ALIGNMENT * cdiv(layer_bytes, VLLM_KERNEL_BLOCK_ALIGNMENT * page_per_token)
+
+
 def build_engine(model_dir: Path, config: EngineConfig, policy: PressurePolicy | None,
                  policy_params: dict[str, object], split_costs: SplitCostSource | None = None,
                  costs: EngineCosts | None = None) -> EngineParts:
     device = _device(config.device)
     _check_fits(config, device)
     model = load_model(model_dir, dtype=config.dtype, device="cpu")
+    shapes = model.linear_state_shapes()
+    if config.block_size is None:
+        config = replace(config, block_size=engine_block_size(model, shapes))
     kv_layout, expert_layout = KVLayout.of(model, config.block_size), ExpertLayout.of(model)
     arena = _arena(kv_layout, expert_layout, config)
-    shapes = model.linear_state_shapes()
     host_kv = _host_kv(kv_layout, arena, config, device)
     caching = _caching(config, bool(shapes))
     if host_kv is None:
@@ -303,7 +319,7 @@ def build_engine(model_dir: Path, config: EngineConfig, policy: PressurePolicy |
     if pool.num_blocks == 0:
         raise UserError(f"the KV budget of {config.kv_cache_memory} bytes holds no KV block of "
                         f"{kv_layout.block_bytes} bytes, even after static offload")
-    return EngineParts(model, storage, _attention(storage, host_kv, config, model_dir, split_costs),
+    return EngineParts(config, model, storage, _attention(storage, host_kv, config, model_dir, split_costs),
                        BlockLinearStateStore(storage, state_layout, host_kv) if shapes else None, provider, line,
                        residency, scheduler, frozenset() if config.ignore_eos else eos_token_ids(model_dir), host_kv,
                        step_stats)

@@ -107,10 +107,10 @@ def flash_kernel() -> Callable:
 
 
 def engine_block_size() -> int:
-    """Tokens per KV block of an engine built with the defaults (``ENGINE_DEFAULTS``)."""
-    from moetide.engine.defaults import ENGINE_DEFAULTS
+    """Tokens per KV block of an engine built with the defaults for a model of full attention alone (vLLM's 16)."""
+    from moetide.perf.budget import DEFAULT_BLOCK_SIZE
 
-    return ENGINE_DEFAULTS["block_size"]
+    return DEFAULT_BLOCK_SIZE
 
 
 def kernel_for(shape: AttentionShape) -> str:

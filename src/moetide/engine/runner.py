@@ -76,6 +76,7 @@ class Engine:
                 raise UserError(f"costs: {exc}") from None
         self.parts: EngineParts = build_engine(Path(model_dir), config, instance, dict(policy_params or {}),
                                                split_costs, costs)
+        self.config = self.parts.config
         self._next_request = 0
         self._requests: dict[str, Request] = {}  # in flight: added, not yet finished, failed or aborted
         self._sampler = Sampler()

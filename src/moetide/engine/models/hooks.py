@@ -207,6 +207,11 @@ class StateLayout:
     def num_blocks(self, block_bytes: int) -> int:
         return cdiv(self.total_bytes, block_bytes) if self.total_bytes else 0
 
+    @property
+    def largest_layer_bytes(self) -> int:
+        """One layer's state bytes (conv then recurrent, as laid out), the largest over the layers; 0 if none."""
+        return max((rec.offset + rec.nbytes - conv.offset for conv, rec in self.fields.values()), default=0)
+
     def views(self, row: Tensor, layer_id: int) -> LinearState:
         """The layer's state as tensors over ``row``, one sequence's ``total_bytes`` (or more) of uint8."""
         conv, recurrent = self.fields[layer_id]

@@ -116,31 +116,35 @@ def gdn_layer(dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_gdn_decode_equals_the_torch_rule_and_updates_the_states_in_place(dtype, monkeypatch):
+@pytest.mark.parametrize("prompt_len", [5, 70])
+def test_native_gdn_forward_equals_the_torch_rule_and_updates_the_states_in_place(dtype, prompt_len, monkeypatch):
+    """Prefill (token by token, in pieces of ``GDN_PIECE``: 70 takes two), then decode, against the torch rule
+    (chunked for the prompt, recurrent for a token)."""
     from moetide.engine.models.hooks import DictLinearStateStore, StepBatch, StepContext
 
     layer = gdn_layer(dtype)
     shapes = {0: layer.state_shape()}
     generator = torch.Generator().manual_seed(2)
-    prompt = torch.randn(3 * 5, 48, generator=generator).to(dtype)  # 3 sequences, 5 tokens of context each
+    prompt = torch.randn(3 * prompt_len, 48, generator=generator).to(dtype)  # 3 sequences, prompt_len tokens each
     step = torch.randn(3, 48, generator=generator).to(dtype)
-    results, calls, kernel = {}, [], native.gdn_decode
-    monkeypatch.setattr(native, "gdn_decode", lambda *args: calls.append(len(args[4])) or kernel(*args))
+    results, calls, kernel = {}, [], native.gdn_forward
+    monkeypatch.setattr(native, "gdn_forward", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
     for path in ("native", "torch"):
         if path == "torch":
             monkeypatch.setattr(native, "worth_it", lambda *args, **kwargs: False)
         store = DictLinearStateStore(shapes, dtype)
         with torch.inference_mode():
-            layer(prompt, StepContext(StepBatch.of([(s, 5, 0) for s in range(3)]), None, store), None)
-            out = layer(step, StepContext(StepBatch.of([(s, 1, 5) for s in range(3)]), None, store), None)
+            first = layer(prompt, StepContext(StepBatch.of([(s, prompt_len, 0) for s in range(3)]), None, store),
+                          None)
+            out = layer(step, StepContext(StepBatch.of([(s, 1, prompt_len) for s in range(3)]), None, store), None)
             fresh = layer(step[:1], StepContext(StepBatch.of([(7, 1, 0)]), None, store), None)  # a 1-token prompt
-        results[path] = (out, fresh, [store.state(0, s) for s in range(3)])
-        assert calls == [3, 1]  # the two decode steps, none of the prefill
-    (out, fresh, states), (ref_out, ref_fresh, ref_states) = results["native"], results["torch"]
+        results[path] = (first, out, fresh, [store.state(0, s) for s in range(3)])
+        assert calls == [3 * prompt_len, 3, 1]  # the prefill's rows, then the two decode steps
+    (first, out, fresh, states), (ref_first, ref_out, ref_fresh, ref_states) = results["native"], results["torch"]
     # the projections feeding the rule are native too (``models.ops.linear``), so even the conv state's raw inputs
     # agree to round-off only
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -6
-    pairs = [(out, ref_out), (fresh, ref_fresh)] + [(t, r) for s, rs in zip(states, ref_states)
+    pairs = [(first, ref_first), (out, ref_out), (fresh, ref_fresh)] + [(t, r) for s, rs in zip(states, ref_states)
                                                     for t, r in ((s.conv, rs.conv), (s.recurrent, rs.recurrent))]
     for a, b in pairs:
         torch.testing.assert_close(a.float(), b.float(), rtol=tolerance, atol=tolerance * float(b.float().abs().max()))
@@ -149,7 +153,8 @@ def test_native_gdn_decode_equals_the_torch_rule_and_updates_the_states_in_place
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_gdn_decode_updates_states_in_scattered_blocks_that_cut_rows(dtype):
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_native_gdn_forward_updates_states_in_scattered_blocks_that_cut_rows(dtype, tokens):
     """A state cut into 200-byte blocks in shuffled order (so the conv state and some 64-byte recurrent rows cross a
     block boundary) is updated exactly as the same state in one contiguous row, fresh sequences included."""
     from moetide.engine.models.hooks import DictLinearStateStore, StateBlocks
@@ -174,13 +179,13 @@ def test_native_gdn_decode_updates_states_in_scattered_blocks_that_cut_rows(dtyp
         layout.views(row, 0).recurrent.copy_(store.state(0, s).recurrent)
         pool[tables[s]] = row.view(n, block_bytes)
     scattered = StateBlocks(pool.data_ptr() + tables * block_bytes, block_bytes, layout)
-    mixed = torch.randn(B, conv.shape[0], generator=generator).to(dtype)
-    g, beta = -torch.rand(B, 4, generator=generator), torch.rand(B, 4, generator=generator)
+    mixed = torch.randn(B * tokens, conv.shape[0], generator=generator).to(dtype)
+    g, beta = -torch.rand(B * tokens, 4, generator=generator), torch.rand(B * tokens, 4, generator=generator)
     fresh = [False, True, False]
     with torch.inference_mode():
         args = (layer.conv1d.weight, 0, fresh, g, beta, 2, 16, 16)
-        expected = native.gdn_decode(mixed, args[0], store.state_blocks(list(range(B))), *args[1:])
-        out = native.gdn_decode(mixed, args[0], scattered, *args[1:])
+        expected = native.gdn_forward(mixed, args[0], store.state_blocks(list(range(B))), *args[1:])
+        out = native.gdn_forward(mixed, args[0], scattered, *args[1:])
     assert torch.equal(out, expected)
     for s in range(B):
         got, want = layout.views(pool[tables[s]].reshape(-1), 0), store.state(0, s)

@@ -12,9 +12,9 @@ flash-linear-attention and causal-conv1d kernels):
   state [Hv, Dk, Dv]; output RMSNorm-ed per value head and gated by SiLU(z) (``GatedRMSNorm``), then out_proj.
   The rule runs chunked (transformers' ``torch_chunk_gated_delta_rule``) for multi-token pieces and recurrent
   (``torch_recurrent_gated_delta_rule``) for one-token pieces; sequences with the same number of new tokens in a
-  step are batched together. One-token pieces on the CPU (fp32 or bf16) run conv, norms and rule in one native
-  call that updates each sequence's state where it lies (``engine.native.gdn_decode``; equal to fp32
-  round-off), instead of stacking the states and copying them back.
+  step are batched together. On the CPU (fp32 or bf16) a group runs conv, norms and the rule token by token in
+  one native call that updates each sequence's state where it lies (``engine.native.gdn_forward``; equal to
+  fp32 round-off), instead of stacking the states, padding to a chunk and copying them back.
 - Every RMSNorm except the gated one is zero-centered: it scales by (1 + weight).
 - MoE as Qwen3-MoE plus a shared expert scaled by sigmoid(shared_expert_gate(x)).
 Released checkpoints also carry multi-token-prediction weights (``mtp.*``); inference ignores them, like
@@ -161,7 +161,7 @@ class GatedRMSNorm(nn.Module):
 
 class LengthGroup(NamedTuple):
     """Sequences of a step with equal new-token counts: their token indices, in order; [(seq_id, computed)]; and
-    int64 [B] flags, 1 where a sequence starts from an empty state (what ``native.gdn_decode`` reads)."""
+    int64 [B] flags, 1 where a sequence starts from an empty state (what ``native.gdn_forward`` reads)."""
 
     token_idx: Tensor
     seqs: list[tuple[int, int]]
@@ -235,12 +235,12 @@ class GatedDeltaNet(nn.Module):
         """B sequences with Ts new tokens each (rows sequence-major) -> core output [B*Ts, Hv, Dv]."""
         seqs = group.seqs
         B, Ts, r = len(seqs), mixed.shape[0] // len(seqs), self.num_v_heads // self.num_k_heads
-        if Ts == 1 and native.worth_it(mixed, B * self.num_v_heads * self.head_k_dim * self.head_v_dim * 3,
-                                       native.EXPERT_DTYPES):
+        if native.worth_it(mixed, B * Ts * self.num_v_heads * self.head_k_dim * self.head_v_dim * 3,
+                           native.EXPERT_DTYPES):
             blocks = ctx.linear_states.state_blocks([seq_id for seq_id, _ in seqs])
             if blocks is not None:
-                return native.gdn_decode(mixed, self.conv1d.weight, blocks, self.layer_id, group.fresh, g, beta,
-                                         self.num_k_heads, self.head_k_dim, self.head_v_dim)
+                return native.gdn_forward(mixed, self.conv1d.weight, blocks, self.layer_id, group.fresh, g, beta,
+                                          self.num_k_heads, self.head_k_dim, self.head_v_dim)
         states = [ctx.linear_states.state(self.layer_id, seq_id) for seq_id, _ in seqs]
         conv0 = torch.stack([s.conv if computed else torch.zeros_like(s.conv)
                              for s, (_, computed) in zip(states, seqs)])  # [B, C, kernel-1]

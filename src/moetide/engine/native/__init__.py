@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from moetide.engine.models.hooks import StateBlocks
 
 __all__ = ["EXPERT_DTYPES", "AttentionArgs", "KeptArgs", "MoEArgs", "attention_step", "attention_weights",
-           "available", "copy_blocks", "decode_macs", "decode_worth_it", "experts_readable", "gdn_decode",
+           "available", "copy_blocks", "decode_macs", "decode_worth_it", "experts_readable", "gdn_forward",
            "keep_checked", "linear", "linear_isa", "load", "moe_args", "moe_experts", "moe_route",
            "paged_decode_attention", "rms_norm", "rms_norm_rope", "run_attention", "run_layers", "run_moe",
            "unavailable_reason", "worth_it"]
@@ -155,43 +155,53 @@ def copy_blocks(scratch: Tensor, blocks: Tensor, index: tuple[Tensor, Tensor], t
     lib.moetide_copy_blocks(scratch.data_ptr(), addrs.data_ptr(), groups.numel(), nbytes, int(to_blocks))
 
 
-def gdn_decode(mixed: Tensor, conv_weight: Tensor, blocks: StateBlocks, layer_id: int, fresh: Sequence[bool] | Tensor,
-               g: Tensor, beta: Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
-    """One Gated DeltaNet decode step (``gdn.c``): mixed [B, C] (q | k | v before the conv) fp32 or bf16;
-    conv_weight [C, kernel] (or [C, 1, kernel]) of that dtype; ``blocks`` (``models.StateBlocks``) where the B
-    sequences' states lie, layer ``layer_id``'s conv [C, kernel-1] of that dtype and recurrent [Hv, Dk, Dv] fp32
-    updated there in place, read as zeros where ``fresh`` (B flags, or a CPU tensor of B 0/1 flags, which a
-    step's layers can share); g, beta [B, Hv] -> the rule's output [B, Hv, Dv] in mixed's dtype."""
+GDN_PIECE = 64  # tokens a sequence's prefill goes through at a time in ``gdn_forward`` (conv and norms, then each head)
+
+
+def gdn_forward(mixed: Tensor, conv_weight: Tensor, blocks: StateBlocks, layer_id: int,
+                fresh: Sequence[bool] | Tensor, g: Tensor, beta: Tensor, num_k_heads: int, head_k_dim: int,
+                head_v_dim: int) -> Tensor:
+    """Gated DeltaNet over B sequences with T new tokens each (``gdn.c``; T = 1 is a decode step): mixed [B T, C]
+    (q | k | v before the conv, rows sequence-major) fp32 or bf16; conv_weight [C, kernel] (or [C, 1, kernel]) of
+    that dtype; ``blocks`` (``models.StateBlocks``, B rows) where the sequences' states lie, layer ``layer_id``'s
+    conv [C, kernel-1] of that dtype and recurrent [Hv, Dk, Dv] fp32 updated there in place, read as zeros where
+    ``fresh`` (B flags, or a CPU tensor of B 0/1 flags, which a step's layers can share); g, beta [B T, Hv] -> the
+    rule's output [B T, Hv, Dv] in mixed's dtype."""
     lib = load()
-    B, C = mixed.shape
+    rows_in, C = mixed.shape
+    B = blocks.addresses.shape[0]
     w = conv_weight.reshape(C, -1).contiguous()
     g, beta = g.float().contiguous(), beta.float().contiguous()
     Hv = g.shape[1]
-    if lib is None or mixed.dtype not in EXPERT_DTYPES or w.dtype != mixed.dtype or len(fresh) != B:
-        raise ValueError("gdn_decode needs the native library, fp32 or bf16 activations and conv weights of one "
-                         "dtype, and one fresh flag per sequence")
+    if (lib is None or mixed.dtype not in EXPERT_DTYPES or w.dtype != mixed.dtype or len(fresh) != B or B == 0
+            or rows_in % B or g.shape[0] != rows_in or beta.shape != g.shape):
+        raise ValueError("gdn_forward needs the native library, fp32 or bf16 activations and conv weights of one "
+                         "dtype, one fresh flag per sequence, and the same tokens for each (g, beta a row each)")
+    T = rows_in // B
     conv, recurrent = blocks.layout.fields[layer_id]
     addresses = blocks.addresses
     if (conv.dtype != mixed.dtype or conv.shape != (C, w.shape[1] - 1) or recurrent.dtype != torch.float32
             or recurrent.shape != (Hv, head_k_dim, head_v_dim)):
-        raise ValueError(f"gdn_decode: layer {layer_id}'s state must be conv [{C}, {w.shape[1] - 1}] in "
+        raise ValueError(f"gdn_forward: layer {layer_id}'s state must be conv [{C}, {w.shape[1] - 1}] in "
                          f"{mixed.dtype} and recurrent [{Hv}, {head_k_dim}, {head_v_dim}] fp32, the layout has "
                          f"{list(conv.shape)} {conv.dtype} and {list(recurrent.shape)} {recurrent.dtype}")
     if (addresses.dtype != torch.int64 or addresses.shape != (B, blocks.layout.num_blocks(blocks.block_bytes))
             or blocks.block_bytes % 4):
-        raise ValueError(f"gdn_decode: StateBlocks.addresses must be int64 [{B}, blocks per state] and blocks a "
+        raise ValueError(f"gdn_forward: StateBlocks.addresses must be int64 [{B}, blocks per state] and blocks a "
                          f"multiple of 4 bytes, got {addresses.dtype} {list(addresses.shape)}, {blocks.block_bytes}")
     mixed, addresses = mixed.contiguous(), addresses.contiguous()
     fresh_t = (fresh.to('cpu', torch.int64).contiguous() if isinstance(fresh, Tensor)
                else torch.tensor(fresh, dtype=torch.int64))
-    out = torch.empty(B, Hv, head_v_dim, dtype=mixed.dtype)
-    scratch = torch.empty(C + 2 * head_v_dim + head_k_dim * head_v_dim + C * (2 * w.shape[1] - 1),
+    out = torch.empty(rows_in, Hv, head_v_dim, dtype=mixed.dtype)
+    piece = min(T, GDN_PIECE)
+    scratch = torch.empty(piece * C + 3 * head_v_dim + head_k_dim * head_v_dim + C * (2 * w.shape[1] - 1)
+                          + (w.shape[1] - 1 + piece) * C,
                           dtype=torch.float32)
     rows = torch.empty(head_k_dim, dtype=torch.int64)
-    lib.moetide_gdn_decode(mixed.data_ptr(), B, C, mixed.dtype == torch.bfloat16, w.data_ptr(), w.shape[1],
-                           addresses.data_ptr(), addresses.shape[1], blocks.block_bytes, conv.offset,
-                           recurrent.offset, fresh_t.data_ptr(), g.data_ptr(), beta.data_ptr(), num_k_heads, Hv,
-                           head_k_dim, head_v_dim, out.data_ptr(), scratch.data_ptr(), rows.data_ptr())
+    lib.moetide_gdn_forward(mixed.data_ptr(), B, T, piece, C, mixed.dtype == torch.bfloat16, w.data_ptr(),
+                            w.shape[1], addresses.data_ptr(), addresses.shape[1], blocks.block_bytes, conv.offset,
+                            recurrent.offset, fresh_t.data_ptr(), g.data_ptr(), beta.data_ptr(), num_k_heads, Hv,
+                            head_k_dim, head_v_dim, out.data_ptr(), scratch.data_ptr(), rows.data_ptr())
     return out
 
 

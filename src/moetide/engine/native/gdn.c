@@ -1,4 +1,4 @@
-/* moetide's native Gated DeltaNet decode step (Qwen3-Next's linear attention, one new token per sequence) and the
+/* moetide's native Gated DeltaNet step (Qwen3-Next's linear attention: decode, and prefill chunks token by token) and the
    model-dtype RMSNorm forms around it, called through ctypes (engine/native/__init__.py).
 
    Why: at decode the layer's torch path is a few dozen small ops per step — a depthwise conv1d over a stacked
@@ -112,98 +112,260 @@ static void copy_state(const int64_t *table, int64_t bb, int64_t off, char *buf,
     }
 }
 
-/* One sequence's causal conv over [state, x] before the SiLU: act[c] = sum_j w[c][j] state[c][j] + w[c][km1] x[c],
-   rounded to the dtype, and the state [C, km1] shifted left by x. w [C, km1 + 1] fp32 (the weights widened
-   once per call); bf16 and, at a call with a constant, km1 are constants, so each form is compiled on its own. */
-static inline __attribute__((always_inline)) void conv_step(const void *xs, const float *w, void *cs, int64_t C,
+/* The causal conv of n tokens of one sequence before the SiLU, vectorized over the channels: hist [km1 + n, C]
+   fp32 holds the km1 inputs before these tokens (the conv state, token-major), then the n tokens' inputs; wT
+   [km1 + 1, C] the weights, fp32. act[t][c] = sum_{j<km1} wT[j][c] hist[t+j][c] + wT[km1][c] hist[t+km1][c]
+   (summed in that order), rounded to the dtype. bf16 and, at a call with a constant, km1 are constants, so each
+   form is compiled on its own. */
+static inline __attribute__((always_inline)) void conv_rows(const float *hist, int64_t n, const float *wT, int64_t C,
                                                             const int64_t km1, const int bf16, float *act) {
-    for (int64_t c = 0; c < C; c++) {
-        const float x = load_any(xs, c, bf16);
-        float acc = 0.f;
-        for (int64_t j = 0; j < km1; j++) acc += w[c * (km1 + 1) + j] * load_any(cs, c * km1 + j, bf16);
-        act[c] = to_dtype(acc + w[c * (km1 + 1) + km1] * x, bf16);
-        for (int64_t j = 0; j + 1 < km1; j++) store_any(cs, c * km1 + j, load_any(cs, c * km1 + j + 1, bf16), bf16);
-        if (km1 > 0) store_any(cs, c * km1 + km1 - 1, x, bf16);
+    for (int64_t t = 0; t < n; t++) {
+        float *a = act + t * C;
+        for (int64_t c = 0; c < C; c++) a[c] = 0.f;
+        for (int64_t j = 0; j < km1; j++) {
+            const float *h = hist + (t + j) * C, *w = wT + j * C;
+            for (int64_t c = 0; c < C; c++) a[c] += w[c] * h[c];
+        }
+        const float *x = hist + (t + km1) * C, *w = wT + km1 * C;
+        for (int64_t c = 0; c < C; c++) a[c] = to_dtype(a[c] + w[c] * x[c], bf16);
     }
 }
 
-/* B sequences, one token each. mixed [B, C] (C = 2·Hk·Dk + Hv·Dv: q, k, v) in the model dtype (bf16 != 0: bf16,
-   else fp32); conv_w [C, kernel] model dtype. Sequence s's state is read and updated where it lies: tables[s] holds
-   the addresses of its table_len blocks of block_bytes, its conv state [C, kernel-1] (model dtype) starts at byte
-   conv_off and its recurrent state [Hv, Dk, Dv] (fp32) at rec_off (zeros first where fresh[s]). The conv state is
-   small and is worked on in a copy; a recurrent row is updated in its block unless it crosses into the next one.
-   g, beta [B, Hv] fp32; value head h reads key head h / (Hv / Hk). out [B, Hv, Dv] model dtype. scratch holds
-   C + 2 Dv + Dk Dv + C kernel floats and C (kernel-1) conv elements; rows holds Dk pointers. */
-void moetide_gdn_decode(const void *mixed, int64_t B, int64_t C, int64_t bf16, const void *conv_w, int64_t kernel,
-                        const int64_t *tables, int64_t table_len, int64_t bb, int64_t conv_off, int64_t rec_off,
-                        const int64_t *fresh, const float *g, const float *beta, int64_t Hk, int64_t Hv, int64_t Dk,
-                        int64_t Dv, void *out, float *scratch, float **rows) {
+/* Sixteen floats as one value (GCC's vector extension): one AVX-512 register, two AVX2 ones, else as the target
+   has. A pass over the state keeps the sums of up to GDN_VECS of them (GDN_VECS x 16 columns) in registers. */
+typedef float v16f __attribute__((vector_size(64)));
+#define GDN_VECS 4
+
+static inline v16f ld16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+/* kv[d0 .. d0 + 16 nv) = sum_i (rows[i][d] * decay) * k[i], the rows in order (nv <= GDN_VECS, a constant at
+   each call). */
+static inline __attribute__((always_inline)) void state_t_k(float **rows, int64_t Dk, int64_t d0, const int nv,
+                                                             float decay, const float *k, float *kv) {
+    v16f acc[GDN_VECS] = {0};
+    for (int64_t i = 0; i < Dk; i++) {
+        const float ki = k[i], *row = rows[i] + d0;
+        for (int u = 0; u < nv; u++) acc[u] += (ld16(row + 16 * u) * decay) * ki;
+    }
+    for (int u = 0; u < nv; u++) st16(kv + d0 + 16 * u, acc[u]);
+}
+
+/* Columns [d0, d0 + 16 nv) of one token's update: S = decay S + k delta^T (delta in kv), o = S^T q and, where
+   k_next, kn = (decay_next S)^T k_next from the rows just written; the rows in order. */
+static inline __attribute__((always_inline)) void state_update(float **rows, int64_t Dk, int64_t d0, const int nv,
+                                                                float decay, const float *k, const float *kv,
+                                                                const float *q, float *o, float decay_next,
+                                                                const float *k_next, float *kn) {
+    v16f dl[GDN_VECS], acc_o[GDN_VECS] = {0}, acc_n[GDN_VECS] = {0};
+    for (int u = 0; u < nv; u++) dl[u] = ld16(kv + d0 + 16 * u);
+    for (int64_t i = 0; i < Dk; i++) {
+        const float ki = k[i], qi = q[i];
+        float *row = rows[i] + d0;
+        if (k_next != 0) {
+            const float kni = k_next[i];
+            for (int u = 0; u < nv; u++) {
+                const v16f updated = ld16(row + 16 * u) * decay + ki * dl[u];
+                st16(row + 16 * u, updated);
+                acc_o[u] += updated * qi;
+                acc_n[u] += (updated * decay_next) * kni;
+            }
+        } else {
+            for (int u = 0; u < nv; u++) {
+                const v16f updated = ld16(row + 16 * u) * decay + ki * dl[u];
+                st16(row + 16 * u, updated);
+                acc_o[u] += updated * qi;
+            }
+        }
+    }
+    for (int u = 0; u < nv; u++) st16(o + d0 + 16 * u, acc_o[u]);
+    if (k_next != 0)
+        for (int u = 0; u < nv; u++) st16(kn + d0 + 16 * u, acc_n[u]);
+}
+
+/* The same two passes for columns [d0, Dv) past the last whole 16 (fewer than 16), a column at a time. */
+static void state_t_k_tail(float **rows, int64_t Dk, int64_t d0, int64_t Dv, float decay, const float *k,
+                           float *kv) {
+    for (int64_t d = d0; d < Dv; d++) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < Dk; i++) acc += (rows[i][d] * decay) * k[i];
+        kv[d] = acc;
+    }
+}
+
+static void state_update_tail(float **rows, int64_t Dk, int64_t d0, int64_t Dv, float decay, const float *k,
+                              const float *kv, const float *q, float *o, float decay_next, const float *k_next,
+                              float *kn) {
+    for (int64_t d = d0; d < Dv; d++) {
+        float acc_o = 0.f, acc_n = 0.f;
+        for (int64_t i = 0; i < Dk; i++) {
+            const float updated = rows[i][d] * decay + k[i] * kv[d];
+            rows[i][d] = updated;
+            acc_o += updated * q[i];
+            if (k_next != 0) acc_n += (updated * decay_next) * k_next[i];
+        }
+        o[d] = acc_o;
+        if (k_next != 0) kn[d] = acc_n;
+    }
+}
+
+/* Both passes over all Dv columns: whole blocks of GDN_VECS x 16, then one of fewer 16s, then the tail. */
+static void pass_t_k(float **rows, int64_t Dk, int64_t Dv, float decay, const float *k, float *kv) {
+    const int64_t block = 16 * GDN_VECS, whole = Dv - Dv % block, sixteens = (Dv - whole) / 16;
+    for (int64_t d0 = 0; d0 < whole; d0 += block) state_t_k(rows, Dk, d0, GDN_VECS, decay, k, kv);
+    for (int64_t u = 0; u < sixteens; u++) state_t_k(rows, Dk, whole + 16 * u, 1, decay, k, kv);
+    state_t_k_tail(rows, Dk, whole + 16 * sixteens, Dv, decay, k, kv);
+}
+
+static void pass_update(float **rows, int64_t Dk, int64_t Dv, float decay, const float *k, const float *kv,
+                        const float *q, float *o, float decay_next, const float *k_next, float *kn) {
+    const int64_t block = 16 * GDN_VECS, whole = Dv - Dv % block, sixteens = (Dv - whole) / 16;
+    for (int64_t d0 = 0; d0 < whole; d0 += block)
+        state_update(rows, Dk, d0, GDN_VECS, decay, k, kv, q, o, decay_next, k_next, kn);
+    for (int64_t u = 0; u < sixteens; u++)
+        state_update(rows, Dk, whole + 16 * u, 1, decay, k, kv, q, o, decay_next, k_next, kn);
+    state_update_tail(rows, Dk, whole + 16 * sixteens, Dv, decay, k, kv, q, o, decay_next, k_next, kn);
+}
+
+/* The delta rule for one value head of one sequence over n tokens, on its state rows (rows[i]: row i of the
+   [Dk, Dv] fp32 state, wherever it lies): per token t, S = decay S; delta = (v - S^T k) beta; S += k delta^T;
+   out = S^T q. A first pass over S gives token 0's S^T k; then one pass per token updates S, sums its output
+   and, from the rows just written, the next token's (decay S)^T k, so S is streamed once per token (the sums are
+   the same as a second pass would make). Each pass keeps its column sums in registers (pass_update).
+   q, k, v of token t lie at act + t * C (+ the head's offsets); g, beta of token t at [t * Hv]; out of token t at
+   out_row + t * Hv * Dv. Before the last token's pass the rows at `ahead` (the next head's, or NULL) are
+   prefetched into L2, so that head's first pass does not wait on memory. kv, kn, o: Dv floats each. */
+static void delta_rule_head(float **rows, int64_t n, const float *act, int64_t C, int64_t q_off, int64_t k_off,
+                            int64_t v_off, const float *g, const float *beta, int64_t Hv, int64_t Dk, int64_t Dv,
+                            void *out_row, int bf16, float *kv, float *kn, float *o, const int64_t *ahead_table,
+                            int64_t bb, int64_t ahead_off) {
+    const int64_t row_bytes = Dv * (int64_t)sizeof(float);
+    float decay = expf(g[0]);
+    pass_t_k(rows, Dk, Dv, decay, act + k_off, kv);
+    for (int64_t t = 0; t < n; t++) {
+        const float *q = act + t * C + q_off, *k = act + t * C + k_off, *v = act + t * C + v_off;
+        const float b = beta[t * Hv];
+        for (int64_t d = 0; d < Dv; d++) kv[d] = (v[d] - kv[d]) * b;  /* delta */
+        const int next = t + 1 < n;
+        const float decay_next = next ? expf(g[(t + 1) * Hv]) : 0.f, *k_next = next ? k + C : 0;
+        if (!next && ahead_table != 0)
+            for (int64_t i = 0; i < Dk; i++) {
+                const char *ahead = state_at(ahead_table, bb, ahead_off + i * row_bytes);
+                for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 2);
+            }
+        pass_update(rows, Dk, Dv, decay, k, kv, q, o, decay_next, k_next, kn);
+        for (int64_t d = 0; d < Dv; d++) store_any(out_row, t * Hv * Dv + d, o[d], bf16);
+        float *swap = kv;
+        kv = kn, kn = swap, decay = decay_next;
+    }
+}
+
+/* Conv, SiLU and the q/k l2 norms of n tokens of one sequence: act [n, C] fp32 from mixed rows xs [n, C]; hist
+   (conv_rows) has the inputs before them in its first km1 rows, and the last km1 inputs there after. */
+static void conv_tokens(const char *xs, int64_t n, const float *wT, float *hist, int64_t C, int64_t km1, int bf16,
+                        int64_t Hk, int64_t Dk, float *act) {
+    const int64_t esz = bf16 ? 2 : 4, key_dim = Hk * Dk;
+    const float scale = 1.f / sqrtf((float)Dk);
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t c = 0; c < C; c++) hist[(km1 + t) * C + c] = load_any(xs + t * C * esz, c, bf16);
+    if (bf16 && km1 == 3) conv_rows(hist, n, wT, C, 3, 1, act);  /* each form's loops compiled on their own */
+    else if (km1 == 3) conv_rows(hist, n, wT, C, 3, 0, act);
+    else if (bf16) conv_rows(hist, n, wT, C, km1, 1, act);
+    else conv_rows(hist, n, wT, C, km1, 0, act);
+    memmove(hist, hist + n * C, (size_t)(km1 * C) * sizeof(float));
+    for (int64_t t = 0; t < n; t++) {
+        float *a = act + t * C;
+        silu_f32(a, C);
+        if (bf16)
+            for (int64_t c = 0; c < C; c++) a[c] = round_bf16(a[c]);
+        for (int64_t h = 0; h < Hk; h++) {
+            l2norm_scaled(a + h * Dk, Dk, scale);  /* q */
+            l2norm_scaled(a + key_dim + h * Dk, Dk, 1.f);  /* k */
+        }
+    }
+}
+
+/* The conv state [C, km1] (model dtype) to the first km1 rows of hist (token-major fp32), or back. */
+static void conv_state_rows(char *cs, float *hist, int64_t C, int64_t km1, int bf16, int to_state) {
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t j = 0; j < km1; j++) {
+            if (to_state) store_any(cs, c * km1 + j, hist[j * C + c], bf16);
+            else hist[j * C + c] = load_any(cs, c * km1 + j, bf16);
+        }
+}
+
+/* The rows of head h's recurrent state: in its block, or (a row crossing into the next block) in a copy in
+   crossing, copied back by put_rows. Zeroed first where zero. */
+static void get_rows(float **rows, const int64_t *table, int64_t bb, int64_t head_off, int64_t Dk, int64_t Dv,
+                     float *crossing, int zero) {
+    const int64_t row_bytes = Dv * (int64_t)sizeof(float);
+    for (int64_t i = 0; i < Dk; i++) {
+        const int64_t off = head_off + i * row_bytes;
+        if (off % bb + row_bytes <= bb) {
+            rows[i] = (float *)state_at(table, bb, off);
+        } else {
+            rows[i] = crossing + i * Dv;
+            copy_state(table, bb, off, (char *)rows[i], row_bytes, 0);
+        }
+        if (zero) memset(rows[i], 0, (size_t)row_bytes);
+    }
+}
+
+static void put_rows(float **rows, const int64_t *table, int64_t bb, int64_t head_off, int64_t Dk, int64_t Dv,
+                     const float *crossing) {
+    const int64_t row_bytes = Dv * (int64_t)sizeof(float);
+    for (int64_t i = 0; i < Dk; i++)
+        if (rows[i] == crossing + i * Dv) copy_state(table, bb, head_off + i * row_bytes, (char *)rows[i], row_bytes, 1);
+}
+
+/* B sequences, T new tokens each (rows sequence-major: decode is T = 1, a prefill chunk T > 1). mixed [B T, C]
+   (C = 2·Hk·Dk + Hv·Dv: q, k, v) in the model dtype (bf16 != 0: bf16, else fp32); conv_w [C, kernel] model dtype.
+   Sequence s's state is read and updated where it lies: tables[s] holds the addresses of its table_len blocks of
+   block_bytes, its conv state [C, kernel-1] (model dtype) starts at byte conv_off and its recurrent state
+   [Hv, Dk, Dv] (fp32) at rec_off (zeros first where fresh[s]). The conv state is small and is worked on in a copy;
+   a recurrent row is updated in its block unless it crosses into the next one. g, beta [B T, Hv] fp32; value head
+   h reads key head h / (Hv / Hk). out [B T, Hv, Dv] model dtype. Tokens go through in pieces of up to `piece`:
+   conv and norms for the piece, then each head runs the piece's tokens while its state is hot in cache. scratch
+   holds piece C + 3 Dv + Dk Dv + C kernel + (kernel-1 + piece) C floats and C (kernel-1) conv elements; rows holds Dk pointers. */
+void moetide_gdn_forward(const void *mixed, int64_t B, int64_t T, int64_t piece, int64_t C, int64_t bf16,
+                         const void *conv_w, int64_t kernel, const int64_t *tables, int64_t table_len, int64_t bb,
+                         int64_t conv_off, int64_t rec_off, const int64_t *fresh, const float *g, const float *beta,
+                         int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, void *out, float *scratch, float **rows) {
     const int64_t km1 = kernel - 1, esz = bf16 ? 2 : 4, group = Hv / Hk, key_dim = Hk * Dk;
     const int64_t conv_bytes = C * km1 * esz, row_bytes = Dv * (int64_t)sizeof(float);
-    float *act = scratch, *kv = scratch + C, *o = kv + Dv, *crossing = o + Dv, *wf = crossing + Dk * Dv;
-    char *cs = (char *)(wf + C * kernel);
-    for (int64_t i = 0; i < C * kernel; i++) wf[i] = load_any(conv_w, i, (int)bf16);
+    float *act = scratch, *kv = scratch + piece * C, *kn = kv + Dv, *o = kn + Dv, *crossing = o + Dv;
+    float *wT = crossing + Dk * Dv, *hist = wT + C * kernel;
+    char *cs = (char *)(hist + (km1 + piece) * C);
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t j = 0; j < kernel; j++) wT[j * C + c] = load_any(conv_w, c * kernel + j, (int)bf16);
     for (int64_t s = 0; s < B; s++) {
         const int64_t *table = tables + s * table_len;
         if (fresh[s]) memset(cs, 0, (size_t)conv_bytes);
         else copy_state(table, bb, conv_off, cs, conv_bytes, 0);
-        const char *xs = (const char *)mixed + s * C * esz;
-        if (bf16 && km1 == 3) conv_step(xs, wf, cs, C, 3, 1, act);  /* each form's loops compiled on their own */
-        else if (km1 == 3) conv_step(xs, wf, cs, C, 3, 0, act);
-        else if (bf16) conv_step(xs, wf, cs, C, km1, 1, act);
-        else conv_step(xs, wf, cs, C, km1, 0, act);
-        silu_f32(act, C);
-        if (bf16)
-            for (int64_t c = 0; c < C; c++) act[c] = round_bf16(act[c]);
+        conv_state_rows(cs, hist, C, km1, (int)bf16, 0);
+        for (int64_t t0 = 0; t0 < T; t0 += piece) {
+            const int64_t n = T - t0 < piece ? T - t0 : piece, r0 = s * T + t0;
+            conv_tokens((const char *)mixed + r0 * C * esz, n, wT, hist, C, km1, (int)bf16, Hk, Dk, act);
+            const int last_piece = t0 + n == T;
+            for (int64_t h = 0; h < Hv; h++) {
+                const int64_t head_off = rec_off + h * Dk * row_bytes;
+                get_rows(rows, table, bb, head_off, Dk, Dv, crossing, fresh[s] && t0 == 0);
+                /* the next head's rows (this sequence's, or the next one's first) */
+                const int64_t *ahead = h + 1 < Hv ? table : last_piece && s + 1 < B ? table + table_len : 0;
+                const int64_t ahead_off = rec_off + (h + 1 < Hv ? h + 1 : 0) * Dk * row_bytes;
+                char *out_row = (char *)out + (r0 * Hv + h) * Dv * esz;
+                const int64_t qo = (h / group) * Dk, ko = key_dim + (h / group) * Dk, vo = 2 * key_dim + h * Dv;
+                delta_rule_head(rows, n, act, C, qo, ko, vo, g + r0 * Hv + h, beta + r0 * Hv + h, Hv, Dk, Dv,
+                                out_row, (int)bf16, kv, kn, o, ahead, bb, ahead_off);
+                put_rows(rows, table, bb, head_off, Dk, Dv, crossing);
+            }
+        }
+        conv_state_rows(cs, hist, C, km1, (int)bf16, 1);
         copy_state(table, bb, conv_off, cs, conv_bytes, 1);
-        const float scale = 1.f / sqrtf((float)Dk);
-        for (int64_t h = 0; h < Hk; h++) {
-            l2norm_scaled(act + h * Dk, Dk, scale);  /* q */
-            l2norm_scaled(act + key_dim + h * Dk, Dk, 1.f);  /* k */
-        }
-        for (int64_t h = 0; h < Hv; h++) {
-            const float *q = act + (h / group) * Dk, *k = act + key_dim + (h / group) * Dk;
-            const float *v = act + 2 * key_dim + h * Dv;
-            const float decay = expf(g[s * Hv + h]), b = beta[s * Hv + h];
-            for (int64_t i = 0; i < Dk; i++) {
-                const int64_t off = rec_off + (h * Dk + i) * row_bytes;
-                if (off % bb + row_bytes <= bb) {
-                    rows[i] = (float *)state_at(table, bb, off);
-                } else {
-                    rows[i] = crossing + i * Dv;
-                    copy_state(table, bb, off, (char *)rows[i], row_bytes, 0);
-                }
-                if (fresh[s]) memset(rows[i], 0, (size_t)row_bytes);
-            }
-            for (int64_t d = 0; d < Dv; d++) kv[d] = 0.f;
-            for (int64_t i = 0; i < Dk; i++) {  /* pass 1: kv = (decay S)^T k, S not yet written */
-                const float ki = k[i], *row = rows[i];
-                for (int64_t d = 0; d < Dv; d++) kv[d] += (row[d] * decay) * ki;
-            }
-            for (int64_t d = 0; d < Dv; d++) kv[d] = (v[d] - kv[d]) * b;  /* delta */
-            for (int64_t d = 0; d < Dv; d++) o[d] = 0.f;
-            /* the next head's state (this sequence's or the next one's first) streams into L2 during pass 2, so
-               its pass 1 does not wait on memory (without it the two passes took turns with the DRAM reads) */
-            const int64_t *next_table = h + 1 < Hv ? table : s + 1 < B ? table + table_len : 0;
-            const int64_t next_head = h + 1 < Hv ? h + 1 : 0;
-            for (int64_t i = 0; i < Dk; i++) {  /* pass 2: S = decay S + k delta^T; out = S^T q */
-                if (next_table != 0) {
-                    const char *ahead = state_at(next_table, bb, rec_off + (next_head * Dk + i) * row_bytes);
-                    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 2);
-                }
-                const float ki = k[i], qi = q[i];
-                float *row = rows[i];
-                for (int64_t d = 0; d < Dv; d++) {
-                    const float updated = row[d] * decay + ki * kv[d];
-                    row[d] = updated;
-                    o[d] += updated * qi;
-                }
-            }
-            for (int64_t i = 0; i < Dk; i++) {
-                if (rows[i] == crossing + i * Dv)
-                    copy_state(table, bb, rec_off + (h * Dk + i) * row_bytes, (char *)rows[i], row_bytes, 1);
-            }
-            for (int64_t d = 0; d < Dv; d++) store_any(out, (s * Hv + h) * Dv + d, o[d], (int)bf16);
-        }
     }
 }

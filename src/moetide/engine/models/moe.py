@@ -10,7 +10,8 @@ bits (tested):
   weights, with per-expert row offsets (an expert no token chose is an empty group: its weights are not read).
   A fixed number of torch ops per layer, no host read-back. Needs the provider's ``stacked_weights``: views of all
   E experts of the layer (the arena's strided expert views, or the module's parameters), which exist only while
-  every routed expert is resident. Used on the CPU, where ``_grouped_mm`` runs any dtype; on CUDA it needs bf16
+  every routed expert is resident. Used on the CPU, where ``_grouped_mm`` runs any dtype (in 16-bit ones, strides
+  of whole 16 bytes: ``grouped_mm_takes``); on CUDA it needs bf16
   and 16-byte-aligned shapes and has not been run here, so CUDA takes the loop for now.
 * **native** (``engine.native.moe_experts``): one C call on the CPU in fp32 or bf16, straight from the stacked
   views: the pairs grouped by expert, each expert's weights read once for all its tokens (at real expert sizes the
@@ -62,15 +63,30 @@ class Experts(nn.Module):
 
 @functools.cache
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs here (probed once per device type and dtype; CPU only, see above)."""
+    """Whether ``torch._grouped_mm`` runs here (probed once per device type and dtype; CPU only, see above). The
+    probe's rows are 16 bytes in every dtype: in 16-bit dtypes torch refuses strides that are not multiples of 16
+    bytes (``grouped_mm_takes``)."""
     if device_type != "cpu" or not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        a, b = torch.ones(3, 4, dtype=dtype), torch.ones(2, 5, 4, dtype=dtype).transpose(1, 2)
+        a, b = torch.ones(3, 8, dtype=dtype), torch.ones(2, 8, 8, dtype=dtype).transpose(1, 2)
         out = torch._grouped_mm(a, b, offs=torch.tensor([1, 3], dtype=torch.int32))
     except (RuntimeError, TypeError, NotImplementedError):
         return False
-    return tuple(out.shape) == (3, 5) and bool((out == 4).all())
+    return tuple(out.shape) == (3, 8) and bool((out == 8).all())
+
+
+def grouped_mm_takes(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+    """Whether ``grouped_experts`` can run these tensors: ``_grouped_mm`` runs here in their dtype, and in a 16-bit
+    dtype every stride and row it is handed (x's rows, the weights' strides, the [P, I] activations) is a
+    multiple of 16 bytes."""
+    if not grouped_mm_supported(x.device.type, x.dtype):
+        return False
+    if x.element_size() >= 4:
+        return True
+    width = down.shape[2]
+    strides = (*gate_up.stride(), *down.stride(), x.shape[1], width, 2 * width)
+    return all(s == 1 or s * x.element_size() % 16 == 0 for s in strides)
 
 
 @functools.cache
@@ -227,7 +243,7 @@ class SparseMoE(nn.Module):
             out = native.moe_experts(x, weights, expert_ids, *stacked)
         elif stacked is not None and T == 1 and x.device.type == "cpu":
             out = single_token_experts(x, weights, expert_ids, *stacked)
-        elif stacked is not None and grouped_mm_supported(x.device.type, x.dtype):
+        elif stacked is not None and grouped_mm_takes(x, *stacked):
             out = grouped_experts(x, weights, expert_ids, *stacked)
         else:
             out = looped_experts(x, weights, expert_ids, experts, self.layer_id)

@@ -127,10 +127,12 @@ def vllm_peer(model: str, max_len: int):
     from vllm.inputs import TokensPrompt
 
     config = json.loads((Path(model) / "config.json").read_text())
+    dtype = config.get("dtype", config.get("torch_dtype"))
     extra = {}
-    if config.get("kv_lora_rank") and config.get("dtype", config.get("torch_dtype")) == "float32":
+    if config.get("kv_lora_rank") and dtype == "float32":
         extra["attention_backend"] = "CPU_MLA"  # vLLM picks AMX_MLA on an AMX CPU, which takes no fp32
-    llm = LLM(model=model, dtype="auto", max_model_len=max_len, seed=0, **extra)
+    # the checkpoint's dtype, as moetide runs it: vLLM's "auto" downcasts a float32 checkpoint to bfloat16
+    llm = LLM(model=model, dtype=dtype, max_model_len=max_len, seed=0, **extra)
 
     def generate(prompts, n):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

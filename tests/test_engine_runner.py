@@ -227,6 +227,23 @@ def test_cuda_tight_budget_matches_transformers(arch, tiny_checkpoint, hf_refere
     assert result.stats.preemptions > 0 and result.stats.experts_offloaded > 0
 
 
+def test_a_hybrid_models_default_block_size_fits_one_layers_state_in_a_page(tiny_checkpoint):
+    """vLLM's rule on the engine's bytes: the fewest multiples of 16 tokens whose KV page holds one Gated DeltaNet
+    layer's state (recurrent part in fp32), so a sequence's state is one block per linear layer; 16 for a model of
+    full attention alone; a given block size is kept."""
+    from moetide.engine.models.hooks import StateLayout
+
+    engine = Engine(tiny_checkpoint("qwen3_next"), kv_cache_memory=2**20)
+    model, kv = engine.parts.model, engine.scheduler.kv
+    layout = StateLayout.of(model.linear_state_shapes(), model.embed_tokens.weight.dtype)
+    per_token = engine.storage.kv_layout.bytes_per_token
+    bs = engine.config.block_size
+    assert bs % 16 == 0 and (bs - 16) * per_token < layout.largest_layer_bytes <= bs * per_token
+    assert kv.mamba.num_groups == len(model.linear_state_shapes()) == 3
+    assert Engine(tiny_checkpoint("qwen3_next"), kv_cache_memory=2**20, block_size=16).config.block_size == 16
+    assert Engine(tiny_checkpoint("qwen3_moe"), kv_cache_memory=2**20).config.block_size == 16
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_a_hybrid_model_resumes_from_a_cached_state_token_for_token(block_size, tiny_checkpoint, hf_model):
     """Qwen3-Next with prefix caching (vLLM 0.32's align mode): the second turn extends the first, hits the

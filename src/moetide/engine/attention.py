@@ -172,14 +172,18 @@ class PagedAttentionBackend(AttentionBackend):
 
 
 def query_groups(batch: StepBatch) -> tuple[list[list[int]], tuple[int, int] | None, list[int] | None]:
-    """The step's attention groups — all one-token sequences together, then each prefill chunk alone — as
-    sequence indices; ``direct`` ([b, Q] of the one group) when one group is the whole step (no query
-    gather/scatter); else ``starts``, each sequence's first token in the step."""
-    decode = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
-    rows = ([decode] if decode else []) + [[i] for i, n in enumerate(batch.num_new_tokens) if n > 1]
+    """The step's attention groups — all one-token sequences together, then the prefill chunks of each length
+    together (one batched call where prompts of one length arrive together; keys padded to the group's longest
+    context and masked) — as sequence indices; ``direct`` ([b, Q] of the one group) when one group is the whole
+    step (no query gather/scatter); else ``starts``, each sequence's first token in the step."""
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(batch.num_new_tokens):
+        by_length.setdefault(n, []).append(i)
+    decode = by_length.pop(1, [])
+    rows = ([decode] if decode else []) + list(by_length.values())
     direct = None
     if len(rows) == 1:
-        direct = (len(decode), 1) if decode else (1, batch.num_tokens)
+        direct = (len(rows[0]), batch.num_new_tokens[rows[0][0]])
     return rows, direct, None if direct else [s.start for s in batch.token_slices()]
 
 

@@ -254,7 +254,10 @@ def test_projections_take_the_native_linear_up_to_the_cap_of_the_kernel_built(dt
     beats torch's GEMM) and torch the rest; the answer is the same either way, to a sum's rounding."""
     isa = native.linear_isa()
     assert isa in ("c", "avx2", "avx512", "avx512-bf16")
-    cap = ops.NATIVE_LINEAR_MAX_TOKENS.get(isa, {}).get(dtype, 0)
+    cap = ops.native_max_rows(dtype)
+    table = ops.NATIVE_LINEAR_MAX_TOKENS.get(isa, {}).get(dtype, 0)
+    beside_amx = dtype == torch.bfloat16 and ops.torch_bf16_on_amx()
+    assert cap == (min(table, ops.NATIVE_LINEAR_MAX_TOKENS_BESIDE_AMX) if beside_amx else table)
     taken = []
     real = native.linear
     monkeypatch.setattr(native, "linear", lambda x, w: taken.append(x.shape[0]) or real(x, w))
@@ -284,9 +287,8 @@ def test_projections_with_few_outputs_go_to_torch(monkeypatch):
             tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
             torch.testing.assert_close(ops.linear(x, weight).float(), torch.nn.functional.linear(x, weight).float(),
                                        rtol=tolerance, atol=tolerance * 32)
-    caps = ops.NATIVE_LINEAR_MAX_TOKENS.get(native.linear_isa(), {})
     native_sized = [(4, small, torch.float32), (2, 8, torch.bfloat16), (16, 1, torch.bfloat16)]
-    assert taken == [case for case in native_sized if case[0] <= caps.get(case[2], 0)]
+    assert taken == [case for case in native_sized if case[0] <= ops.native_max_rows(case[2])]
 
 
 @needs_native

@@ -13,6 +13,13 @@ take 9-17% less time with it (the decoder layer then fuses, ``models.common``); 
 it lost past 4; the AVX2 kernel's limits are the ones measured before it). Results equal torch's to one rounding
 of a sum taken in another order (fp32 round-off; bf16 as torch's bf16 linear: fp32 sums rounded once).
 
+Where torch's bf16 GEMMs run on AMX tiles (Sapphire Rapids and later: oneDNN's AMX path, ~1 TFLOP/s on one core
+against ~0.2 for AVX512-BF16 dot products) the native kernel keeps bf16 only up to
+``NATIVE_LINEAR_MAX_TOKENS_BESIDE_AMX`` rows: measured on such a core (K 512, N 512-1024, one thread) it takes
+0.8-0.95x torch's time at 1-4 rows, 1.2-1.3x at 8, 2.1-2.5x at 16 and 3.5x at 32; at 8 the decoder layer's
+fused native call (``models.common``), which needs native projections, still gains more (bf16 decode steps at
+batch 8 took 10-20% longer with torch's projections), at 32 torch's win (3-7% shorter steps).
+
 Projections with few outputs (a router's gate, N = the expert count; Qwen3-Next's shared-expert gate, N = 1) go
 to torch whatever the row count: the native call's fixed cost is most of theirs. Measured one thread on the Zen 4
 core with 24 MiB streamed between calls, as the experts do: fp32 at K 512, N 8-64, torch 1.4-3.7x faster from 1
@@ -22,6 +29,8 @@ torch's small path (about 10 us) serves T·N <= 8, its next path costs about 48 
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +46,24 @@ NATIVE_LINEAR_MAX_TOKENS = {
 }
 
 
+NATIVE_LINEAR_MAX_TOKENS_BESIDE_AMX = 8  # most bf16 rows where torch's bf16 GEMM runs on AMX tiles (see above)
+
 # fewest outputs for which the native kernel takes an fp32 projection (see above)
 NATIVE_LINEAR_MIN_OUTPUTS_FP32 = 128
 # most T·N of a bf16 projection that torch's small GEMM path serves faster than the native kernel
 TORCH_BF16_SMALL_PRODUCT = 8
 
 
-def _max_tokens(dtype: torch.dtype) -> int:
-    return NATIVE_LINEAR_MAX_TOKENS.get(native.linear_isa(), {}).get(dtype, 0)
+@functools.cache
+def torch_bf16_on_amx() -> bool:
+    """Whether torch's CPU bf16 GEMMs run on AMX tiles here (the check vLLM's CPU MoE makes too)."""
+    return torch.cpu._is_amx_tile_supported()
+
+
+def native_max_rows(dtype: torch.dtype) -> int:
+    """Most rows the native kernel takes in this dtype here (the vector path built; torch's AMX for bf16)."""
+    most = NATIVE_LINEAR_MAX_TOKENS.get(native.linear_isa(), {}).get(dtype, 0)
+    return min(most, NATIVE_LINEAR_MAX_TOKENS_BESIDE_AMX) if dtype == torch.bfloat16 and torch_bf16_on_amx() else most
 
 
 def _few_outputs(num_rows: int, num_outputs: int, dtype: torch.dtype) -> bool:
@@ -55,7 +74,7 @@ def _few_outputs(num_rows: int, num_outputs: int, dtype: torch.dtype) -> bool:
 
 def native_linear_takes(x: Tensor, num_rows: int, weight: Tensor) -> bool:
     """Whether ``linear`` runs ``num_rows`` rows like x through the native kernel (see the module docstring)."""
-    return (num_rows <= _max_tokens(x.dtype) and weight.dtype == x.dtype and weight.dim() == 2
+    return (num_rows <= native_max_rows(x.dtype) and weight.dtype == x.dtype and weight.dim() == 2
             and not _few_outputs(num_rows, weight.shape[0], x.dtype) and weight.is_contiguous()
             and native.worth_it(x, num_rows * weight.numel(), native.EXPERT_DTYPES))
 

@@ -72,7 +72,7 @@ def test_the_moe_block_takes_the_native_kernel_except_for_a_prefill(monkeypatch)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert moe.native_takes(x, 2 * 4, gate_up, down)
-        cap = moe.NATIVE_PAIRS_PER_EXPERT
+        cap = {dtype: moe.native_pairs_per_expert(dtype) for dtype in (torch.float32, torch.bfloat16)}
         assert moe.native_takes(x.float(), cap[torch.float32] * 8, gate_up.float(), down.float())
         assert not moe.native_takes(x.float(), cap[torch.float32] * 8 + 1, gate_up.float(), down.float())
         assert moe.native_takes(x, cap[torch.bfloat16] * 8, gate_up, down)
@@ -98,14 +98,15 @@ def test_native_linear_equals_torch(dtype, num_rows, k, n):
         assert torch.equal(native.linear(x[row : row + 1], weight), out[row : row + 1])
 
 
-def gdn_layer(dtype):
-    """A Qwen3-Next Gated DeltaNet layer with random weights (2 key heads, 4 value heads of 16)."""
+def gdn_layer(dtype, value_dim=16):
+    """A Qwen3-Next Gated DeltaNet layer with random weights (2 key heads of 16, 4 value heads of ``value_dim``)."""
     from types import SimpleNamespace
 
     from moetide.engine.models.qwen3_next import GatedDeltaNet
 
     config = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                             linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=48, rms_norm_eps=1e-6)
+                             linear_value_head_dim=value_dim, linear_conv_kernel_dim=4, hidden_size=48,
+                             rms_norm_eps=1e-6)
     layer = GatedDeltaNet(config, layer_id=0)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -116,13 +117,15 @@ def gdn_layer(dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prompt_len", [5, 70])
-def test_native_gdn_forward_equals_the_torch_rule_and_updates_the_states_in_place(dtype, prompt_len, monkeypatch):
+@pytest.mark.parametrize(("prompt_len", "value_dim"), [(5, 16), (70, 16), (9, 72)])
+def test_native_gdn_forward_equals_the_torch_rule_and_updates_the_states_in_place(dtype, prompt_len, value_dim,
+                                                                                  monkeypatch):
     """Prefill (token by token, in pieces of ``GDN_PIECE``: 70 takes two), then decode, against the torch rule
-    (chunked for the prompt, recurrent for a token)."""
+    (chunked for the prompt, recurrent for a token). Value heads of 72 take each column path of the state passes:
+    64 columns in registers, then 8 one at a time."""
     from moetide.engine.models.hooks import DictLinearStateStore, StepBatch, StepContext
 
-    layer = gdn_layer(dtype)
+    layer = gdn_layer(dtype, value_dim)
     shapes = {0: layer.state_shape()}
     generator = torch.Generator().manual_seed(2)
     prompt = torch.randn(3 * prompt_len, 48, generator=generator).to(dtype)  # 3 sequences, prompt_len tokens each
@@ -253,7 +256,7 @@ def test_projections_take_the_native_linear_up_to_the_cap_of_the_kernel_built(dt
     """``models.ops.linear`` hands the native kernel at most its cap of rows for the vector path built (where it
     beats torch's GEMM) and torch the rest; the answer is the same either way, to a sum's rounding."""
     isa = native.linear_isa()
-    assert isa in ("c", "avx2", "avx512", "avx512-bf16")
+    assert isa in ("c", "avx2", "avx512", "avx512-bf16", "amx")
     cap = ops.native_max_rows(dtype)
     table = ops.NATIVE_LINEAR_MAX_TOKENS.get(isa, {}).get(dtype, 0)
     beside_amx = dtype == torch.bfloat16 and ops.torch_bf16_on_amx()

@@ -149,12 +149,22 @@ def expert_mlp(rows: Tensor, w: ExpertWeights) -> Tensor:
 # dtype (measured at hidden 512, 16 experts of width 256 and 8 of 512, one thread on Zen 4: fp32 native 0.30-0.89x
 # torch's time from 4 to 128 pairs per expert; bf16 0.54-0.82x at 8-16, 0.85-1.07x at 32, 1.08-1.24x at 64)
 NATIVE_PAIRS_PER_EXPERT = {torch.float32: 128, torch.bfloat16: 16}
+# with AMX tiles (``native.linear_isa()`` "amx"), the bf16 kernel against torch's grouped GEMMs, measured on such a
+# core: 0.30-0.66x torch's time from 1 to 32 pairs per expert, even at 128
+NATIVE_PAIRS_PER_EXPERT_AMX_BF16 = 64
+
+
+def native_pairs_per_expert(dtype: torch.dtype) -> int:
+    """Most (token, expert) pairs per expert the native kernel takes in this dtype here (see above)."""
+    if dtype == torch.bfloat16 and native.linear_isa() == "amx":
+        return NATIVE_PAIRS_PER_EXPERT_AMX_BF16
+    return NATIVE_PAIRS_PER_EXPERT.get(dtype, 0)
 
 
 def native_takes(x: Tensor, num_pairs: int, gate_up: Tensor, down: Tensor) -> bool:
     """Whether the native grouped kernel runs the step's experts (see the module docstring)."""
     E, two_i, H = gate_up.shape
-    if num_pairs > NATIVE_PAIRS_PER_EXPERT.get(x.dtype, 0) * E:
+    if num_pairs > native_pairs_per_expert(x.dtype) * E:
         return False
     return (native.worth_it(x, num_pairs * 3 * H * two_i // 2, native.EXPERT_DTYPES) and gate_up.dtype == x.dtype
             and native.experts_readable(gate_up, down))

@@ -13,7 +13,9 @@ take 9-17% less time with it (the decoder layer then fuses, ``models.common``); 
 it lost past 4; the AVX2 kernel's limits are the ones measured before it). Results equal torch's to one rounding
 of a sum taken in another order (fp32 round-off; bf16 as torch's bf16 linear: fp32 sums rounded once).
 
-Where torch's bf16 GEMMs run on AMX tiles (Sapphire Rapids and later: oneDNN's AMX path, ~1 TFLOP/s on one core
+Built with AMX tiles (``linear_isa()`` "amx", ``moe.c``) the native bf16 kernel is torch's bits (both accumulate
+in the tiles) in 0.3-0.7x its time up to 16 rows (K 512, N 512-1024, one thread), 0.9-1.9x at 32. Where only
+torch's bf16 GEMMs run on AMX tiles (Sapphire Rapids and later: oneDNN's AMX path, ~1 TFLOP/s on one core
 against ~0.2 for AVX512-BF16 dot products) the native kernel keeps bf16 only up to
 ``NATIVE_LINEAR_MAX_TOKENS_BESIDE_AMX`` rows: measured on such a core (K 512, N 512-1024, one thread) it takes
 0.8-0.95x torch's time at 1-4 rows, 1.2-1.3x at 8, 2.1-2.5x at 16 and 3.5x at 32; at 8 the decoder layer's
@@ -40,6 +42,7 @@ from moetide.engine import native
 
 # most rows of x the native kernel takes, by the vector path it was built with (native.linear_isa())
 NATIVE_LINEAR_MAX_TOKENS = {
+    "amx": {torch.float32: 32, torch.bfloat16: 16},
     "avx512-bf16": {torch.float32: 32, torch.bfloat16: 32},
     "avx512": {torch.float32: 32, torch.bfloat16: 4},
     "avx2": {torch.float32: 4, torch.bfloat16: 8},

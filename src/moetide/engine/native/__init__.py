@@ -110,8 +110,9 @@ def moe_route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Te
 
 
 def linear_isa() -> str:
-    """The vector path the native linear and experts were built with: ``avx512-bf16`` (AVX-512 with AVX512-BF16 dot
-    products for bf16 weights), ``avx512``, ``avx2``, ``c`` (plain C), or "" without the library."""
+    """The vector path the native linear and experts run: ``amx`` (bf16 on AMX tiles, fp32 on AVX-512),
+    ``avx512-bf16`` (AVX-512 with AVX512-BF16 dot products for bf16 weights), ``avx512``, ``avx2``, ``c`` (plain
+    C), or "" without the library."""
     lib = load()
     return "" if lib is None else lib.linear_isa
 

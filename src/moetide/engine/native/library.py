@@ -27,7 +27,7 @@ _SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "moe.c
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("bf16.h", "simd.h"))
 _ABI_VERSION = 17
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])  # -march=native is refused by some compilers and CPUs
-_LINEAR_ISAS = ("c", "avx2", "avx512", "avx512-bf16")  # moetide_linear_isa()'s answers, in order
+_LINEAR_ISAS = ("c", "avx2", "avx512", "avx512-bf16", "amx")  # moetide_linear_isa()'s answers, in order
 _reasons: list[str] = []
 EXPERT_DTYPES = (torch.float32, torch.bfloat16)  # what the experts, linear, norm and attention kernels read
 

@@ -4,8 +4,9 @@
    Why grouped: a decode step of T tokens routes T·K (token, expert) pairs to E experts; computed pair by pair,
    an expert chosen by n tokens has its weights read n times from memory, and at real expert sizes (megabytes
    per layer) that traffic is the step. Here each expert's rows are read once per step and applied to all of its
-   tokens while they sit in L1 or L2 (AVX-512: the tokens in the lanes, for bf16 with AVX512-BF16; otherwise
-   blocks of dot products, 4 rows × 6 tokens, and on AVX2 one row × 3 tokens).
+   tokens while they sit in L1 or L2 (bf16 on AMX tiles where built and granted; AVX-512: the tokens in the lanes,
+   for bf16 with AVX512-BF16; otherwise blocks of dot products, 4 rows × 6 tokens, and on AVX2 one row × 3
+   tokens).
 
    Batch-invariant and order-fixed: every dot product sums in the same lanes and the same reduction whatever the
    number of tokens sharing the expert, and a token adds its experts' outputs in ascending expert id (the order
@@ -26,6 +27,12 @@
 
 #include "bf16.h"
 #include "simd.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MOE_AMX 1
+#endif
 
 /* A weight row type: fp32 or bf16, loaded 8 lanes at a time as fp32. */
 #ifdef MOE_AVX2
@@ -430,9 +437,92 @@ static int gemm_rows_lanes(const void *W, int64_t ldw, int bf16, const float *co
 }
 #endif
 
+#ifdef MOE_AMX
+/* bf16 rows on AMX tiles (Sapphire Rapids and later): per block of 16 weight rows and group of up to 16 tokens,
+   C[r][t] += W[r, 32 k] . x[t, 32 k] by tdpbf16ps, the weight rows loaded into a tile as they lie and the tokens
+   packed once into pairs (VNNI: tile row kk holds each token's elements 2kk and 2kk+1). Each sum is a column of
+   its own, so a token's result does not depend on the others. Linux hands out the tile state on request
+   (arch_prctl); where it refuses, or the scratch cannot be had, the caller takes the other paths. */
+#define AMX_REQ_PERM 0x1023  /* ARCH_REQ_XCOMP_PERM */
+#define AMX_XTILEDATA 18     /* XFEATURE_XTILEDATA */
+
+static int amx_granted(void) {
+    static int state = -1;  /* a race here only asks twice */
+    if (state < 0) state = syscall(SYS_arch_prctl, AMX_REQ_PERM, AMX_XTILEDATA) == 0;
+    return state;
+}
+
+struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* tile 0: C [nr rows x nt fp32]; 1: A [nr rows x 32 bf16]; 2: B [16 pair rows x nt pairs] */
+static void amx_configure(int nr, int nt) {
+    struct amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = (uint8_t)nr, cfg.colsb[0] = (uint16_t)(4 * nt);
+    cfg.rows[1] = (uint8_t)nr, cfg.colsb[1] = 64;
+    cfg.rows[2] = 16, cfg.colsb[2] = (uint16_t)(4 * nt);
+    _tile_loadconfig(&cfg);
+}
+
+/* The tokens of one group, as bf16 pairs: pk[c][kk][t][2] = x_t[32 c + 2 kk + {0, 1}], zeros past n. */
+static void amx_pack(const float *const *xs, int64_t nt, int64_t n, int64_t chunks, uint16_t *pk) {
+    memset(pk, 0, (size_t)chunks * 1024);
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t i = 0; i < n; i++) pk[(i / 32) * 512 + ((i % 32) / 2) * 32 + t * 2 + (i % 2)] = f32_to_bf16(xs[t][i]);
+}
+
+static int gemm_rows_amx(const uint16_t *W, int64_t ldw, const float *const *xs, int64_t m, int64_t n, int64_t rows,
+                         float *Y, int64_t ldy) {
+    const int64_t chunks = (n + 31) / 32, whole = n / 32, groups = (m + 15) / 16;
+    char *scratch = lane_scratch((size_t)(groups * chunks * 1024 + 1024 + 1024));
+    if (!amx_granted() || scratch == 0) return 0;
+    uint16_t *packed = (uint16_t *)scratch, *tail = packed + groups * chunks * 512;  /* tail: [16][32] bf16 */
+    float *cbuf = (float *)(tail + 512);
+    for (int64_t g = 0; g < groups; g++)
+        amx_pack(xs + 16 * g, m - 16 * g < 16 ? m - 16 * g : 16, n, chunks, packed + g * chunks * 512);
+    int configured_nr = 0, configured_nt = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int nr = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        /* the rows two blocks ahead, into L2: tile loads take 64 bytes from each of 16 rows, a pattern the
+           hardware prefetcher does not follow from memory */
+        for (int64_t r = r0 + 32; r < r0 + 48 && r < rows; r++)
+            for (int64_t b = 0; b < n * 2; b += 64) __builtin_prefetch((const char *)(W + r * ldw) + b, 0, 2);
+        if (whole < chunks) {  /* the last, partial chunk of the block's rows, zero-padded to 32 */
+            memset(tail, 0, 1024);
+            for (int r = 0; r < nr; r++) memcpy(tail + r * 32, W + (r0 + r) * ldw + whole * 32, (size_t)(n - whole * 32) * 2);
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            const int nt = m - 16 * g < 16 ? (int)(m - 16 * g) : 16;
+            if (nr != configured_nr || nt != configured_nt) amx_configure(nr, nt), configured_nr = nr, configured_nt = nt;
+            _tile_zero(0);
+            const uint16_t *pk = packed + g * chunks * 512;
+            for (int64_t c = 0; c < chunks; c++) {
+                if (c < whole) _tile_loadd(1, W + r0 * ldw + c * 32, ldw * 2);
+                else _tile_loadd(1, tail, 64);
+                _tile_loadd(2, pk + c * 512, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, cbuf, 64);
+            for (int r = 0; r < nr; r++)
+                for (int t = 0; t < nt; t++) Y[(16 * g + t) * ldy + r0 + r] = cbuf[r * 16 + t];
+        }
+    }
+    _tile_release();
+    return 1;
+}
+#endif
+
 static void gemm_rows(const void *W, int64_t ldw, int bf16, const float *const *xs, int64_t m, int64_t n,
                       int64_t rows, float *Y, int64_t ldy) {
     const int64_t esz = bf16 ? 2 : 4;
+#ifdef MOE_AMX
+    if (bf16 && gemm_rows_amx((const uint16_t *)W, ldw, xs, m, n, rows, Y, ldy)) return;
+#endif
 #if defined(MOE_AVX512)
 #ifdef MOE_BF16_DOT
     if (gemm_rows_lanes(W, ldw, bf16, xs, m, n, rows, Y, ldy)) return;
@@ -489,9 +579,13 @@ static void gemm_rows(const void *W, int64_t ldw, int bf16, const float *const *
 
 int moetide_moe_abi_version(void) { return 1; }
 
-/* The vector path gemm_rows was built with: 3 AVX-512 with AVX512-BF16 dot products, 2 AVX-512, 1 AVX2, 0 plain C.
-   Where the native linear beats torch's GEMM depends on it (engine/models/ops.py). */
+/* The vector path gemm_rows runs: 4 AMX tiles for bf16 (built for them and granted by the OS) beside AVX-512 for
+   fp32, 3 AVX-512 with AVX512-BF16 dot products, 2 AVX-512, 1 AVX2, 0 plain C. Where the native linear beats
+   torch's GEMM depends on it (engine/models/ops.py). */
 int moetide_linear_isa(void) {
+#ifdef MOE_AMX
+    if (amx_granted()) return 4;
+#endif
 #if defined(MOE_AVX512) && defined(MOE_BF16_DOT)
     return 3;
 #elif defined(MOE_AVX512)

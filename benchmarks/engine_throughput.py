@@ -40,8 +40,9 @@ prefill_cpu), peer) ratio ``moetide/<peer>`` (above 1: moetide is faster). Nothi
 
 Run from the repository root: ``.venv/bin/python benchmarks/engine_throughput.py`` (all seven checkpoints, batch
 1, 8 and 32: about 20 minutes on an idle core). vLLM runs under ``--vllm-python`` (default
-``/work/venv-vllm/bin/python``) in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); if it cannot be imported the
-script says so and measures the rest.
+``/work/venv-vllm/bin/python``) in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``dtype`` the checkpoint's
+(its ``"auto"`` would run a float32 checkpoint in bfloat16); if it cannot be imported the script says so and
+measures the rest.
 """
 
 from __future__ import annotations

@@ -149,9 +149,10 @@ def expert_mlp(rows: Tensor, w: ExpertWeights) -> Tensor:
 # dtype (measured at hidden 512, 16 experts of width 256 and 8 of 512, one thread on Zen 4: fp32 native 0.30-0.89x
 # torch's time from 4 to 128 pairs per expert; bf16 0.54-0.82x at 8-16, 0.85-1.07x at 32, 1.08-1.24x at 64)
 NATIVE_PAIRS_PER_EXPERT = {torch.float32: 128, torch.bfloat16: 16}
-# with AMX tiles (``native.linear_isa()`` "amx"), the bf16 kernel against torch's grouped GEMMs, measured on such a
-# core: 0.30-0.66x torch's time from 1 to 32 pairs per expert, even at 128
-NATIVE_PAIRS_PER_EXPERT_AMX_BF16 = 64
+# with AMX tiles (``native.linear_isa()`` "amx") the bf16 kernel takes 0.4-0.6x the time of torch's grouped GEMMs
+# from 1 to 32 pairs per expert and 0.8-0.9x at 128-256 (hidden 512, 16 experts of width 256, one thread on such a
+# core); capped at 128 as fp32 is, which bounds its scratch (pairs x (2I + H) floats)
+NATIVE_PAIRS_PER_EXPERT_AMX_BF16 = 128
 
 
 def native_pairs_per_expert(dtype: torch.dtype) -> int:

@@ -469,11 +469,26 @@ static void amx_configure(int nr, int nt) {
     _tile_loadconfig(&cfg);
 }
 
-/* The tokens of one group, as bf16 pairs: pk[c][kk][t][2] = x_t[32 c + 2 kk + {0, 1}], zeros past n. */
+/* The tokens of one group, as bf16 pairs: pk[c][kk][t] = (x_t[32 c + 2 kk], x_t[32 c + 2 kk + 1]), zeros past n
+   (the tile reads only the group's nt columns). */
 static void amx_pack(const float *const *xs, int64_t nt, int64_t n, int64_t chunks, uint16_t *pk) {
-    memset(pk, 0, (size_t)chunks * 1024);
+    uint32_t *pairs = (uint32_t *)pk;
     for (int64_t t = 0; t < nt; t++)
-        for (int64_t i = 0; i < n; i++) pk[(i / 32) * 512 + ((i % 32) / 2) * 32 + t * 2 + (i % 2)] = f32_to_bf16(xs[t][i]);
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *x = xs[t] + 32 * c;
+            const int64_t left = n - 32 * c;
+            uint32_t *dst = pairs + c * 256 + t;
+            if (left >= 32) {
+                for (int kk = 0; kk < 16; kk++)
+                    dst[16 * kk] = (uint32_t)f32_to_bf16(x[2 * kk]) | (uint32_t)f32_to_bf16(x[2 * kk + 1]) << 16;
+            } else {
+                for (int kk = 0; kk < 16; kk++) {
+                    const uint32_t lo = 2 * kk < left ? f32_to_bf16(x[2 * kk]) : 0;
+                    const uint32_t hi = 2 * kk + 1 < left ? f32_to_bf16(x[2 * kk + 1]) : 0;
+                    dst[16 * kk] = lo | hi << 16;
+                }
+            }
+        }
 }
 
 static int gemm_rows_amx(const uint16_t *W, int64_t ldw, const float *const *xs, int64_t m, int64_t n, int64_t rows,

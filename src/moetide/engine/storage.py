@@ -152,8 +152,7 @@ def host_zeros(nbytes: int) -> Tensor:
     machine's default), so reading weights and KV front to back misses the TLB every 2 MiB, not every 4 KiB
     (Mixtral-shaped experts from memory, 8 and 32 tokens: 4-13% faster a layer). Elsewhere, or small, torch.zeros.
     Every page is touched here, as torch.zeros touches its memory (and vLLM its KV cache at start-up): else the
-    kernel would fault and zero each page on its first write, inside a step (a KV write of a 1,024-token prefill
-    into untouched blocks took ~12 ms instead of 0.1 ms)."""
+    kernel would fault and zero each page on its first write, inside a step."""
     if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(nbytes, dtype=torch.uint8)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled by the kernel

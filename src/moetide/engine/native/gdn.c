@@ -1,10 +1,12 @@
-/* moetide's native Gated DeltaNet step (Qwen3-Next's linear attention: decode, and prefill chunks token by token) and the
-   model-dtype RMSNorm forms around it, called through ctypes (engine/native/__init__.py).
+/* moetide's native Gated DeltaNet step (Qwen3-Next's linear attention: decode, and prefill token by token) and
+   the model-dtype RMSNorm forms around it, called through ctypes (engine/native/__init__.py).
 
    Why: at decode the layer's torch path is a few dozen small ops per step — a depthwise conv1d over a stacked
    window (in bf16 alone a third of a Qwen3-Next step on the CPU), l2 norms, the recurrent delta rule over
-   [Hv, Dk, Dv] states gathered into one tensor and copied back. Here each sequence's state is updated where it
-   lies in its pool blocks (no gather, no scatter), in two passes over the recurrent state per head.
+   [Hv, Dk, Dv] states gathered into one tensor and copied back; at prefill the torch chunked rule pads each
+   piece to a chunk of 64 and runs some thirty ops per chunk. Here each sequence's state is updated where it lies
+   in its pool blocks (no gather, no scatter), streamed once per token per head. At Dk = Dv = 128 a chunk of the
+   chunked rule costs about as many multiply-adds a token as the recurrent step, and the state stays in L2.
 
    Arithmetic as transformers' torch fallback (torch_causal_conv1d_update, torch_recurrent_gated_delta_rule):
    the conv sums in fp32 and rounds to the model dtype, SiLU rounds again; q and k are l2-normalized in fp32

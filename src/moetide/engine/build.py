@@ -62,7 +62,7 @@ from moetide.engine.storage import (
 from moetide.core.pressure.step_costs import EngineCosts, engine_vamp_params
 from moetide.engine.vamp import EngineStepStats, measure_costs
 from moetide.errors import UserError
-from moetide.perf.budget import DEFAULT_BLOCK_SIZE, VLLM_KERNEL_BLOCK_ALIGNMENT
+from moetide.perf.budget import DEFAULT_BLOCK_SIZE, page_aligned_block_size
 from moetide.specs import get_gpu, host_for
 from moetide.units import cdiv
 
@@ -279,8 +279,7 @@ def engine_block_size(model: MoECausalLM, shapes: dict[int, LinearStateShape]) -
     if not shapes:
         return DEFAULT_BLOCK_SIZE
     layer_bytes = StateLayout.of(shapes, model.embed_tokens.weight.dtype).largest_layer_bytes
-    page_per_token = KVLayout.of(model, DEFAULT_BLOCK_SIZE).bytes_per_token
-    return VLLM_KERNEL_BLOCK_ALIGNMENT * cdiv(layer_bytes, VLLM_KERNEL_BLOCK_ALIGNMENT * page_per_token)
+    return page_aligned_block_size(layer_bytes, KVLayout.of(model, DEFAULT_BLOCK_SIZE).bytes_per_token)
 
 
 def build_engine(model_dir: Path, config: EngineConfig, policy: PressurePolicy | None,

@@ -68,7 +68,6 @@ class Engine:
             config = EngineConfig(**options, **({"policy": policy} if instance is None else {}))  # type: ignore
         except (TypeError, ValueError) as exc:
             raise UserError(str(exc)) from None
-        self.config = config
         if costs is not None and not isinstance(costs, EngineCosts):
             try:
                 costs = EngineCosts(**costs)

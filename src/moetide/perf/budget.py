@@ -184,7 +184,15 @@ def hybrid_block_size(model: ModelSpec, *, tp: int = 1, kv_dtype_bytes: int = 2,
     mamba_page = state_bytes_per_seq_per_gpu(model, tp=tp, state_dtype_bytes=state_dtype_bytes,
                                              ssm_dtype_bytes=ssm_dtype_bytes) // num_linear
     attn_page_1_token = 2 * kv_heads_per_gpu(model, tp) * model.head_dim * kv_dtype_bytes
-    return alignment * cdiv(mamba_page, alignment * attn_page_1_token)
+    return page_aligned_block_size(mamba_page, attn_page_1_token, alignment)
+
+
+def page_aligned_block_size(state_bytes: int, kv_bytes_per_token: int,
+                            alignment: int = VLLM_KERNEL_BLOCK_ALIGNMENT) -> int:
+    """The fewest multiples of ``alignment`` tokens whose KV page (``kv_bytes_per_token`` a token) holds
+    ``state_bytes``: vLLM's rule for a hybrid model's block size (``hybrid_block_size``; the engine's own bytes in
+    ``engine.build.engine_block_size``)."""
+    return alignment * cdiv(state_bytes, alignment * kv_bytes_per_token)
 
 
 def default_block_size(model: ModelSpec, *, tp: int = 1, ssm_dtype_bytes: int | None = None) -> int:

@@ -14,8 +14,9 @@ it lost past 4; the AVX2 kernel's limits are the ones measured before it). Resul
 of a sum taken in another order (fp32 round-off; bf16 as torch's bf16 linear: fp32 sums rounded once).
 
 Built with AMX tiles (``linear_isa()`` "amx", ``moe.c``) the native bf16 kernel is torch's bits (both accumulate
-in the tiles) in 0.3-0.7x its time up to 16 rows (K 512, N 512-1024, one thread), 0.9-1.9x at 32. Where only
-torch's bf16 GEMMs run on AMX tiles (Sapphire Rapids and later: oneDNN's AMX path, ~1 TFLOP/s on one core
+in the tiles) in 0.3-0.7x its time up to 16 rows (K 512, N 512-1024, one thread), 0.9-1.9x at 32; it takes at
+most 8, the cap the whole-step measurements below set (whole steps at 16 rows with it were not measured). Where
+only torch's bf16 GEMMs run on AMX tiles (Sapphire Rapids and later: oneDNN's AMX path, ~1 TFLOP/s on one core
 against ~0.2 for AVX512-BF16 dot products) the native kernel keeps bf16 only up to
 ``NATIVE_LINEAR_MAX_TOKENS_BESIDE_AMX`` rows: measured on such a core (K 512, N 512-1024, one thread) it takes
 0.8-0.95x torch's time at 1-4 rows, 1.2-1.3x at 8, 2.1-2.5x at 16 and 3.5x at 32; at 8 the decoder layer's
@@ -42,14 +43,14 @@ from moetide.engine import native
 
 # most rows of x the native kernel takes, by the vector path it was built with (native.linear_isa())
 NATIVE_LINEAR_MAX_TOKENS = {
-    "amx": {torch.float32: 32, torch.bfloat16: 16},
+    "amx": {torch.float32: 32, torch.bfloat16: 8},
     "avx512-bf16": {torch.float32: 32, torch.bfloat16: 32},
     "avx512": {torch.float32: 32, torch.bfloat16: 4},
     "avx2": {torch.float32: 4, torch.bfloat16: 8},
 }
 
 
-NATIVE_LINEAR_MAX_TOKENS_BESIDE_AMX = 8  # most bf16 rows where torch's bf16 GEMM runs on AMX tiles (see above)
+NATIVE_LINEAR_MAX_TOKENS_BESIDE_AMX = 8  # most bf16 rows of a kernel without AMX beside torch's AMX GEMMs (above)
 
 # fewest outputs for which the native kernel takes an fp32 projection (see above)
 NATIVE_LINEAR_MIN_OUTPUTS_FP32 = 128
@@ -65,8 +66,11 @@ def torch_bf16_on_amx() -> bool:
 
 def native_max_rows(dtype: torch.dtype) -> int:
     """Most rows the native kernel takes in this dtype here (the vector path built; torch's AMX for bf16)."""
-    most = NATIVE_LINEAR_MAX_TOKENS.get(native.linear_isa(), {}).get(dtype, 0)
-    return min(most, NATIVE_LINEAR_MAX_TOKENS_BESIDE_AMX) if dtype == torch.bfloat16 and torch_bf16_on_amx() else most
+    isa = native.linear_isa()
+    most = NATIVE_LINEAR_MAX_TOKENS.get(isa, {}).get(dtype, 0)
+    if dtype == torch.bfloat16 and isa != "amx" and torch_bf16_on_amx():
+        return min(most, NATIVE_LINEAR_MAX_TOKENS_BESIDE_AMX)
+    return most
 
 
 def _few_outputs(num_rows: int, num_outputs: int, dtype: torch.dtype) -> bool:
